@@ -1,0 +1,94 @@
+"""One pydantic schema for every pipeline layout: model source, per-stage resources and engine settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageResources(_Strict):
+    """Where a stage replica runs."""
+
+    num_cpus: float = Field(default=0.5, ge=0)
+    num_gpus: float = Field(default=0, ge=0)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _device_matches_gpus(self) -> "StageResources":
+        if self.device.startswith("cuda") and self.num_gpus == 0:
+            raise ValueError("a cuda device needs num_gpus > 0")
+        return self
+
+
+class EngineSettings(_Strict):
+    """Continuous-batching limits of an autoregressive stage."""
+
+    max_batch: int = Field(default=16, ge=1)
+    max_seq_len: int = Field(default=4096, ge=16)
+
+
+class VocoderSettings(_Strict):
+    """Streaming decode schedule: first chunks ramp, then a steady chunk size, each decoded with left context."""
+
+    chunk_ramp: tuple[int, ...] = (1, 2, 4)
+    steady_chunk: int = Field(default=8, ge=1)
+    left_context: int = Field(default=25, ge=0)
+
+
+class TalkerSettings(EngineSettings):
+    """Talker limits: a hard frame cap and a cap proportional to the reply's text length."""
+
+    max_frames: int = Field(default=4096, ge=1)
+    frames_per_text_token: float = Field(default=6.0, ge=0)
+    frame_budget_base: int = Field(default=25, ge=0)
+
+
+class StageConfig(_Strict):
+    resources: StageResources = StageResources()
+
+
+class ThinkerStageConfig(StageConfig):
+    engine: EngineSettings = EngineSettings()
+
+
+class TalkerStageConfig(StageConfig):
+    engine: TalkerSettings = TalkerSettings()
+
+
+class VocoderStageConfig(StageConfig):
+    streaming: VocoderSettings = VocoderSettings()
+
+
+class StagesConfig(_Strict):
+    encoder: StageConfig = StageConfig()
+    thinker: ThinkerStageConfig = ThinkerStageConfig()
+    talker: TalkerStageConfig = TalkerStageConfig()
+    vocoder: VocoderStageConfig = VocoderStageConfig()
+
+
+class ModelSource(_Strict):
+    """A local checkpoint directory, or the embedded tiny model (generated into the cache on first use)."""
+
+    family: Literal["qwen3_omni"] = "qwen3_omni"
+    path: Path | None = None
+    tiny_seed: int = 0
+
+
+class PipelineConfig(_Strict):
+    model: ModelSource = ModelSource()
+    stages: StagesConfig = StagesConfig()
+    default_speaker: str = "ethan"
+    max_audio_seconds: float = Field(default=600.0, gt=0)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "PipelineConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)

@@ -1,0 +1,1 @@
+"""Shared backbone-serving machinery: KV cache slots, sampling, continuous-batching loop."""

@@ -1,0 +1,132 @@
+"""The engine loop: one thread per stage replica running continuous batching over a model runner."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+
+class Sequence(Protocol):
+    request_id: str
+    finish_reason: str | None
+
+
+S = TypeVar("S", bound=Sequence)
+O = TypeVar("O")
+
+
+class Runner(Protocol[S, O]):  # type: ignore[misc]
+    def admit(self, seq: S) -> None: ...
+    def release(self, seq: S) -> None: ...
+    def step(self, seqs: list[S]) -> list[O]: ...
+
+
+class EngineLoop(Generic[S, O]):
+    """Requests join and leave between steps. Each step runs every running sequence that is ready.
+
+    `on_outputs(outputs)` is called from the loop thread after each step; `on_failure(request_id, error)`
+    when a request cannot be admitted or its step raised. Neither may block.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        on_outputs: Callable[[list[O]], None],
+        on_failure: Callable[[str, Exception], None],
+        max_batch: int,
+        name: str = "engine",
+    ) -> None:
+        self.runner = runner
+        self.on_outputs = on_outputs
+        self.on_failure = on_failure
+        self.max_batch = max_batch
+        self.name = name
+        self._cond = threading.Condition()
+        self._waiting: list[S] = []
+        self._running: list[S] = []
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def add(self, seq: S) -> None:
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    def notify(self) -> None:
+        """Wake the loop: new input arrived for a sequence that was waiting on it."""
+        with self._cond:
+            self._cond.notify()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps}
+
+    def _ready(self, seq: S) -> bool:
+        ready = getattr(self.runner, "ready", None)
+        return True if ready is None else bool(ready(seq))
+
+    def _schedule(self) -> list[S]:
+        """Under the lock: apply aborts, admit waiting sequences, pick the ready ones."""
+        if self._aborts:
+            for seq in [s for s in self._running if s.request_id in self._aborts]:
+                self._running.remove(seq)
+                self.runner.release(seq)
+            self._waiting = [s for s in self._waiting if s.request_id not in self._aborts]
+            self._aborts.clear()
+        while self._waiting and len(self._running) < self.max_batch:
+            seq = self._waiting.pop(0)
+            try:
+                self.runner.admit(seq)
+            except Exception as exc:  # a request that cannot fit fails alone
+                self.on_failure(seq.request_id, exc)
+                continue
+            self._running.append(seq)
+        return [s for s in self._running if self._ready(s)]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                batch = self._schedule()
+                if not batch:
+                    self._cond.wait(timeout=0.1)
+                    continue
+            try:
+                outputs = self.runner.step(batch)
+            except Exception as exc:
+                log.exception("%s step failed", self.name)
+                with self._cond:
+                    for seq in batch:
+                        if seq in self._running:
+                            self._running.remove(seq)
+                            self.runner.release(seq)
+                for seq in batch:
+                    self.on_failure(seq.request_id, exc)
+                continue
+            self.steps += 1
+            with self._cond:
+                for seq in batch:
+                    if seq.finish_reason is not None and seq in self._running:
+                        self._running.remove(seq)
+                        self.runner.release(seq)
+            self.on_outputs(outputs)

@@ -1,0 +1,1 @@
+"""Plain nn.Module building blocks shared by every model family's backbones."""

@@ -1,0 +1,81 @@
+"""Causal self-attention over a slot-based KV cache, batched with per-request positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_ray.layers.basic import RMSNorm, apply_rotary
+
+
+@dataclass
+class AttentionBatch:
+    """Where a step's tokens live in the KV cache: B rows of T new tokens each.
+
+    Row b writes its T tokens at cache positions starts[b] .. starts[b]+T-1 of cache slot slots[b]
+    and attends causally to everything before them in that slot.
+    """
+
+    slots: torch.Tensor  # [B] long
+    starts: torch.Tensor  # [B] long
+    num_tokens: int
+    kv_len: int
+    mask: torch.Tensor  # [B, 1, T, kv_len] bool, True = attend
+    write_index: torch.Tensor  # [B, T] long cache positions
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], num_tokens: int, device: torch.device) -> "AttentionBatch":
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        kv_len = max(starts) + num_tokens
+        offsets = torch.arange(num_tokens, device=device)
+        write_index = start_t[:, None] + offsets[None, :]
+        key_pos = torch.arange(kv_len, device=device)
+        mask = key_pos[None, None, :] <= write_index[:, :, None]
+        return cls(slot_t, start_t, num_tokens, kv_len, mask[:, None], write_index)
+
+
+class Attention(nn.Module):
+    """Qwen3 attention: q/k RMS-normed per head, rotary, grouped-query, KV cache write + read."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, bias: bool = False
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache  # [slots, max_len, kv_heads, head_dim]
+        rows = batch.slots[:, None]
+        k_cache[rows, batch.write_index] = k.to(k_cache.dtype)
+        v_cache[rows, batch.write_index] = v.to(v_cache.dtype)
+        keys = k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+        values = v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=batch.mask, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))

@@ -1,0 +1,83 @@
+"""RMSNorm, gated MLP and (multimodal) rotary embeddings shared by all backbones."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as Qwen models do."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ResizeMLP(nn.Module):
+    """Two biased linears with SiLU between: projects one model's width onto another's."""
+
+    def __init__(self, in_size: int, intermediate_size: int, out_size: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(in_size, intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(intermediate_size, out_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables; with `mrope_section` it interleaves temporal/height/width frequencies (Qwen3 M-RoPE)."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None = None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = list(mrope_section) if mrope_section else None
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [..., N] (1-D rope) or [3, ..., N] (M-RoPE). Returns cos, sin of shape [..., N, head_dim]."""
+        inv = self.inv_freq
+        if self.mrope_section is None:
+            freqs = positions.to(torch.float32).unsqueeze(-1) * inv
+        else:
+            per_axis = positions.to(torch.float32).unsqueeze(-1) * inv  # [3, ..., N, D/2]
+            freqs = per_axis[0].clone()
+            for axis in (1, 2):
+                idx = slice(axis, self.mrope_section[axis] * 3, 3)
+                freqs[..., idx] = per_axis[axis][..., idx]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, D]; cos/sin: [B, T, D]."""
+    cos = cos.unsqueeze(2)
+    sin = sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin

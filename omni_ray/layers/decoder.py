@@ -1,0 +1,142 @@
+"""A Qwen3-style decoder stack (dense or MoE) that runs against a slot KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_ray.layers.attention import Attention, AttentionBatch
+from omni_ray.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
+from omni_ray.layers.moe import SparseMoE
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a decoder stack, read from a Hugging Face text config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None
+    intermediate_size: int
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    always_moe: bool = False  # the Talker uses its MoE block on every layer
+
+    @classmethod
+    def from_hf(cls, cfg: Any, always_moe: bool = False) -> "DecoderSpec":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        section = rope.get("mrope_section")
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            mrope_section=tuple(section) if section else None,
+            intermediate_size=cfg.intermediate_size,
+            num_experts=getattr(cfg, "num_experts", 0) or 0,
+            top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)),
+            shared_expert_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+            mlp_only_layers=tuple(getattr(cfg, "mlp_only_layers", None) or ()),
+            decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1) or 1,
+            always_moe=always_moe,
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.always_moe:
+            return True
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + feed-forward (dense SwiGLU or sparse MoE) with residuals."""
+
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+        self.mlp: nn.Module
+        if spec.is_moe_layer(index):
+            self.mlp = SparseMoE(
+                spec.hidden_size,
+                spec.num_experts,
+                spec.top_k,
+                spec.moe_intermediate_size,
+                spec.norm_topk_prob,
+                spec.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Layers + final norm. `forward` returns the normed output and the requested intermediate states.
+
+    Intermediate state k follows the Hugging Face `hidden_states` convention: 0 is the input embedding,
+    k is the output of layer k, and k == num_layers is the final normed output.
+    """
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: AttentionBatch,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """embeds [B, T, H]; positions [B, T] or [3, B, T] for M-RoPE."""
+        if self.spec.mrope_section is not None and positions.dim() == 2:
+            positions = positions.unsqueeze(0).expand(3, -1, -1)
+        cos, sin = self.rotary(positions, embeds.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        x = embeds
+        if 0 in capture:
+            captured[0] = x
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i], batch)
+            if i + 1 in capture and i + 1 < self.spec.num_layers:
+                captured[i + 1] = x
+        x = self.norm(x)
+        if self.spec.num_layers in capture:
+            captured[self.spec.num_layers] = x
+        return x, captured

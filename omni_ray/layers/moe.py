@@ -1,0 +1,84 @@
+"""Sparse mixture-of-experts block (Qwen3 MoE router, fused expert weights, optional gated shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_ray.layers.basic import GatedMLP
+
+
+class Router(nn.Module):
+    """Softmax router picking top-k experts, optionally renormalising their weights."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class Experts(nn.Module):
+    """All experts' SwiGLU weights stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [N, H]; experts/weights: [N, k]. Tokens are grouped by expert, one matmul per hit expert."""
+        out = torch.zeros_like(x)
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of = order // experts.shape[1]
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        flat_weights = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, tokens, y * flat_weights[start : start + count, None])
+            start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Router + experts, plus a sigmoid-gated shared expert when `shared_intermediate_size` > 0."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk_prob: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: GatedMLP | None = None
+        if shared_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.gate(flat)
+        out = self.experts(flat, experts, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)

@@ -1,0 +1,1 @@
+"""Model families; each folder holds only its own architecture and wiring."""

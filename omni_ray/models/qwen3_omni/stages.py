@@ -1,0 +1,310 @@
+"""Qwen3-Omni's four stage replicas (encoder, Thinker, Talker+MTP, vocoder) wired on the shared stage plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.audio import AudioFeatureExtractor
+from omni_ray.config import EngineSettings, StageResources, TalkerSettings, VocoderSettings
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.loop import EngineLoop
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput, load_talker
+from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
+from omni_ray.relay import RelayItem, RelayPeer
+from omni_ray.stages.base import StageBase
+from omni_ray.vocoder import ChunkSchedule, StreamingDecoder
+from omni_ray.vocoder.code2wav import Code2WavCodec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ThinkerRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: list[int]
+    expects_audio: bool = False
+    talker: RelayPeer | None = None  # where the Talker-bound states go; None for text-only replies
+
+
+@dataclass
+class TalkerRequest:
+    request_id: str
+    sampling: SamplingParams
+    speaker: str
+    vocoder: RelayPeer
+    max_frames: int | None = None
+
+
+def _kv_cache(cfg: Any, settings: EngineSettings, res: StageResources) -> SlotKVCache:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return SlotKVCache(
+        cfg.num_hidden_layers, settings.max_batch, settings.max_seq_len, cfg.num_key_value_heads, head_dim,
+        DTYPES[res.dtype], res.device,
+    )
+
+
+class EncoderStage(StageBase):
+    """Input audio (16 kHz mono) → 128-bin features → AuT embeddings, relayed to the Thinker replica."""
+
+    stage_name = "encoder"
+
+    def __init__(self, checkpoint: str, resources: StageResources, replica_id: str | None = None) -> None:
+        super().__init__(replica_id)
+        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        self.features = AudioFeatureExtractor(checkpoint)
+        self.encoder = load_audio_encoder(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
+
+    async def encode(self, request_id: str, clips: list[np.ndarray], thinker: RelayPeer) -> int:
+        """Encodes every clip of a request and relays one tensor [tokens, hidden]; returns the token count."""
+        try:
+            embeds = await asyncio.to_thread(self._encode, clips)
+        except Exception as exc:
+            self.send_end(thinker, request_id, kind="error", message=f"audio encoding failed: {exc}")
+            raise
+        self.sender.send(thinker, [RelayItem(request_id, tensors={"audio_embeds": embeds.float().cpu()})])
+        return int(embeds.shape[0])
+
+    def _encode(self, clips: list[np.ndarray]) -> torch.Tensor:
+        return encode_audio_features(self.encoder, [self.features(clip)[0] for clip in clips])
+
+
+class ThinkerStage(StageBase):
+    """Continuous-batching Thinker. Streams tokens to its caller and Talker-bound states to the Talker replica."""
+
+    stage_name = "thinker"
+
+    def __init__(
+        self, checkpoint: str, resources: StageResources, engine: EngineSettings, replica_id: str | None = None
+    ) -> None:
+        super().__init__(replica_id)
+        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        model = load_thinker(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
+        cache = _kv_cache(config.thinker_config.text_config, engine, resources)
+        self.engine = EngineLoop(ThinkerRunner(model, config, cache), self._on_outputs, self._on_failure, engine.max_batch, "thinker")
+        self.engine.start()
+        self._talkers: dict[str, RelayPeer] = {}
+
+    async def generate(self, request: ThinkerRequest) -> AsyncIterator[dict[str, Any]]:
+        rid = request.request_id
+        self.open_stream(rid)
+        if request.talker is not None:
+            self._talkers[rid] = request.talker
+        finished = False
+        try:
+            audio = await self._await_audio(rid) if request.expects_audio else None
+            self.engine.add(
+                ThinkerSequence(
+                    rid, list(request.prompt_ids), request.sampling, request.max_tokens, frozenset(request.stop_ids),
+                    audio_embeds=audio, for_talker=request.talker is not None,
+                )
+            )
+            async for event in self.stream(rid):
+                finished = event["type"] in ("final", "error")
+                yield event
+        finally:
+            self.endpoint.release(rid)
+            if not finished:
+                self.engine.abort(rid)
+                self.send_end(self._talkers.get(rid), rid, kind="error", message="aborted")
+            self._talkers.pop(rid, None)
+
+    async def _await_audio(self, rid: str) -> torch.Tensor:
+        arrived: asyncio.Future[RelayItem] = asyncio.get_running_loop().create_future()
+        self.endpoint.claim(rid, lambda item: arrived.done() or arrived.set_result(item))
+        item = await arrived
+        if item.kind != "data":
+            raise RuntimeError(item.meta.get("message", "audio encoder failed"))
+        return item.tensors["audio_embeds"]
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _on_failure(self, request_id: str, error: Exception) -> None:
+        self.fail(request_id, str(error))
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(
+                lambda: self.send_end(self._talkers.get(request_id), request_id, kind="error", message=str(error))
+            )
+
+    def _on_outputs(self, outputs: list[ThinkerStepOutput]) -> None:
+        for out in outputs:
+            event: dict[str, Any] = {"type": "token", "token": out.token}
+            self.emit(out.request_id, event)
+            if out.finish_reason is not None:
+                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason})
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._relay_to_talkers, outputs)
+
+    def _relay_to_talkers(self, outputs: list[ThinkerStepOutput]) -> None:
+        """One message per Talker replica per step, carrying every request bound there."""
+        batches: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}
+        for out in outputs:
+            peer = self._talkers.get(out.request_id)
+            if peer is None:
+                continue
+            items = batches.setdefault(peer.replica_id, (peer, []))[1]
+            if out.talker_prefix is not None:
+                items.append(RelayItem(out.request_id, tensors=out.talker_prefix))
+            if out.talker_embed is not None:
+                items.append(RelayItem(out.request_id, tensors={"text_embed": out.talker_embed}))
+            if out.finish_reason is not None:
+                items.append(RelayItem(out.request_id, kind="end"))
+        for peer, items in batches.values():
+            self.sender.send(peer, items)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "streams": self.active_requests(), **self.endpoint.stats()}
+
+
+class TalkerStage(StageBase):
+    """Continuous-batching Talker + MTP. Admits a request on the Thinker's first relay chunk; frames go to the vocoder."""
+
+    stage_name = "talker"
+
+    def __init__(
+        self, checkpoint: str, resources: StageResources, engine: TalkerSettings, replica_id: str | None = None
+    ) -> None:
+        super().__init__(replica_id)
+        self.config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        self.settings = engine
+        assets = load_talker(Path(checkpoint), self.config, resources.device, DTYPES[resources.dtype])
+        cache = _kv_cache(self.config.talker_config.text_config, engine, resources)
+        runner = TalkerRunner(assets, self.config, cache, engine.max_batch)
+        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
+        self.engine.start()
+        self._vocoders: dict[str, RelayPeer] = {}
+        self._sequences: dict[str, TalkerSequence] = {}
+
+    async def speak(self, request: TalkerRequest) -> AsyncIterator[dict[str, Any]]:
+        rid = request.request_id
+        speaker_id = self.config.talker_config.speaker_id.get(request.speaker.lower())
+        if speaker_id is None:
+            raise ValueError(f"unknown voice '{request.speaker}'")
+        self.open_stream(rid)
+        self._vocoders[rid] = request.vocoder
+        cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
+        seq = TalkerSequence(
+            rid, request.sampling, int(speaker_id), cap,
+            frames_per_text_token=0.0 if request.max_frames else self.settings.frames_per_text_token,
+            frame_budget_base=self.settings.frame_budget_base,
+        )
+        self._sequences[rid] = seq
+        self.endpoint.claim(rid, lambda item: self._on_thinker_item(seq, item))
+        self.engine.add(seq)
+        finished = False
+        try:
+            async for event in self.stream(rid):
+                finished = event["type"] in ("final", "error")
+                yield event
+        finally:
+            self.endpoint.release(rid)
+            self._sequences.pop(rid, None)
+            if not finished or seq.finish_reason is None:
+                self.engine.abort(rid)
+                self.send_end(self._vocoders.get(rid), rid, kind="error", message="aborted")
+            self._vocoders.pop(rid, None)
+
+    def _on_thinker_item(self, seq: TalkerSequence, item: RelayItem) -> None:
+        if item.kind == "error":
+            self.engine.abort(seq.request_id)
+            self.fail(seq.request_id, f"thinker: {item.meta.get('message', 'failed')}")
+            return
+        if "user_states" in item.tensors:
+            seq.prefix = item.tensors
+        if "text_embed" in item.tensors:
+            seq.text_embeds.append(item.tensors["text_embed"])
+        if item.kind == "end":
+            seq.thinker_done = True
+        self.engine.notify()
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _on_failure(self, request_id: str, error: Exception) -> None:
+        self.fail(request_id, str(error))
+
+    def _on_outputs(self, outputs: list[TalkerStepOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                seq = self._sequences.get(out.request_id)
+                frames = seq.frames if seq is not None else 0
+                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames})
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._relay_to_vocoders, outputs)
+
+    def _relay_to_vocoders(self, outputs: list[TalkerStepOutput]) -> None:
+        batches: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}
+        for out in outputs:
+            peer = self._vocoders.get(out.request_id)
+            if peer is None:
+                continue
+            items = batches.setdefault(peer.replica_id, (peer, []))[1]
+            if out.codes is not None:
+                items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]}))
+            if out.finish_reason is not None:
+                items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))
+        for peer, items in batches.values():
+            self.sender.send(peer, items)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "streams": self.active_requests(), **self.endpoint.stats()}
+
+
+class VocoderStage(StageBase):
+    """Streaming Code2Wav: decodes on the chunk schedule as frames arrive and streams 24 kHz float PCM."""
+
+    stage_name = "vocoder"
+
+    def __init__(
+        self, checkpoint: str, resources: StageResources, streaming: VocoderSettings, replica_id: str | None = None
+    ) -> None:
+        super().__init__(replica_id)
+        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        module = load_code2wav(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
+        self.codec = Code2WavCodec(module)
+        self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
+
+    async def decode(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        self.open_stream(request_id)
+        inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
+        self.endpoint.claim(request_id, inbox.put_nowait)
+        decoder = StreamingDecoder(self.codec, self.schedule)
+        try:
+            while True:
+                item = await inbox.get()
+                if item.kind == "error":
+                    yield {"type": "error", "message": f"talker: {item.meta.get('message', 'failed')}"}
+                    return
+                chunks = await asyncio.to_thread(decoder.push, item.tensors["codes"]) if item.tensors else []
+                if item.kind == "end":
+                    last = await asyncio.to_thread(decoder.finish)
+                    chunks = [*chunks, *([last] if last is not None else [])]
+                for chunk in chunks:
+                    yield {"type": "audio", "pcm": chunk.float().cpu().numpy(), "sample_rate": self.codec.sample_rate}
+                if item.kind == "end":
+                    yield {
+                        "type": "final",
+                        "finish_reason": item.meta.get("finish_reason", "stop"),
+                        "samples": decoder.samples_emitted,
+                        "frames": decoder.frames_received,
+                    }
+                    self.completed += 1
+                    return
+        finally:
+            self.endpoint.release(request_id)
+            self._streams.pop(request_id, None)
+
+    async def stats(self) -> dict[str, Any]:
+        return {"streams": self.active_requests(), **self.endpoint.stats()}

@@ -1,0 +1,110 @@
+"""Relay messages, the sending side (one ordered message per peer per step) and the receiving endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayItem:
+    """One request's share of a step message. `kind`: data | end | error."""
+
+    request_id: str
+    kind: str = "data"
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    seq: int = -1  # per-request sequence number, set by the sender
+
+
+@dataclass
+class RelayMessage:
+    """Everything one producer step sends to one consumer replica."""
+
+    sender: str
+    items: list[RelayItem]
+
+
+@dataclass(frozen=True)
+class RelayPeer:
+    """Address of a consumer replica: its id and the handle a transport reaches it by."""
+
+    replica_id: str
+    handle: Any = field(compare=False, hash=False)
+
+
+class RelaySender:
+    """Per-peer ordered queues: `send` never blocks the caller; one task per peer ships messages in order."""
+
+    def __init__(self, sender_id: str, transport: "Any", on_failure: Callable[[list[str], Exception], None]) -> None:
+        self.sender_id = sender_id
+        self.transport = transport
+        self.on_failure = on_failure
+        self._queues: dict[str, asyncio.Queue[RelayMessage]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._next_seq: dict[str, int] = {}
+
+    def send(self, peer: RelayPeer, items: list[RelayItem]) -> None:
+        """Call on the event loop thread. Items of one request keep their order."""
+        for item in items:
+            item.seq = self._next_seq.get(item.request_id, 0)
+            self._next_seq[item.request_id] = item.seq + 1
+            if item.kind != "data":
+                self._next_seq.pop(item.request_id, None)
+        queue = self._queues.get(peer.replica_id)
+        if queue is None:
+            queue = self._queues[peer.replica_id] = asyncio.Queue()
+            self._tasks[peer.replica_id] = asyncio.get_running_loop().create_task(self._pump(peer, queue))
+        queue.put_nowait(RelayMessage(self.sender_id, items))
+
+    def forget(self, request_id: str) -> None:
+        self._next_seq.pop(request_id, None)
+
+    async def _pump(self, peer: RelayPeer, queue: asyncio.Queue[RelayMessage]) -> None:
+        while True:
+            message = await queue.get()
+            try:
+                await self.transport.send(peer, message)
+            except Exception as exc:  # the peer is gone: fail only the requests in this message
+                log.warning("relay to %s failed: %s", peer.replica_id, exc)
+                self.on_failure([i.request_id for i in message.items], exc)
+
+
+class RelayEndpoint:
+    """Receiving side. Items are handed to the request's consumer once it claims the request; until then buffered."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Callable[[RelayItem], None]] = {}
+        self._pending: dict[str, list[RelayItem]] = {}
+        self._expected_seq: dict[str, int] = {}
+
+    def deliver(self, message: RelayMessage) -> None:
+        for item in message.items:
+            expected = self._expected_seq.get(item.request_id, 0)
+            if item.seq != expected:
+                raise RuntimeError(f"relay order broken for {item.request_id}: got {item.seq}, expected {expected}")
+            self._expected_seq[item.request_id] = expected + 1
+            handler = self._handlers.get(item.request_id)
+            if handler is None:
+                self._pending.setdefault(item.request_id, []).append(item)
+            else:
+                handler(item)
+
+    def claim(self, request_id: str, handler: Callable[[RelayItem], None]) -> None:
+        self._handlers[request_id] = handler
+        for item in self._pending.pop(request_id, []):
+            handler(item)
+
+    def release(self, request_id: str) -> None:
+        self._handlers.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._expected_seq.pop(request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"claimed": len(self._handlers), "buffered": len(self._pending)}

@@ -1,0 +1,1 @@
+"""Stage plumbing shared by every model family: request streams, relay endpoint and sender, engine hookup."""

@@ -1,0 +1,111 @@
+"""StageBase: what every stage replica has: an id, a relay endpoint/sender and per-request event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from omni_ray.relay import PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender
+
+FINAL_TYPES = frozenset({"final", "error"})
+
+
+class StageBase:
+    """Event streams are asyncio queues filled from engine threads via `emit` and drained by `stream`."""
+
+    stage_name = "stage"
+
+    def __init__(self, replica_id: str | None = None) -> None:
+        self.replica_id = replica_id or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
+        self.endpoint = RelayEndpoint()
+        self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._sender: RelaySender | None = None
+        self._self_peer: RelayPeer | None = None
+        self.completed = 0
+        self.failed = 0
+
+    # ---- relay -------------------------------------------------------------------------------------------
+    async def relay_deliver(self, message: RelayMessage) -> None:
+        """Called by producer replicas (through the transport) once per producer step."""
+        self.endpoint.deliver(message)
+
+    @property
+    def sender(self) -> RelaySender:
+        if self._sender is None:
+            self._sender = RelaySender(self.replica_id, PlacementTransport(), self._relay_failed)
+        return self._sender
+
+    def _relay_failed(self, request_ids: list[str], error: Exception) -> None:
+        for rid in request_ids:
+            self.fail(rid, f"relay to the next stage failed: {error}")
+
+    # ---- streams -----------------------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        if self._event_loop is None:
+            self._event_loop = asyncio.get_running_loop()
+
+    def open_stream(self, request_id: str) -> None:
+        self._bind_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id} is already running on {self.replica_id}")
+        self._streams[request_id] = asyncio.Queue()
+
+    def emit(self, request_id: str, event: dict[str, Any]) -> None:
+        """Thread-safe: queue an event for the request's stream (dropped if the stream is gone)."""
+        event.setdefault("t", time.time())
+        loop = self._event_loop
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(self._put, request_id, event)
+
+    def _put(self, request_id: str, event: dict[str, Any]) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(event)
+
+    def fail(self, request_id: str, message: str) -> None:
+        self.emit(request_id, {"type": "error", "message": message})
+
+    async def stream(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Yield the request's events until its final (or error) event; always closes the stream."""
+        queue = self._streams[request_id]
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event["type"] in FINAL_TYPES:
+                    if event["type"] == "final":
+                        self.completed += 1
+                    else:
+                        self.failed += 1
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+
+    def active_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- identity ----------------------------------------------------------------------------------------
+    def peer(self) -> RelayPeer:
+        """How other replicas address this one: the Ray actor handle when running as an actor."""
+        if self._self_peer is None:
+            handle: Any = self.endpoint
+            try:
+                import ray
+
+                if ray.is_initialized():
+                    handle = ray.get_runtime_context().current_actor
+            except RuntimeError:  # not inside an actor: in-process peer
+                pass
+            self._self_peer = RelayPeer(self.replica_id, handle)
+        return self._self_peer
+
+    async def describe(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": self.peer()}
+
+    def send_end(self, peer: RelayPeer | None, request_id: str, kind: str = "end", **meta: Any) -> None:
+        if peer is not None:
+            self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])

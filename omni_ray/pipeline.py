@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 import ray
+import torch
 from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.config import PipelineConfig, StageConfig
@@ -52,6 +53,8 @@ class Finished:
     audio_finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     t: float = 0.0
+    timing: dict[str, float] = field(default_factory=dict)  # submitted, first/last token, first audio (epoch s)
+    codes: "torch.Tensor | None" = None  # [num_code_groups, frames] when asked for with return_codes
 
 
 Event = TextDelta | AudioChunk | Finished
@@ -123,7 +126,9 @@ class Pipeline:
         max_audio_frames: int | None = None,
         stop_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        return_codes: bool = False,
     ) -> AsyncIterator[Event]:
+        timing = {"submitted": time.time()}
         prompt = self.prompts.build(messages)
         rid = request_id or uuid.uuid4().hex
         sampling = sampling or SamplingParams()
@@ -139,7 +144,7 @@ class Pipeline:
                 self.peers["vocoder"], max_audio_frames,
             )
             streams["talker"] = self.talker.speak.options(num_returns="streaming").remote(talker_req)
-            streams["vocoder"] = self.vocoder.decode.options(num_returns="streaming").remote(rid)
+            streams["vocoder"] = self.vocoder.decode.options(num_returns="streaming").remote(rid, return_codes)
         encode = self.encoder.encode.remote(rid, prompt.clips, self.peers["thinker"]) if prompt.clips else None
         tasks = [asyncio.ensure_future(self._pump(name, gen, events)) for name, gen in streams.items()]
         done: dict[str, dict[str, Any]] = {}
@@ -154,12 +159,15 @@ class Pipeline:
                     done[name] = event
                     continue
                 if event["type"] == "token":
+                    timing.setdefault("first_token", event["t"])
+                    timing["last_token"] = event["t"]
                     token_ids.append(event["token"])
                     text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
                     if len(text) > len(emitted_text) and not text.endswith("\ufffd"):
                         delta, emitted_text = text[len(emitted_text) :], text
                         yield TextDelta(delta, [event["token"]], event["t"])
                 elif event["type"] == "audio":
+                    timing.setdefault("first_audio", event["t"])
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
             if encode is not None:
                 await encode
@@ -170,6 +178,7 @@ class Pipeline:
             yield Finished(
                 thinker_final["finish_reason"], usage,
                 done["talker"]["finish_reason"] if "talker" in done else None, token_ids, time.time(),
+                timing, done.get("vocoder", {}).get("codes"),
             )
         finally:
             for task in tasks:

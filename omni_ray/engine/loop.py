@@ -51,6 +51,7 @@ class EngineLoop(Generic[S, O]):
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self.steps = 0
+        self.max_batch_seen = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -78,7 +79,12 @@ class EngineLoop(Generic[S, O]):
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps}
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "steps": self.steps,
+                "max_batch_seen": self.max_batch_seen,
+            }
 
     def _ready(self, seq: S) -> bool:
         ready = getattr(self.runner, "ready", None)
@@ -111,6 +117,7 @@ class EngineLoop(Generic[S, O]):
                 if not batch:
                     self._cond.wait(timeout=0.1)
                     continue
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
             try:
                 outputs = self.runner.step(batch)
             except Exception as exc:

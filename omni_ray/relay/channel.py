@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,13 +80,17 @@ class RelaySender:
 class RelayEndpoint:
     """Receiving side. Items are handed to the request's consumer once it claims the request; until then buffered."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember_closed: int = 4096) -> None:
         self._handlers: dict[str, Callable[[RelayItem], None]] = {}
         self._pending: dict[str, list[RelayItem]] = {}
         self._expected_seq: dict[str, int] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()  # released requests: late items are dropped
+        self._remember_closed = remember_closed
 
     def deliver(self, message: RelayMessage) -> None:
         for item in message.items:
+            if item.request_id in self._closed:
+                continue
             expected = self._expected_seq.get(item.request_id, 0)
             if item.seq != expected:
                 raise RuntimeError(f"relay order broken for {item.request_id}: got {item.seq}, expected {expected}")
@@ -102,6 +107,9 @@ class RelayEndpoint:
             handler(item)
 
     def release(self, request_id: str) -> None:
+        self._closed[request_id] = None
+        while len(self._closed) > self._remember_closed:
+            self._closed.popitem(last=False)
         self._handlers.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._expected_seq.pop(request_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -276,8 +277,10 @@ class VocoderStage(StageBase):
         self.codec = Code2WavCodec(module)
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
 
-    async def decode(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Streams audio events, then a final event (with every frame's codes when `return_codes`)."""
         self.open_stream(request_id)
+        received: list[torch.Tensor] = []
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
         self.endpoint.claim(request_id, inbox.put_nowait)
         decoder = StreamingDecoder(self.codec, self.schedule)
@@ -287,18 +290,25 @@ class VocoderStage(StageBase):
                 if item.kind == "error":
                     yield {"type": "error", "message": f"talker: {item.meta.get('message', 'failed')}"}
                     return
+                if item.tensors and return_codes:
+                    received.append(item.tensors["codes"])
                 chunks = await asyncio.to_thread(decoder.push, item.tensors["codes"]) if item.tensors else []
                 if item.kind == "end":
                     last = await asyncio.to_thread(decoder.finish)
                     chunks = [*chunks, *([last] if last is not None else [])]
                 for chunk in chunks:
-                    yield {"type": "audio", "pcm": chunk.float().cpu().numpy(), "sample_rate": self.codec.sample_rate}
+                    yield {
+                        "type": "audio", "pcm": chunk.float().cpu().numpy(),
+                        "sample_rate": self.codec.sample_rate, "t": time.time(),
+                    }
                 if item.kind == "end":
                     yield {
                         "type": "final",
                         "finish_reason": item.meta.get("finish_reason", "stop"),
                         "samples": decoder.samples_emitted,
                         "frames": decoder.frames_received,
+                        "codes": torch.cat(received, dim=1) if received else None,
+                        "t": time.time(),
                     }
                     self.completed += 1
                     return

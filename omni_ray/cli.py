@@ -1,0 +1,109 @@
+"""`omni-ray` command line: make-tiny (write the tiny checkpoint) and generate (stream a reply to text + wav)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from omni_ray.models.qwen3_omni.checkpoint import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(Path(args.out), seed=args.seed)
+    print(f"wrote tiny Qwen3-Omni checkpoint to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import ray
+
+    from omni_ray.audio import encode_wav
+    from omni_ray.config import PipelineConfig
+    from omni_ray.engine.sampler import SamplingParams
+    from omni_ray.pipeline import AudioChunk, Finished, Pipeline, TextDelta
+
+    config = PipelineConfig.from_yaml(args.config) if args.config else PipelineConfig()
+    if args.checkpoint:
+        config.model.path = Path(args.checkpoint)
+    content: list[dict[str, object]] = [{"type": "text", "text": args.text}]
+    if args.audio:
+        data = base64.b64encode(Path(args.audio).read_bytes()).decode()
+        content.insert(0, {"type": "input_audio", "input_audio": {"data": data, "format": Path(args.audio).suffix[1:]}})
+    ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"), num_cpus=None if args.ray_address else 4,
+             include_dashboard=False, log_to_driver=False)
+    pipeline = Pipeline(config)
+    sampling = SamplingParams(temperature=0.0) if args.greedy else SamplingParams(temperature=0.7, top_p=0.8, seed=args.seed)
+    talker = SamplingParams(temperature=0.0, repetition_penalty=1.05) if args.greedy else None
+
+    async def run() -> tuple[list[np.ndarray], Finished | None]:
+        pcm: list[np.ndarray] = []
+        final: Finished | None = None
+        start = time.time()
+        first_audio: float | None = None
+        async for event in pipeline.generate(
+            [{"role": "user", "content": content}], sampling=sampling, max_tokens=args.max_tokens,
+            audio=not args.no_audio, speaker=args.voice, talker_sampling=talker, max_audio_frames=args.max_audio_frames,
+        ):
+            if isinstance(event, TextDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, AudioChunk):
+                first_audio = first_audio if first_audio is not None else event.t - start
+                pcm.append(event.pcm)
+            else:
+                final = event
+        sys.stdout.write("\n")
+        if final is not None:
+            print(f"[finish_reason={final.finish_reason} audio={final.audio_finish_reason} usage={final.usage}"
+                  + (f" first_audio={first_audio:.3f}s" if first_audio is not None else "") + "]", file=sys.stderr)
+        return pcm, final
+
+    try:
+        pcm, _ = asyncio.run(run())
+    finally:
+        pipeline.shutdown()
+    if not args.no_audio:
+        samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype=np.float32)
+        Path(args.out).write_bytes(encode_wav(samples, 24000))
+        print(f"wrote {len(samples) / 24000:.2f} s of audio to {args.out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("make-tiny", help="write the deterministic tiny random-weight Qwen3-Omni checkpoint")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny)
+    gen = sub.add_parser("generate", help="stream one reply (text to stdout, audio to --out)")
+    gen.add_argument("--config", help="pipeline YAML (default: the embedded tiny model on CPU)")
+    gen.add_argument("--checkpoint", help="local checkpoint directory (overrides the config's model path)")
+    gen.add_argument("--text", required=True)
+    gen.add_argument("--audio", help="input audio file (wav/flac/mp3, any rate and channel count)")
+    gen.add_argument("--out", default="reply.wav")
+    gen.add_argument("--no-audio", action="store_true", help="text-only reply")
+    gen.add_argument("--voice", default=None)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-audio-frames", type=int, default=None)
+    gen.add_argument("--greedy", action="store_true")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

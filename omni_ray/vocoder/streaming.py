@@ -1,0 +1,235 @@
+"""Codec-agnostic streaming vocoder: turns arriving codec frames into final PCM chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "Codec",
+    "ChunkSchedule",
+    "StreamingDecoder",
+    "decode_window_lengths",
+    "measure_trim",
+]
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """A causal frame-to-waveform decoder.
+
+    ``decode`` takes ``[num_quantizers, T]`` int64 codes (a window of frames) and returns the
+    codec's own 1-D float output for that window, which is ``T * samples_per_frame - trim``
+    samples long: the last ``trim`` samples of a window depend on frames after it.
+    """
+
+    num_quantizers: int
+    samples_per_frame: int
+    sample_rate: int
+    trim: int
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+
+def measure_trim(codec: Codec, frames: int = 2) -> int:
+    """Decode ``frames`` all-zero frames once and return how many trailing samples are missing."""
+    codes = torch.zeros(codec.num_quantizers, frames, dtype=torch.long)
+    produced = int(codec.decode(codes).numel())
+    trim = frames * codec.samples_per_frame - produced
+    if trim < 0 or produced == 0:
+        raise ValueError(
+            f"cannot measure trim from {frames} frames: decode produced {produced} samples "
+            f"(expected between 1 and {frames * codec.samples_per_frame}); try more frames"
+        )
+    return trim
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """Chunk sizes in new frames: ``ramp`` first (low first-packet latency), then ``steady``.
+
+    ``left_context`` is how many already-decoded frames precede the new frames in each decode
+    window (capped by what exists). More context means closer to one-shot quality; at or above
+    the codec's receptive field the streamed output equals the one-shot decode.
+    """
+
+    ramp: tuple[int, ...] = (1, 2, 4)
+    steady: int = 8
+    left_context: int = 25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ramp", tuple(self.ramp))
+        for name, value in [("steady", self.steady), ("left_context", self.left_context)] + [
+            (f"ramp[{i}]", v) for i, v in enumerate(self.ramp)
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ChunkSchedule.{name} must be a positive int, got {value!r}")
+
+    def chunk_size(self, index: int) -> int:
+        """Number of new frames in the ``index``-th (0-based) chunk."""
+        return self.ramp[index] if index < len(self.ramp) else self.steady
+
+
+def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) -> list[int]:
+    """Every window length (frames) a ``StreamingDecoder`` on this schedule can pass to ``decode``.
+
+    Covers scheduled chunks and the partial chunk decoded by ``finish()`` at any stream length,
+    for a stream started with ``reference_frames`` reference frames. The set is finite: once
+    the left context saturates and the ramp is over, windows repeat.
+    """
+    if reference_frames < 0:
+        raise ValueError(f"reference_frames must be >= 0, got {reference_frames}")
+    lengths: set[int] = set()
+    start = 0  # first new frame of the current chunk (reference frames are at negative indices)
+    index = 0
+    while True:
+        context = min(schedule.left_context, start + reference_frames)
+        size = schedule.chunk_size(index)
+        lengths.add(context + size)  # a full scheduled chunk
+        lengths.update(context + r for r in range(1, size))  # finish() with a partial chunk
+        if index >= len(schedule.ramp) and context == schedule.left_context:
+            break  # every later chunk yields the same windows
+        start += size
+        index += 1
+    return sorted(lengths)
+
+
+class StreamingDecoder:
+    """Per-request streaming state: push codec frames, receive final PCM chunks.
+
+    Sample bookkeeping uses positions relative to the first new (non-reference) frame: frame
+    ``f`` covers samples ``[f * spf, (f + 1) * spf)``. A window over frames ``[w0, end)``
+    yields samples ``[w0 * spf, end * spf - trim)``; everything before ``end * spf - trim`` is
+    final, the last ``trim`` samples are held back and re-produced by the next window, which
+    always reaches back far enough (the left context) to cover them. After ``finish()`` the
+    emitted chunks total ``N * spf - trim`` samples, exactly a one-shot decode of the N frames.
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        schedule: ChunkSchedule | None = None,
+        reference_codes: torch.Tensor | None = None,
+    ) -> None:
+        self.codec = codec
+        self.schedule = schedule if schedule is not None else ChunkSchedule()
+        self._spf = int(codec.samples_per_frame)
+        self._trim = int(codec.trim)
+        self._q = int(codec.num_quantizers)
+        if self._trim < 0:
+            raise ValueError(f"codec.trim must be >= 0, got {self._trim}")
+        # The window must reach back over the held-back samples: left_context * spf >= trim.
+        if self.schedule.left_context * self._spf < self._trim:
+            raise ValueError(
+                f"left_context={self.schedule.left_context} frames cannot cover the codec's "
+                f"{self._trim} held-back samples ({self._spf} samples per frame)"
+            )
+        ref = (
+            self._check_codes(reference_codes, "reference_codes")
+            if reference_codes is not None
+            else torch.zeros(self._q, 0, dtype=torch.long)
+        )
+        self.reference_frames = int(ref.shape[1])
+        # Only the tail that can ever be context is kept.
+        keep = min(self.reference_frames, self.schedule.left_context)
+        self._buf = ref[:, ref.shape[1] - keep :].clone()
+        self._buf_start = -keep  # frame index of self._buf[:, 0]
+        self._received = 0  # new frames pushed so far
+        self._decoded = 0  # new frames already decoded as "new" in some window
+        self._emitted = 0  # samples emitted so far (all final)
+        self._chunk_index = 0
+        self._finished = False
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def frames_received(self) -> int:
+        """New frames pushed so far (reference frames excluded)."""
+        return self._received
+
+    @property
+    def samples_emitted(self) -> int:
+        """Samples emitted so far."""
+        return self._emitted
+
+    @property
+    def pending_frames(self) -> int:
+        """Frames pushed but not yet decoded (waiting for the schedule's next chunk)."""
+        return self._received - self._decoded
+
+    def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
+        """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
+
+        Each returned chunk is a 1-D float32 tensor of final samples, decoded in its own window.
+        """
+        if self._finished:
+            raise RuntimeError("push() after finish()")
+        codes = self._check_codes(frames, "frames")
+        if codes.shape[1]:
+            self._buf = torch.cat([self._buf, codes.to(self._buf.device)], dim=1)
+            self._received += int(codes.shape[1])
+        chunks: list[torch.Tensor] = []
+        while self.pending_frames >= self.schedule.chunk_size(self._chunk_index):
+            chunk = self._decode_next(self.schedule.chunk_size(self._chunk_index))
+            self._chunk_index += 1
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def finish(self) -> torch.Tensor | None:
+        """Decode the remaining (partial-chunk) frames and end the stream.
+
+        Returns the last chunk, or ``None`` if nothing is left. The final ``trim`` samples of the
+        stream are not produced, exactly as in a one-shot decode of all frames.
+        """
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        if self.pending_frames == 0:
+            return None
+        return self._decode_next(self.pending_frames)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_codes(self, codes: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(codes, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(codes).__name__}")
+        if codes.dim() != 2 or codes.shape[0] != self._q:
+            raise ValueError(
+                f"{name} must have shape [num_quantizers={self._q}, n], got {tuple(codes.shape)}"
+            )
+        if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {codes.dtype}")
+        return codes.to(torch.long)
+
+    def _decode_next(self, size: int) -> torch.Tensor | None:
+        start = self._decoded
+        end = start + size
+        window_start = max(start - self.schedule.left_context, -self.reference_frames)
+        # left_context * spf >= trim guarantees the held-back samples are inside the window.
+        assert window_start * self._spf <= self._emitted
+        codes = self._buf[:, window_start - self._buf_start : end - self._buf_start]
+        wav = self.codec.decode(codes).reshape(-1)
+        expected = (end - window_start) * self._spf - self._trim
+        if wav.numel() != expected:
+            raise RuntimeError(
+                f"codec returned {wav.numel()} samples for {end - window_start} frames, "
+                f"expected {expected} (samples_per_frame={self._spf}, trim={self._trim})"
+            )
+        final_end = end * self._spf - self._trim  # samples before this are final
+        offset = window_start * self._spf  # sample position of wav[0]
+        chunk = None
+        if final_end > self._emitted:
+            chunk = wav[self._emitted - offset : final_end - offset].to(torch.float32, copy=True)
+            self._emitted = final_end
+        self._decoded = end
+        self._drop_unneeded_frames()
+        return chunk
+
+    def _drop_unneeded_frames(self) -> None:
+        keep_from = max(self._decoded - self.schedule.left_context, self._buf_start)
+        if keep_from > self._buf_start:
+            self._buf = self._buf[:, keep_from - self._buf_start :]
+            self._buf_start = keep_from

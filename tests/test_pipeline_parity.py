@@ -1,0 +1,102 @@
+"""End to end on Ray: the four-stage pipeline's tokens and codes equal transformers' greedy generate()."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from _reference import run_pipeline, run_transformers, snr_db, wav_part
+
+# The streamed audio uses 25 frames of left context; transformers decodes the whole reply at once. The
+# streaming-vocoder tests measure ~48-54 dB for this context on a random Code2Wav; 30 dB leaves room for
+# the tiny checkpoint's different weights while still failing on any misaligned or missing chunk (~0 dB).
+STREAM_SNR_FLOOR_DB = 30.0
+
+
+def _check(reply: Any, ref_tokens: list[int], ref_codes: torch.Tensor, ref_wav: torch.Tensor) -> None:
+    assert reply.token_ids == ref_tokens
+    assert reply.codes.shape == ref_codes.shape, (reply.codes.shape, ref_codes.shape)
+    assert torch.equal(reply.codes, ref_codes.to(reply.codes.dtype))
+    assert reply.pcm.shape[0] == ref_wav.shape[0]
+    assert snr_db(ref_wav.numpy(), reply.pcm) > STREAM_SNR_FLOOR_DB
+
+
+def test_text_prompt_matches_transformers(pipeline: Any, hf_model: Any) -> None:
+    messages = [
+        {"role": "system", "content": "You are a friendly voice assistant."},
+        {"role": "user", "content": "What should I cook for dinner tonight?"},
+    ]
+    reply = asyncio.run(run_pipeline(pipeline, messages, max_tokens=24, max_frames=14))
+    ids = pipeline.prompts.build(messages).ids
+    tokens, codes, wav = run_transformers(hf_model, ids, max_tokens=24, max_frames=14)
+    assert len(tokens) == 24 and codes.shape == (16, 14)  # random weights: runs to both limits
+    _check(reply, tokens, codes, wav)
+    assert reply.final.finish_reason == "length" and reply.final.audio_finish_reason == "length"
+
+
+def test_audio_prompt_matches_transformers(pipeline: Any, hf_model: Any) -> None:
+    from omni_ray.audio import AudioFeatureExtractor
+
+    part = wav_part(seconds=1.7, sample_rate=44100, channels=2, seed=3)
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this sound?"}]}]
+    reply = asyncio.run(run_pipeline(pipeline, messages, max_tokens=16, max_frames=10))
+    prompt = pipeline.prompts.build(messages)
+    assert prompt.audio_tokens > 0
+    features, _ = AudioFeatureExtractor(pipeline.checkpoint)(prompt.clips[0])
+    tokens, codes, wav = run_transformers(hf_model, prompt.ids, max_tokens=16, max_frames=10, features=features)
+    _check(reply, tokens, codes, wav)
+    # The audio really reached the Thinker: without it the reply differs.
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "What is this sound?"}]}]
+    assert asyncio.run(run_pipeline(pipeline, text_only, max_tokens=16, max_frames=2)).token_ids != tokens
+
+
+def test_concurrent_staggered_requests_each_match_their_own_reference(pipeline: Any, hf_model: Any) -> None:
+    cases = [
+        ([{"role": "user", "content": "Hi."}], 18, 12),
+        ([{"role": "user", "content": "Tell me a long story about a boat, the sea and the wind at night."}], 40, 9),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five, please."}], 26, 16),
+        ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 32, 7),
+    ]
+
+    async def staggered(index: int) -> Any:
+        await asyncio.sleep(0.12 * index)
+        messages, max_tokens, max_frames = cases[index]
+        return await run_pipeline(pipeline, messages, max_tokens, max_frames)
+
+    async def all_requests() -> list[Any]:
+        return await asyncio.gather(*(staggered(i) for i in range(len(cases))))
+
+    before = asyncio.run(pipeline.stats())
+    replies = asyncio.run(all_requests())
+    after = asyncio.run(pipeline.stats())
+    from omni_ray.audio import AudioFeatureExtractor
+
+    extractor = AudioFeatureExtractor(pipeline.checkpoint)
+    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
+        prompt = pipeline.prompts.build(messages)
+        features = extractor(prompt.clips[0])[0] if prompt.clips else None
+        tokens, codes, wav = run_transformers(hf_model, prompt.ids, max_tokens, max_frames, features)
+        _check(reply, tokens, codes, wav)
+    # The requests really shared engine steps (continuous batching), in both autoregressive stages.
+    assert after["thinker"]["max_batch_seen"] >= 2
+    assert after["talker"]["max_batch_seen"] >= 2
+    assert after["thinker"]["steps"] > before["thinker"]["steps"]
+    assert all(s["running"] == 0 for s in (after["thinker"], after["talker"]))
+
+
+def test_first_audio_leaves_before_the_thinker_finishes(pipeline: Any) -> None:
+    messages = [{"role": "user", "content": "Please talk for a long while about anything you like."}]
+    reply = asyncio.run(run_pipeline(pipeline, messages, max_tokens=400, max_frames=30))
+    timing = reply.final.timing
+    print(
+        f"\nfirst token +{timing['first_token'] - timing['submitted']:.3f}s, "
+        f"first audio +{timing['first_audio'] - timing['submitted']:.3f}s, "
+        f"last token +{timing['last_token'] - timing['submitted']:.3f}s"
+    )
+    assert len(reply.token_ids) == 400
+    assert timing["first_audio"] < timing["last_token"]
+    assert np.isfinite(reply.pcm).all() and reply.pcm.size == 30 * 1920 - 555

@@ -36,8 +36,11 @@ def _generate(args: argparse.Namespace) -> int:
     if args.audio:
         data = base64.b64encode(Path(args.audio).read_bytes()).decode()
         content.insert(0, {"type": "input_audio", "input_audio": {"data": data, "format": Path(args.audio).suffix[1:]}})
-    ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"), num_cpus=None if args.ray_address else 4,
-             include_dashboard=False, log_to_driver=False)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     pipeline = Pipeline(config)
     sampling = SamplingParams(temperature=0.0) if args.greedy else SamplingParams(temperature=0.7, top_p=0.8, seed=args.seed)
     talker = SamplingParams(temperature=0.0, repetition_penalty=1.05) if args.greedy else None

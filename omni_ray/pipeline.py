@@ -16,6 +16,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.config import PipelineConfig, StageConfig
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.models.qwen3_omni.checkpoint import ensure_default_checkpoint, make_tiny_checkpoint
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.models.qwen3_omni.stages import (
@@ -58,10 +59,6 @@ class Finished:
 
 
 Event = TextDelta | AudioChunk | Finished
-
-
-class PipelineError(RuntimeError):
-    """A stage failed while serving the request."""
 
 
 def resolve_checkpoint(config: PipelineConfig) -> Path:
@@ -130,6 +127,7 @@ class Pipeline:
     ) -> AsyncIterator[Event]:
         timing = {"submitted": time.time()}
         prompt = self.prompts.build(messages)
+        speaker = self._check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames)
         rid = request_id or uuid.uuid4().hex
         sampling = sampling or SamplingParams()
         thinker_req = ThinkerRequest(
@@ -140,7 +138,7 @@ class Pipeline:
         streams = {"thinker": self.thinker.generate.options(num_returns="streaming").remote(thinker_req)}
         if audio:
             talker_req = TalkerRequest(
-                rid, talker_sampling or DEFAULT_TALKER_SAMPLING, speaker or self.config.default_speaker,
+                rid, talker_sampling or DEFAULT_TALKER_SAMPLING, speaker,
                 self.peers["vocoder"], max_audio_frames,
             )
             streams["talker"] = self.talker.speak.options(num_returns="streaming").remote(talker_req)
@@ -154,7 +152,7 @@ class Pipeline:
             while len(done) < len(streams):
                 name, event = await events.get()
                 if event["type"] == "error":
-                    raise PipelineError(f"{name}: {event['message']}")
+                    raise StageError(f"{name}: {event['message']}")
                 if event["type"] == "final":
                     done[name] = event
                     continue
@@ -185,6 +183,25 @@ class Pipeline:
                 task.cancel()
             if len(done) < len(streams):
                 await self._abort(rid, streams)
+
+    def _check_request(
+        self, prompt_len: int, max_tokens: int, audio: bool, speaker: str | None, max_audio_frames: int | None
+    ) -> str:
+        """Client errors are caught here, before any stage sees the request."""
+        if max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1")
+        limit = self.config.stages.thinker.engine.max_seq_len
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens"
+            )
+        voice = (speaker or self.config.default_speaker).lower()
+        if audio and voice not in self.model_config.talker_config.speaker_id:
+            known = ", ".join(sorted(self.model_config.talker_config.speaker_id))
+            raise InvalidRequestError(f"unknown voice '{speaker}'; available: {known}")
+        if max_audio_frames is not None and max_audio_frames < 1:
+            raise InvalidRequestError("max_audio_frames must be at least 1")
+        return voice
 
     async def _abort(self, rid: str, streams: dict[str, Any]) -> None:
         for gen in streams.values():

@@ -25,13 +25,13 @@ def _shard_files(checkpoint: Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors weights in {checkpoint}")
 
 
-def read_tensors(checkpoint: Path, prefix: str, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors whose key starts with `prefix` (the prefix stripped). Only those are read from disk."""
+def read_tensors(checkpoint: Path, prefix: str, only: tuple[str, ...] = ("",)) -> dict[str, torch.Tensor]:
+    """Tensors under `prefix` (stripped) whose remaining key starts with one of `only`. Nothing else is read."""
     out: dict[str, torch.Tensor] = {}
     for shard in _shard_files(Path(checkpoint)):
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
-                if key.startswith(prefix) and (keys is None or key in keys):
+                if key.startswith(prefix) and key[len(prefix) :].startswith(only):
                     out[key[len(prefix) :]] = f.get_tensor(key)
     if not out:
         raise KeyError(f"checkpoint {checkpoint} has no tensors under '{prefix}'")

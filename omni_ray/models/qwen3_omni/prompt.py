@@ -11,12 +11,13 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from omni_ray.audio import AudioDecodeError, decode_audio, num_audio_tokens
+from omni_ray.errors import InvalidRequestError
 
 AUDIO_PART_TYPES = frozenset({"input_audio", "audio"})
 SAMPLES_PER_FEATURE_FRAME = 160  # 10 ms hop at 16 kHz
 
 
-class PromptError(ValueError):
+class PromptError(InvalidRequestError):
     """The messages cannot be turned into a prompt (client error)."""
 
 

@@ -33,8 +33,7 @@ class ThinkerLM(nn.Module):
 def load_thinker(checkpoint: Path, config: Any, device: str, dtype: torch.dtype) -> ThinkerLM:
     """Reads only `thinker.model.*` (minus the encoders) and `thinker.lm_head.*`."""
     model = ThinkerLM(config.thinker_config.text_config)
-    tensors = read_tensors(checkpoint, "thinker.")
-    tensors = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
+    tensors = read_tensors(checkpoint, "thinker.", only=("model.", "lm_head."))
     load_module(model, fuse_expert_weights(tensors))
     return model.to(device=device, dtype=dtype).eval()
 

@@ -1,0 +1,9 @@
+"""Error types shared by the API layers: client mistakes versus server-side stage failures."""
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (bad audio, unknown voice, out-of-range parameter): a client error."""
+
+
+class StageError(RuntimeError):
+    """A stage replica failed while serving the request: a server error."""

@@ -1,0 +1,312 @@
+"""Unit tests of the relay: receiving endpoint (buffer, claim, order, release), sender queues, transports."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from omni_ray.relay import (
+    LocalTransport,
+    PlacementTransport,
+    RelayEndpoint,
+    RelayItem,
+    RelayMessage,
+    RelayPeer,
+    RelaySender,
+)
+
+
+def _item(rid: str, seq: int, value: float = 0.0, kind: str = "data") -> RelayItem:
+    return RelayItem(rid, kind=kind, tensors={"x": torch.tensor([value])}, meta={"v": value}, seq=seq)
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 1.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+# ---- RelayEndpoint --------------------------------------------------------------------------------------------
+def test_endpoint_buffers_until_claim_then_delivers_in_order() -> None:
+    ep = RelayEndpoint()
+    ep.deliver(RelayMessage("p", [_item("a", 0, 1.0), _item("b", 0, 10.0)]))
+    ep.deliver(RelayMessage("p", [_item("a", 1, 2.0)]))
+    assert ep.stats() == {"claimed": 0, "buffered": 2}
+
+    got_a: list[RelayItem] = []
+    ep.claim("a", got_a.append)
+    assert [i.meta["v"] for i in got_a] == [1.0, 2.0]
+    assert [i.seq for i in got_a] == [0, 1]
+    assert ep.stats() == {"claimed": 1, "buffered": 1}
+
+    ep.deliver(RelayMessage("p", [_item("a", 2, 3.0), _item("b", 1, 11.0)]))
+    assert [i.meta["v"] for i in got_a] == [1.0, 2.0, 3.0]  # claimed: handed over at once
+
+    got_b: list[RelayItem] = []
+    ep.claim("b", got_b.append)
+    assert [i.meta["v"] for i in got_b] == [10.0, 11.0]
+    assert torch.equal(got_b[1].tensors["x"], torch.tensor([11.0]))
+    assert ep.stats() == {"claimed": 2, "buffered": 0}
+
+
+def test_endpoint_claim_before_any_item() -> None:
+    ep = RelayEndpoint()
+    got: list[RelayItem] = []
+    ep.claim("a", got.append)
+    assert got == []
+    ep.deliver(RelayMessage("p", [_item("a", 0, 1.0)]))
+    ep.deliver(RelayMessage("p", [_item("a", 1, 2.0, kind="end")]))
+    assert [(i.meta["v"], i.kind) for i in got] == [(1.0, "data"), (2.0, "end")]
+
+
+def test_endpoint_drops_items_of_released_requests() -> None:
+    ep = RelayEndpoint()
+    got: list[RelayItem] = []
+    ep.claim("a", got.append)
+    ep.deliver(RelayMessage("p", [_item("a", 0)]))
+    ep.release("a")
+    # late items (any seq, even one that would be out of order) are dropped silently; other requests unaffected
+    ep.deliver(RelayMessage("p", [_item("a", 1), _item("a", 7), _item("b", 0, 5.0)]))
+    assert len(got) == 1
+    assert ep.stats() == {"claimed": 0, "buffered": 1}
+
+    # released before anything arrived (e.g. aborted early): nothing is buffered for it
+    ep.release("c")
+    ep.deliver(RelayMessage("p", [_item("c", 0), _item("c", 1)]))
+    assert ep.stats() == {"claimed": 0, "buffered": 1}
+
+    # released while items were still buffered: they are discarded
+    ep.release("b")
+    assert ep.stats() == {"claimed": 0, "buffered": 0}
+    late: list[RelayItem] = []
+    ep.claim("b", late.append)
+    assert late == []
+
+
+def test_endpoint_forgets_old_closed_requests() -> None:
+    ep = RelayEndpoint(remember_closed=2)
+    for rid in ("a", "b", "c"):
+        ep.release(rid)
+    ep.deliver(RelayMessage("p", [_item("c", 0), _item("b", 0)]))
+    assert ep.stats()["buffered"] == 0
+    ep.deliver(RelayMessage("p", [_item("a", 0)]))  # "a" fell out of the closed set
+    assert ep.stats()["buffered"] == 1
+
+
+@pytest.mark.parametrize("seqs", [[1], [0, 2], [0, 1, 1], [0, 0]])
+def test_endpoint_out_of_order_seq_raises(seqs: list[int]) -> None:
+    ep = RelayEndpoint()
+    with pytest.raises(RuntimeError, match="order"):
+        for s in seqs:
+            ep.deliver(RelayMessage("p", [_item("a", s)]))
+
+
+def test_endpoint_sequences_are_per_request() -> None:
+    ep = RelayEndpoint()
+    ep.deliver(RelayMessage("p", [_item("a", 0), _item("b", 0), _item("a", 1), _item("c", 0), _item("b", 1)]))
+    assert ep.stats()["buffered"] == 3
+
+
+# ---- RelaySender ------------------------------------------------------------------------------------------------
+class RecordingTransport:
+    """Records every message per peer; optionally slow, blocked or failing for some peers."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[RelayMessage]] = {}
+        self.fail: set[str] = set()
+        self.block: dict[str, asyncio.Event] = {}
+        self.delays: dict[str, list[float]] = {}
+
+    async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+        if peer.replica_id in self.block:
+            await self.block[peer.replica_id].wait()
+        delays = self.delays.get(peer.replica_id)
+        if delays:
+            await asyncio.sleep(delays.pop(0))
+        if peer.replica_id in self.fail:
+            raise ConnectionError(f"{peer.replica_id} is gone")
+        # snapshot: the sender must not mutate a message after handing it over
+        self.sent.setdefault(peer.replica_id, []).append(
+            RelayMessage(message.sender, [RelayItem(i.request_id, i.kind, dict(i.tensors), dict(i.meta), i.seq) for i in message.items])
+        )
+
+
+def _failures() -> tuple[list[tuple[list[str], Exception]], Callable[[list[str], Exception], None]]:
+    calls: list[tuple[list[str], Exception]] = []
+    return calls, lambda ids, exc: calls.append((list(ids), exc))
+
+
+def test_sender_batches_one_send_into_one_message_with_per_request_seqs() -> None:
+    async def main() -> None:
+        transport = RecordingTransport()
+        failures, on_failure = _failures()
+        sender = RelaySender("producer-1", transport, on_failure)
+        peer = RelayPeer("c1", handle=None)
+        sender.send(peer, [RelayItem("a"), RelayItem("b")])
+        sender.send(peer, [RelayItem("a"), RelayItem("a"), RelayItem("c")])
+        sender.send(peer, [RelayItem("b", kind="end"), RelayItem("a")])
+        await _until(lambda: len(transport.sent.get("c1", [])) == 3)
+        messages = transport.sent["c1"]
+        assert all(m.sender == "producer-1" for m in messages)
+        assert [[(i.request_id, i.seq) for i in m.items] for m in messages] == [
+            [("a", 0), ("b", 0)],
+            [("a", 1), ("a", 2), ("c", 0)],
+            [("b", 1), ("a", 3)],
+        ]
+        assert messages[2].items[0].kind == "end"
+        assert failures == []
+
+    asyncio.run(main())
+
+
+def test_sender_restarts_numbering_after_end_or_forget() -> None:
+    async def main() -> None:
+        transport = RecordingTransport()
+        sender = RelaySender("p", transport, _failures()[1])
+        peer = RelayPeer("c1", handle=None)
+        sender.send(peer, [RelayItem("a"), RelayItem("a", kind="end")])
+        sender.send(peer, [RelayItem("a")])  # a reused id starts over
+        sender.send(peer, [RelayItem("b"), RelayItem("b")])
+        sender.forget("b")
+        sender.send(peer, [RelayItem("b")])
+        await _until(lambda: len(transport.sent.get("c1", [])) == 4)
+        seqs = [[(i.request_id, i.seq) for i in m.items] for m in transport.sent["c1"]]
+        assert seqs == [[("a", 0), ("a", 1)], [("a", 0)], [("b", 0), ("b", 1)], [("b", 0)]]
+
+    asyncio.run(main())
+
+
+def test_sender_keeps_order_per_peer_and_peers_are_independent() -> None:
+    async def main() -> None:
+        transport = RecordingTransport()
+        # first messages to c1 are slow: later ones must still arrive after them
+        transport.delays["c1"] = [0.02, 0.01, 0.0]
+        transport.block["c2"] = asyncio.Event()  # c2 is stuck
+        sender = RelaySender("p", transport, _failures()[1])
+        c1, c2 = RelayPeer("c1", None), RelayPeer("c2", None)
+        for n in range(5):
+            sender.send(c2, [RelayItem("y", meta={"n": n})])
+            sender.send(c1, [RelayItem("x", meta={"n": n})])
+        await _until(lambda: len(transport.sent.get("c1", [])) == 5)
+        assert [m.items[0].meta["n"] for m in transport.sent["c1"]] == [0, 1, 2, 3, 4]
+        assert [m.items[0].seq for m in transport.sent["c1"]] == [0, 1, 2, 3, 4]
+        assert "c2" not in transport.sent  # stuck peer did not hold c1 up
+        transport.block["c2"].set()
+        await _until(lambda: len(transport.sent.get("c2", [])) == 5)
+        assert [m.items[0].meta["n"] for m in transport.sent["c2"]] == [0, 1, 2, 3, 4]
+
+    asyncio.run(main())
+
+
+def test_sender_reports_failed_message_ids_and_other_peers_keep_working() -> None:
+    async def main() -> None:
+        transport = RecordingTransport()
+        transport.fail.add("bad")
+        failures, on_failure = _failures()
+        sender = RelaySender("p", transport, on_failure)
+        bad, good = RelayPeer("bad", None), RelayPeer("good", None)
+        sender.send(bad, [RelayItem("r1"), RelayItem("r2")])
+        sender.send(good, [RelayItem("r3")])
+        await _until(lambda: len(failures) == 1 and len(transport.sent.get("good", [])) == 1)
+        assert failures[0][0] == ["r1", "r2"]
+        assert isinstance(failures[0][1], ConnectionError)
+        # the pump of the failed peer survives: a later message is tried (and reported) on its own
+        sender.send(bad, [RelayItem("r4")])
+        sender.send(good, [RelayItem("r3"), RelayItem("r5")])
+        await _until(lambda: len(failures) == 2 and len(transport.sent.get("good", [])) == 2)
+        assert failures[1][0] == ["r4"]
+        assert [(i.request_id, i.seq) for i in transport.sent["good"][1].items] == [("r3", 1), ("r5", 0)]
+        # once the peer is back, it is used again
+        transport.fail.discard("bad")
+        sender.send(bad, [RelayItem("r6")])
+        await _until(lambda: len(transport.sent.get("bad", [])) == 1)
+        assert len(failures) == 2
+
+    asyncio.run(main())
+
+
+def test_sender_to_endpoints_over_local_transport() -> None:
+    async def main() -> None:
+        ep1, ep2 = RelayEndpoint(), RelayEndpoint()
+        sender = RelaySender("p", LocalTransport(), _failures()[1])
+        p1, p2 = RelayPeer("c1", ep1), RelayPeer("c2", ep2)
+        for n in range(3):
+            sender.send(p1, [RelayItem("a", tensors={"t": torch.tensor([n])}), RelayItem("b", meta={"n": n})])
+            sender.send(p2, [RelayItem("c", meta={"n": n})])
+        sender.send(p1, [RelayItem("a", kind="end")])
+        got: dict[str, list[RelayItem]] = {"a": [], "b": [], "c": []}
+        ep1.claim("a", got["a"].append)
+        await _until(lambda: len(got["a"]) == 4)
+        ep1.claim("b", got["b"].append)
+        ep2.claim("c", got["c"].append)
+        await _until(lambda: len(got["c"]) == 3)
+        assert [int(i.tensors["t"]) for i in got["a"][:3]] == [0, 1, 2]
+        assert got["a"][3].kind == "end"
+        assert [i.meta["n"] for i in got["b"]] == [0, 1, 2]
+        assert [i.meta["n"] for i in got["c"]] == [0, 1, 2]
+        assert ep1.stats() == {"claimed": 2, "buffered": 0}
+
+    asyncio.run(main())
+
+
+# ---- transports ------------------------------------------------------------------------------------------------
+class FakeActorHandle:
+    """Looks like a Ray actor handle: `relay_deliver.remote(message)` returns an awaitable."""
+
+    def __init__(self) -> None:
+        self.calls: list[RelayMessage] = []
+        handle = self
+
+        class _Method:
+            def remote(self, message: RelayMessage) -> Any:
+                handle.calls.append(message)
+                future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                future.set_result(None)
+                return future
+
+        self.relay_deliver = _Method()
+
+
+def test_placement_transport_picks_local_for_an_endpoint() -> None:
+    async def main() -> None:
+        transport = PlacementTransport()
+        used: list[str] = []
+
+        class SpyLocal(LocalTransport):
+            async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+                used.append("local")
+                await super().send(peer, message)
+
+        class SpyHost:
+            async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+                used.append("host")
+
+        transport.local = SpyLocal()
+        transport.host = SpyHost()  # type: ignore[assignment]
+        ep = RelayEndpoint()
+        await transport.send(RelayPeer("c1", ep), RelayMessage("p", [_item("a", 0, 4.0)]))
+        assert used == ["local"]
+        got: list[RelayItem] = []
+        ep.claim("a", got.append)
+        assert [i.meta["v"] for i in got] == [4.0]
+        await transport.send(RelayPeer("c2", FakeActorHandle()), RelayMessage("p", [_item("a", 0)]))
+        assert used == ["local", "host"]
+
+    asyncio.run(main())
+
+
+def test_placement_transport_uses_actor_call_for_an_actor_handle() -> None:
+    async def main() -> None:
+        transport = PlacementTransport()
+        actor = FakeActorHandle()
+        message = RelayMessage("p", [_item("a", 0, 1.0), _item("b", 0, 2.0)])
+        await transport.send(RelayPeer("c1", actor), message)
+        assert actor.calls == [message]
+        assert all(t.device.type == "cpu" for i in actor.calls[0].items for t in i.tensors.values())
+
+    asyncio.run(main())

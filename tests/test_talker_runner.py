@@ -1,0 +1,120 @@
+"""The Talker runner in-process: stopping at codec EOS, the text-proportional frame limit, waiting on text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3OmniMoeConfig
+
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
+from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
+
+GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_checkpoint: Path) -> dict[str, Any]:
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Good morning!"}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    text = config.thinker_config.text_config
+    thinker = ThinkerRunner(
+        load_thinker(tiny_checkpoint, config, "cpu", torch.float32), config,
+        SlotKVCache(text.num_hidden_layers, 2, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu"),
+    )
+    seq = ThinkerSequence("t", list(ids), SamplingParams(temperature=0.0), 12, frozenset(), for_talker=True)
+    thinker.admit(seq)
+    outputs = []
+    while seq.finish_reason is None:
+        outputs += thinker.step([seq])
+    return {"config": config, "checkpoint": tiny_checkpoint, "thinker_outputs": outputs}
+
+
+def _runner(parts: dict[str, Any]) -> TalkerRunner:
+    config = parts["config"]
+    text = config.talker_config.text_config
+    cache = SlotKVCache(text.num_hidden_layers, 2, 512, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
+    return TalkerRunner(load_talker(parts["checkpoint"], config, "cpu", torch.float32), config, cache, max_batch=2)
+
+
+def _feed(seq: TalkerSequence, outputs: list[Any], done: bool = True) -> None:
+    for out in outputs:
+        if out.talker_prefix is not None:
+            seq.prefix = out.talker_prefix
+        if out.talker_embed is not None:
+            seq.text_embeds.append(out.talker_embed)
+    seq.thinker_done = done
+
+
+def _run(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> list[list[int]]:
+    frames = []
+    for _ in range(max_steps):
+        if seq.finish_reason is not None:
+            break
+        assert runner.ready(seq)
+        frames += [o.codes for o in runner.step([seq]) if o.codes is not None]
+    return frames
+
+
+def test_frame_limit_is_proportional_to_the_text(parts: dict[str, Any]) -> None:
+    runner = _runner(parts)
+    speaker = parts["config"].talker_config.speaker_id["ethan"]
+    seq = TalkerSequence("a", GREEDY_TALKER, speaker, max_frames=4096, frames_per_text_token=2.0, frame_budget_base=3)
+    runner.admit(seq)
+    _feed(seq, parts["thinker_outputs"])
+    frames = _run(runner, seq)
+    assert len(seq.text_embeds) == 11  # 12 reply tokens: the last one is never fed back, so never spoken
+    assert len(frames) == 3 + 2 * 11
+    assert seq.finish_reason == "length"  # random weights never emit codec EOS: reported as a length stop
+    assert all(len(f) == 16 and all(0 <= c < 2048 for c in f) for f in frames)
+
+
+def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> None:
+    runner = _runner(parts)
+    config = parts["config"]
+    speaker = config.talker_config.speaker_id["ethan"]
+    reference = TalkerSequence("r", GREEDY_TALKER, speaker, max_frames=6)
+    runner.admit(reference)
+    _feed(reference, parts["thinker_outputs"])
+    first = _run(runner, reference)[0][0]
+    # Make codec EOS outscore the group-0 code the model picks for its first frame: a real weight edit.
+    head = runner.model.codec_head.weight
+    eos = config.talker_config.codec_eos_token_id
+    with torch.no_grad():
+        saved = head[eos].clone()
+        head[eos] = head[first] * 50
+    try:
+        seq = TalkerSequence("e", GREEDY_TALKER, speaker, max_frames=6)
+        runner.admit(seq)
+        _feed(seq, parts["thinker_outputs"])
+        frames = _run(runner, seq)
+    finally:
+        with torch.no_grad():
+            head[eos] = saved
+    assert seq.finish_reason == "stop"
+    assert len(frames) < 6
+    assert seq.group0_history[-1] == eos
+
+
+def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> None:
+    runner = _runner(parts)
+    seq = TalkerSequence("w", GREEDY_TALKER, parts["config"].talker_config.speaker_id["ethan"], max_frames=50)
+    runner.admit(seq)
+    outputs = parts["thinker_outputs"]
+    assert not runner.ready(seq)  # nothing yet
+    _feed(seq, outputs[:1], done=False)  # prefill states only: the first reply token's embedding is missing
+    assert not runner.ready(seq)
+    _feed(seq, outputs[1:3], done=False)  # embeddings of reply tokens 1 and 2
+    assert runner.ready(seq)
+    runner.step([seq])  # prefill, frame 1
+    assert runner.ready(seq)  # step 0 needs reply token 2: present
+    runner.step([seq])
+    assert not runner.ready(seq)  # step 1 needs reply token 3: not sent yet
+    seq.thinker_done = True
+    assert runner.ready(seq)  # the Thinker finished: tts_eos, then tts_pad

@@ -1,0 +1,276 @@
+"""Unit tests of the engine loop's continuous batching, with a fake runner (sequences that finish after N steps)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import pytest
+
+from omni_ray.engine.kv_cache import KVCacheFull
+from omni_ray.engine.loop import EngineLoop
+
+TIMEOUT = 1.5
+
+
+@dataclass(eq=False)
+class FakeSeq:
+    request_id: str
+    steps_needed: int
+    finish_reason: str | None = None
+    done: int = 0
+    is_ready: bool = True
+    poison: bool = False
+
+
+@dataclass
+class FakeRunner:
+    """Finishes a sequence after `steps_needed` steps. In gated mode each step waits for a permit."""
+
+    gated: bool = False
+    fail_admit: set[str] = field(default_factory=set)
+    batches: list[list[str]] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition()
+        self.permits = threading.Semaphore(0)
+
+    def admit(self, seq: FakeSeq) -> None:
+        if seq.request_id in self.fail_admit:
+            raise KVCacheFull(f"{seq.request_id} does not fit")
+        self.admitted.append(seq.request_id)
+
+    def release(self, seq: FakeSeq) -> None:
+        self.released.append(seq.request_id)
+
+    def ready(self, seq: FakeSeq) -> bool:
+        return seq.is_ready
+
+    def step(self, seqs: list[FakeSeq]) -> list[tuple[str, int]]:
+        with self.cond:
+            self.batches.append([s.request_id for s in seqs])
+            self.cond.notify_all()
+        if self.gated and not self.permits.acquire(timeout=TIMEOUT):
+            self.errors.append("step never got a permit")
+        if any(s.poison for s in seqs):
+            raise RuntimeError("boom")
+        out = []
+        for s in seqs:
+            s.done += 1
+            if s.done >= s.steps_needed:
+                s.finish_reason = "length"
+            out.append((s.request_id, s.done))
+        return out
+
+    # test helpers
+    def wait_batches(self, n: int) -> None:
+        """Until step n has been entered (its batch chosen)."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.batches) >= n, timeout=TIMEOUT), self.batches
+
+    def allow(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.permits.release()
+
+
+class Harness:
+    def __init__(self, runner: FakeRunner, max_batch: int) -> None:
+        self.runner = runner
+        self.outputs: list[list[tuple[str, int]]] = []
+        self.failures: list[tuple[str, Exception]] = []
+        self.cond = threading.Condition()
+        self.loop = EngineLoop(runner, self._on_outputs, self._on_failure, max_batch=max_batch, name="test")
+
+    def _on_outputs(self, outputs: list[tuple[str, int]]) -> None:
+        with self.cond:
+            self.outputs.append(outputs)
+            self.cond.notify_all()
+
+    def _on_failure(self, request_id: str, error: Exception) -> None:
+        with self.cond:
+            self.failures.append((request_id, error))
+            self.cond.notify_all()
+
+    def wait(self, pred: Callable[[], bool]) -> None:
+        with self.cond:
+            assert self.cond.wait_for(pred, timeout=TIMEOUT), (self.runner.batches, self.outputs, self.failures)
+
+    def finished(self) -> set[str]:
+        return {rid for out in self.outputs for rid, n in out if n >= self._needed.get(rid, 1 << 30)}
+
+    _needed: dict[str, int] = {}
+
+    def add(self, seq: FakeSeq) -> FakeSeq:
+        self._needed = {**self._needed, seq.request_id: seq.steps_needed}
+        self.loop.add(seq)
+        return seq
+
+    def wait_finished(self, *rids: str) -> None:
+        self.wait(lambda: set(rids) <= self.finished())
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def factory(max_batch: int = 8, **runner_kwargs: object) -> Harness:
+        h = Harness(FakeRunner(**runner_kwargs), max_batch)  # type: ignore[arg-type]
+        made.append(h)
+        return h
+
+    yield factory
+    for h in made:
+        h.runner.allow(100)  # unblock a gated step so stop() returns quickly
+        h.loop.stop()
+        assert not h.loop._thread.is_alive()
+        assert h.runner.errors == []
+
+
+def test_later_request_joins_running_batch_and_leaves_when_done(make: Callable[..., Harness]) -> None:
+    h = make(gated=True)
+    h.loop.start()
+    h.add(FakeSeq("A", steps_needed=6))
+    h.runner.wait_batches(1)
+    h.runner.allow(2)
+    h.runner.wait_batches(3)  # step 3 is under way with its batch already chosen
+    h.add(FakeSeq("B", steps_needed=2))
+    h.runner.allow(10)
+    h.wait_finished("A", "B")
+    assert h.runner.batches == [["A"], ["A"], ["A"], ["A", "B"], ["A", "B"], ["A"]]
+    assert [[rid for rid, _ in out] for out in h.outputs] == h.runner.batches
+    assert h.outputs[4] == [("A", 5), ("B", 2)]
+    assert Counter(h.runner.released) == Counter({"A": 1, "B": 1})
+    assert h.runner.released == ["B", "A"]  # B left first, while A was still running
+    assert h.failures == []
+    assert h.loop.max_batch_seen == 2
+    h.wait(lambda: h.loop.stats()["running"] == 0)
+    assert h.loop.stats() == {"running": 0, "waiting": 0, "steps": 6, "max_batch_seen": 2}
+
+
+def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Harness]) -> None:
+    h = make(max_batch=2, gated=True)
+    for i in range(5):
+        h.add(FakeSeq(f"r{i}", steps_needed=2))
+    assert h.loop.stats()["waiting"] == 5
+    h.loop.start()
+    h.runner.wait_batches(1)
+    assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "max_batch_seen": 2}
+    h.runner.allow(2)
+    h.runner.wait_batches(3)
+    assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1
+    h.runner.allow(10)
+    h.wait_finished(*(f"r{i}" for i in range(5)))
+    assert h.runner.batches == [["r0", "r1"], ["r0", "r1"], ["r2", "r3"], ["r2", "r3"], ["r4"], ["r4"]]
+    assert all(len(b) <= 2 for b in h.runner.batches)
+    assert h.runner.admitted == [f"r{i}" for i in range(5)]
+    assert sorted(h.runner.released) == [f"r{i}" for i in range(5)]
+    assert h.loop.max_batch_seen == 2
+
+
+def test_abort_removes_running_and_waiting_requests_releasing_once(make: Callable[..., Harness]) -> None:
+    h = make(max_batch=2, gated=True)
+    h.add(FakeSeq("A", steps_needed=100))
+    h.add(FakeSeq("B", steps_needed=3))
+    h.add(FakeSeq("C", steps_needed=2))  # waits: max_batch 2
+    h.loop.start()
+    h.runner.wait_batches(1)
+    h.loop.abort("A")  # while A is inside a step
+    h.loop.abort("C")  # still waiting
+    h.runner.allow(10)
+    h.wait_finished("B")
+    h.wait(lambda: h.loop.stats()["running"] == 0)
+    h.loop.abort("B")  # already finished and released: no second release
+    h.loop.abort("nobody")
+    h.add(FakeSeq("D", steps_needed=1))  # the loop still serves after the aborts
+    h.wait_finished("D")
+    assert h.runner.batches == [["A", "B"], ["B"], ["B"], ["D"]]
+    assert h.runner.admitted == ["A", "B", "D"]  # C never admitted
+    assert Counter(h.runner.released) == Counter({"A": 1, "B": 1, "D": 1})
+    assert h.failures == []
+    assert h.loop.stats()["waiting"] == 0
+
+
+def test_abort_of_request_between_steps(make: Callable[..., Harness]) -> None:
+    h = make(gated=True)
+    h.add(FakeSeq("A", steps_needed=100))
+    h.add(FakeSeq("B", steps_needed=100))
+    h.loop.start()
+    h.runner.wait_batches(1)
+    h.runner.allow(1)
+    h.runner.wait_batches(2)
+    h.loop.abort("B")
+    h.runner.allow(1)
+    h.runner.wait_batches(3)
+    assert h.runner.batches[2] == ["A"]
+    assert h.runner.released == ["B"]
+    h.loop.abort("A")
+    h.runner.allow(1)
+    h.wait(lambda: h.loop.stats()["running"] == 0)
+    assert Counter(h.runner.released) == Counter({"A": 1, "B": 1})
+
+
+def test_admit_failure_fails_only_that_request(make: Callable[..., Harness]) -> None:
+    h = make(fail_admit={"bad"})
+    h.add(FakeSeq("good1", steps_needed=3))
+    h.add(FakeSeq("bad", steps_needed=3))
+    h.add(FakeSeq("good2", steps_needed=2))
+    h.loop.start()
+    h.wait_finished("good1", "good2")
+    assert [rid for rid, _ in h.failures] == ["bad"]
+    assert isinstance(h.failures[0][1], KVCacheFull)
+    assert all("bad" not in b for b in h.runner.batches)
+    assert h.runner.batches[0] == ["good1", "good2"]
+    assert "bad" not in h.runner.released and "bad" not in h.runner.admitted
+    assert Counter(h.runner.released) == Counter({"good1": 1, "good2": 1})
+
+
+def test_step_exception_fails_that_step_and_loop_keeps_serving(make: Callable[..., Harness]) -> None:
+    h = make(max_batch=2)
+    h.add(FakeSeq("A", steps_needed=5))
+    h.add(FakeSeq("P", steps_needed=5, poison=True))
+    h.add(FakeSeq("W", steps_needed=1))  # waiting during the failing step: unaffected
+    h.loop.start()
+    h.wait(lambda: len(h.failures) == 2)
+    assert sorted(rid for rid, _ in h.failures) == ["A", "P"]
+    assert all(isinstance(exc, RuntimeError) and str(exc) == "boom" for _, exc in h.failures)
+    h.wait_finished("W")
+    h.add(FakeSeq("N", steps_needed=2))
+    h.wait_finished("N")
+    assert h.runner.batches[0] == ["A", "P"]
+    assert all("A" not in b and "P" not in b for b in h.runner.batches[1:])
+    assert Counter(h.runner.released) == Counter({"A": 1, "P": 1, "W": 1, "N": 1})
+    assert len(h.failures) == 2
+    assert h.loop._thread.is_alive()
+    assert h.loop.stats()["steps"] == len(h.runner.batches) - 1  # the failed step is not counted
+
+
+def test_not_ready_sequence_is_kept_out_of_steps_until_notified(make: Callable[..., Harness]) -> None:
+    h = make()
+    r = FakeSeq("R", steps_needed=2, is_ready=False)
+    h.add(r)
+    h.add(FakeSeq("A", steps_needed=3))
+    h.loop.start()
+    h.wait_finished("A")
+    assert h.runner.batches == [["A"], ["A"], ["A"]]
+    h.wait(lambda: h.loop.stats()["running"] == 1)
+    assert h.loop.stats()["waiting"] == 0
+    assert h.runner.admitted == ["R", "A"]  # admitted (holds its slot) but not stepped
+    r.is_ready = True
+    h.loop.notify()
+    h.wait_finished("R")
+    assert h.runner.batches[3:] == [["R"], ["R"]]
+    assert h.runner.released == ["A", "R"]
+
+
+def test_stop_ends_the_thread(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.loop.start()
+    h.add(FakeSeq("A", steps_needed=1))
+    h.wait_finished("A")
+    h.loop.stop()
+    assert not h.loop._thread.is_alive()

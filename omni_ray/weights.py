@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-_EXPERT_KEY = re.compile(r"^(?P<base>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(r"^(?P<base>(?:.*\.)?experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _shard_files(checkpoint: Path) -> list[Path]:

@@ -84,6 +84,7 @@ class Harness:
         self.outputs: list[list[tuple[str, int]]] = []
         self.failures: list[tuple[str, Exception]] = []
         self.cond = threading.Condition()
+        self.needed: dict[str, int] = {}
         self.loop = EngineLoop(runner, self._on_outputs, self._on_failure, max_batch=max_batch, name="test")
 
     def _on_outputs(self, outputs: list[tuple[str, int]]) -> None:
@@ -101,12 +102,12 @@ class Harness:
             assert self.cond.wait_for(pred, timeout=TIMEOUT), (self.runner.batches, self.outputs, self.failures)
 
     def finished(self) -> set[str]:
-        return {rid for out in self.outputs for rid, n in out if n >= self._needed.get(rid, 1 << 30)}
-
-    _needed: dict[str, int] = {}
+        """Requests whose last step's output has been reported."""
+        return {rid for out in self.outputs for rid, n in out if n >= self.needed[rid]}
 
     def add(self, seq: FakeSeq) -> FakeSeq:
-        self._needed = {**self._needed, seq.request_id: seq.steps_needed}
+        with self.cond:
+            self.needed[seq.request_id] = seq.steps_needed
         self.loop.add(seq)
         return seq
 
@@ -274,3 +275,14 @@ def test_stop_ends_the_thread(make: Callable[..., Harness]) -> None:
     h.wait_finished("A")
     h.loop.stop()
     assert not h.loop._thread.is_alive()
+
+
+def test_abort_that_arrives_before_the_request_still_applies(make: Callable[..., Harness]) -> None:
+    h = make(gated=True)
+    h.loop.start()
+    h.loop.abort("early")  # e.g. the client left while the request was still on its way to this stage
+    h.add(FakeSeq("early", steps_needed=5))
+    h.add(FakeSeq("other", steps_needed=1))
+    h.runner.allow(10)
+    h.wait_finished("other")
+    assert "early" not in [rid for batch in h.runner.batches for rid in batch]

@@ -273,7 +273,8 @@ def test_experts_equal_naive_per_token_loop() -> None:
     for n in range(tokens):
         for j in range(top_k):
             e = int(chosen[n, j])
-            expected[n] += weights[n, j] * _naive_expert(experts.gate_up_proj[e].detach(), experts.down_proj[e].detach(), x[n])
+            gate_up, down = experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()
+            expected[n] += weights[n, j] * _naive_expert(gate_up, down, x[n])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -296,7 +297,8 @@ def test_sparse_moe_equals_hand_computation() -> None:
         w = w / w.sum()
         for j in range(top_k):
             e = int(idx[j])
-            expected[n] += w[j] * _naive_expert(moe.experts.gate_up_proj[e].detach(), moe.experts.down_proj[e].detach(), flat[n])
+            gate_up, down = moe.experts.gate_up_proj[e].detach(), moe.experts.down_proj[e].detach()
+            expected[n] += w[j] * _naive_expert(gate_up, down, flat[n])
         se = moe.shared_expert
         assert se is not None
         with torch.no_grad():

@@ -131,9 +131,8 @@ class RecordingTransport:
         if peer.replica_id in self.fail:
             raise ConnectionError(f"{peer.replica_id} is gone")
         # snapshot: the sender must not mutate a message after handing it over
-        self.sent.setdefault(peer.replica_id, []).append(
-            RelayMessage(message.sender, [RelayItem(i.request_id, i.kind, dict(i.tensors), dict(i.meta), i.seq) for i in message.items])
-        )
+        items = [RelayItem(i.request_id, i.kind, dict(i.tensors), dict(i.meta), i.seq) for i in message.items]
+        self.sent.setdefault(peer.replica_id, []).append(RelayMessage(message.sender, items))
 
 
 def _failures() -> tuple[list[tuple[list[str], Exception]], Callable[[list[str], Exception], None]]:
@@ -310,3 +309,17 @@ def test_placement_transport_uses_actor_call_for_an_actor_handle() -> None:
         assert all(t.device.type == "cpu" for i in actor.calls[0].items for t in i.tensors.values())
 
     asyncio.run(main())
+
+
+def test_endpoint_drops_items_nobody_claims_after_the_ttl() -> None:
+    endpoint = RelayEndpoint(unclaimed_ttl_s=0.05)
+    endpoint.deliver(RelayMessage("p", [_item("orphan", 0)]))
+    assert endpoint.stats()["buffered"] == 1
+    import time
+
+    time.sleep(0.08)
+    endpoint.deliver(RelayMessage("p", [_item("fresh", 0)]))  # any later delivery sweeps expired buffers
+    assert endpoint.stats()["buffered"] == 1
+    got: list[RelayItem] = []
+    endpoint.claim("orphan", got.append)
+    assert got == []

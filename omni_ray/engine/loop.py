@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,7 @@ class Sequence(Protocol):
 
 
 S = TypeVar("S", bound=Sequence)
+ABORT_MEMORY_S = 30.0  # an abort that arrives before its request is remembered this long
 O = TypeVar("O")
 
 
@@ -47,7 +49,7 @@ class EngineLoop(Generic[S, O]):
         self._cond = threading.Condition()
         self._waiting: list[S] = []
         self._running: list[S] = []
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, float] = {}  # request id -> when asked; kept a while in case add() comes later
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self.steps = 0
@@ -69,7 +71,7 @@ class EngineLoop(Generic[S, O]):
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            self._aborts.add(request_id)
+            self._aborts[request_id] = time.monotonic()
             self._cond.notify()
 
     def notify(self) -> None:
@@ -96,8 +98,12 @@ class EngineLoop(Generic[S, O]):
             for seq in [s for s in self._running if s.request_id in self._aborts]:
                 self._running.remove(seq)
                 self.runner.release(seq)
-            self._waiting = [s for s in self._waiting if s.request_id not in self._aborts]
-            self._aborts.clear()
+                del self._aborts[seq.request_id]
+            for seq in [s for s in self._waiting if s.request_id in self._aborts]:
+                self._waiting.remove(seq)
+                del self._aborts[seq.request_id]
+            expired = time.monotonic() - ABORT_MEMORY_S
+            self._aborts = {rid: t for rid, t in self._aborts.items() if t > expired}
         while self._waiting and len(self._running) < self.max_batch:
             seq = self._waiting.pop(0)
             try:

@@ -26,7 +26,7 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     """In place on one row: divide positive / multiply negative logits of tokens already seen."""
     if penalty == 1.0 or history.numel() == 0:
         return
-    seen = torch.unique(history)
+    seen = torch.unique(history.to(logits.device))
     scores = logits[seen]
     logits[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
 
@@ -47,15 +47,22 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 class RequestSampler:
-    """Sampling state for one request: its params and its own random generator (seeded if asked)."""
+    """Sampling state for one request: its params and its own random generator (seeded if asked).
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    The generator lives on the device of the logits it first samples from."""
+
+    def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = torch.Generator(device=device)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self._generator: torch.Generator | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self.params.seed is not None:
+                self._generator.manual_seed(self.params.seed)
+            else:
+                self._generator.seed()
+        return self._generator
 
     def pick(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         """logits: one row [V] (fp32 copy is made); history: ids that the repetition penalty applies to."""
@@ -67,7 +74,7 @@ class RequestSampler:
         row = row / self.params.temperature
         row = filter_top_k_top_p(row, self.params.top_k, self.params.top_p)
         probs = torch.softmax(row, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs, 1, generator=self.generator(probs.device)))
 
 
 def sample_batch(

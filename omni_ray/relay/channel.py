@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -80,9 +81,11 @@ class RelaySender:
 class RelayEndpoint:
     """Receiving side. Items are handed to the request's consumer once it claims the request; until then buffered."""
 
-    def __init__(self, remember_closed: int = 4096) -> None:
+    def __init__(self, remember_closed: int = 4096, unclaimed_ttl_s: float = 60.0) -> None:
         self._handlers: dict[str, Callable[[RelayItem], None]] = {}
         self._pending: dict[str, list[RelayItem]] = {}
+        self._pending_since: dict[str, float] = {}
+        self._unclaimed_ttl_s = unclaimed_ttl_s
         self._expected_seq: dict[str, int] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # released requests: late items are dropped
         self._remember_closed = remember_closed
@@ -98,11 +101,21 @@ class RelayEndpoint:
             handler = self._handlers.get(item.request_id)
             if handler is None:
                 self._pending.setdefault(item.request_id, []).append(item)
+                self._pending_since.setdefault(item.request_id, time.monotonic())
             else:
                 handler(item)
+        self._drop_unclaimed()
+
+    def _drop_unclaimed(self) -> None:
+        """Items for a request nobody claims (its consumer call never came) are dropped after a TTL."""
+        cutoff = time.monotonic() - self._unclaimed_ttl_s
+        for rid in [r for r, since in self._pending_since.items() if since < cutoff]:
+            log.warning("dropping relay items of unclaimed request %s", rid)
+            self.release(rid)
 
     def claim(self, request_id: str, handler: Callable[[RelayItem], None]) -> None:
         self._handlers[request_id] = handler
+        self._pending_since.pop(request_id, None)
         for item in self._pending.pop(request_id, []):
             handler(item)
 
@@ -112,6 +125,7 @@ class RelayEndpoint:
             self._closed.popitem(last=False)
         self._handlers.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._pending_since.pop(request_id, None)
         self._expected_seq.pop(request_id, None)
 
     def stats(self) -> dict[str, int]:

@@ -75,6 +75,7 @@ class EncoderStage(StageBase):
             self.send_end(thinker, request_id, kind="error", message=f"audio encoding failed: {exc}")
             raise
         self.sender.send(thinker, [RelayItem(request_id, tensors={"audio_embeds": embeds.float().cpu()})])
+        self.sender.forget(request_id)  # one item per request: no sequence state to keep
         return int(embeds.shape[0])
 
     def _encode(self, clips: list[np.ndarray]) -> torch.Tensor:

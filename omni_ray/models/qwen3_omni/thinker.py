@@ -86,7 +86,7 @@ class ThinkerRunner:
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)
         seq.slot = self.cache.allocate()
-        seq.sampler = RequestSampler(seq.sampling, device="cpu")
+        seq.sampler = RequestSampler(seq.sampling)
 
     def release(self, seq: ThinkerSequence) -> None:
         if seq.slot >= 0:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omni_ray.relay import (
+    LOCAL_ENDPOINTS,
     LocalTransport,
     PlacementTransport,
     RelayEndpoint,
@@ -16,6 +17,8 @@ from omni_ray.relay import (
     RelayMessage,
     RelayPeer,
     RelaySender,
+    RelayServer,
+    TcpTransport,
 )
 
 
@@ -145,7 +148,7 @@ def test_sender_batches_one_send_into_one_message_with_per_request_seqs() -> Non
         transport = RecordingTransport()
         failures, on_failure = _failures()
         sender = RelaySender("producer-1", transport, on_failure)
-        peer = RelayPeer("c1", handle=None)
+        peer = RelayPeer("c1", "fake://c1")
         sender.send(peer, [RelayItem("a"), RelayItem("b")])
         sender.send(peer, [RelayItem("a"), RelayItem("a"), RelayItem("c")])
         sender.send(peer, [RelayItem("b", kind="end"), RelayItem("a")])
@@ -167,7 +170,7 @@ def test_sender_restarts_numbering_after_end_or_forget() -> None:
     async def main() -> None:
         transport = RecordingTransport()
         sender = RelaySender("p", transport, _failures()[1])
-        peer = RelayPeer("c1", handle=None)
+        peer = RelayPeer("c1", "fake://c1")
         sender.send(peer, [RelayItem("a"), RelayItem("a", kind="end")])
         sender.send(peer, [RelayItem("a")])  # a reused id starts over
         sender.send(peer, [RelayItem("b"), RelayItem("b")])
@@ -187,7 +190,7 @@ def test_sender_keeps_order_per_peer_and_peers_are_independent() -> None:
         transport.delays["c1"] = [0.02, 0.01, 0.0]
         transport.block["c2"] = asyncio.Event()  # c2 is stuck
         sender = RelaySender("p", transport, _failures()[1])
-        c1, c2 = RelayPeer("c1", None), RelayPeer("c2", None)
+        c1, c2 = RelayPeer("c1", "fake://c1"), RelayPeer("c2", "fake://c2")
         for n in range(5):
             sender.send(c2, [RelayItem("y", meta={"n": n})])
             sender.send(c1, [RelayItem("x", meta={"n": n})])
@@ -208,7 +211,7 @@ def test_sender_reports_failed_message_ids_and_other_peers_keep_working() -> Non
         transport.fail.add("bad")
         failures, on_failure = _failures()
         sender = RelaySender("p", transport, on_failure)
-        bad, good = RelayPeer("bad", None), RelayPeer("good", None)
+        bad, good = RelayPeer("bad", "fake://bad"), RelayPeer("good", "fake://good")
         sender.send(bad, [RelayItem("r1"), RelayItem("r2")])
         sender.send(good, [RelayItem("r3")])
         await _until(lambda: len(failures) == 1 and len(transport.sent.get("good", [])) == 1)
@@ -232,8 +235,9 @@ def test_sender_reports_failed_message_ids_and_other_peers_keep_working() -> Non
 def test_sender_to_endpoints_over_local_transport() -> None:
     async def main() -> None:
         ep1, ep2 = RelayEndpoint(), RelayEndpoint()
+        LOCAL_ENDPOINTS.update({"c1": ep1, "c2": ep2})
         sender = RelaySender("p", LocalTransport(), _failures()[1])
-        p1, p2 = RelayPeer("c1", ep1), RelayPeer("c2", ep2)
+        p1, p2 = RelayPeer("c1", "local"), RelayPeer("c2", "local")
         for n in range(3):
             sender.send(p1, [RelayItem("a", tensors={"t": torch.tensor([n])}), RelayItem("b", meta={"n": n})])
             sender.send(p2, [RelayItem("c", meta={"n": n})])
@@ -250,63 +254,62 @@ def test_sender_to_endpoints_over_local_transport() -> None:
         assert [i.meta["n"] for i in got["c"]] == [0, 1, 2]
         assert ep1.stats() == {"claimed": 2, "buffered": 0}
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        LOCAL_ENDPOINTS.pop("c1", None)
+        LOCAL_ENDPOINTS.pop("c2", None)
 
 
 # ---- transports ------------------------------------------------------------------------------------------------
-class FakeActorHandle:
-    """Looks like a Ray actor handle: `relay_deliver.remote(message)` returns an awaitable."""
-
-    def __init__(self) -> None:
-        self.calls: list[RelayMessage] = []
-        handle = self
-
-        class _Method:
-            def remote(self, message: RelayMessage) -> Any:
-                handle.calls.append(message)
-                future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                future.set_result(None)
-                return future
-
-        self.relay_deliver = _Method()
+def test_placement_transport_picks_local_for_an_in_process_peer_and_tcp_otherwise() -> None:
+    transport = PlacementTransport()
+    LOCAL_ENDPOINTS["here"] = RelayEndpoint()
+    try:
+        assert transport.select(RelayPeer("here", "tcp://127.0.0.1:1")) is transport.local
+        assert transport.select(RelayPeer("elsewhere", "tcp://127.0.0.1:1")) is transport.tcp
+    finally:
+        LOCAL_ENDPOINTS.pop("here")
 
 
-def test_placement_transport_picks_local_for_an_endpoint() -> None:
+def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     async def main() -> None:
-        transport = PlacementTransport()
-        used: list[str] = []
-
-        class SpyLocal(LocalTransport):
-            async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-                used.append("local")
-                await super().send(peer, message)
-
-        class SpyHost:
-            async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-                used.append("host")
-
-        transport.local = SpyLocal()
-        transport.host = SpyHost()  # type: ignore[assignment]
-        ep = RelayEndpoint()
-        await transport.send(RelayPeer("c1", ep), RelayMessage("p", [_item("a", 0, 4.0)]))
-        assert used == ["local"]
+        endpoint = RelayEndpoint()
+        server = RelayServer(endpoint)
+        address = await server.start("127.0.0.1")
+        peer = RelayPeer("consumer", address)
         got: list[RelayItem] = []
-        ep.claim("a", got.append)
-        assert [i.meta["v"] for i in got] == [4.0]
-        await transport.send(RelayPeer("c2", FakeActorHandle()), RelayMessage("p", [_item("a", 0)]))
-        assert used == ["local", "host"]
+        endpoint.claim("a", got.append)
+        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        sent = [torch.randn(3, 5, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+        for tensor in sent:
+            sender.send(peer, [RelayItem("a", tensors={"x": tensor, "ids": torch.arange(7)})])
+        sender.send(peer, [RelayItem("a", kind="end", meta={"finish_reason": "stop"})])
+        await _until(lambda: len(got) == 4, timeout=5)
+        for item, tensor in zip(got, sent):
+            assert item.tensors["x"].dtype == tensor.dtype and torch.equal(item.tensors["x"], tensor)
+        assert got[-1].kind == "end" and got[-1].meta == {"finish_reason": "stop"}
+        await server.close()
 
     asyncio.run(main())
 
 
-def test_placement_transport_uses_actor_call_for_an_actor_handle() -> None:
+def test_tcp_send_to_a_dead_peer_fails_only_its_requests() -> None:
     async def main() -> None:
-        transport = PlacementTransport()
-        actor = FakeActorHandle()
-        message = RelayMessage("p", [_item("a", 0, 1.0), _item("b", 0, 2.0)])
-        await transport.send(RelayPeer("c1", actor), message)
-        assert actor.calls == [message]
-        assert all(t.device.type == "cpu" for i in actor.calls[0].items for t in i.tensors.values())
+        alive_endpoint, dead_endpoint = RelayEndpoint(), RelayEndpoint()
+        alive, dead = RelayServer(alive_endpoint), RelayServer(dead_endpoint)
+        alive_peer = RelayPeer("alive", await alive.start("127.0.0.1"))
+        dead_peer = RelayPeer("dead", await dead.start("127.0.0.1"))
+        await dead.close()  # the replica went away
+        failed, on_failure = _failures()
+        sender = RelaySender("producer", TcpTransport(), on_failure)
+        sender.send(dead_peer, [RelayItem("r1"), RelayItem("r2")])
+        sender.send(alive_peer, [RelayItem("r3")])
+        got: list[RelayItem] = []
+        alive_endpoint.claim("r3", got.append)
+        await _until(lambda: bool(failed) and bool(got), timeout=5)
+        assert sorted(rid for ids, _ in failed for rid in ids) == ["r1", "r2"]
+        await alive.close()
 
     asyncio.run(main())
 

@@ -35,10 +35,10 @@ class RelayMessage:
 
 @dataclass(frozen=True)
 class RelayPeer:
-    """Address of a consumer replica: its id and the handle a transport reaches it by."""
+    """Address of a consumer replica: its id and where a transport reaches it (e.g. tcp://10.0.0.3:41234)."""
 
     replica_id: str
-    handle: Any = field(compare=False, hash=False)
+    address: str
 
 
 class RelaySender:

@@ -1,10 +1,14 @@
-"""Relay transports: direct hand-off in one process, and the host path through Ray actor calls."""
+"""Transport selection by placement: direct hand-off inside one process, otherwise the TCP host path."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from omni_ray.relay.channel import RelayMessage, RelayPeer
+from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
+from omni_ray.relay.tcp import TcpTransport
+
+# Endpoints of replicas living in this process, by replica id: peers found here get a direct hand-off.
+LOCAL_ENDPOINTS: dict[str, RelayEndpoint] = {}
 
 
 class Transport(Protocol):
@@ -12,32 +16,21 @@ class Transport(Protocol):
 
 
 class LocalTransport:
-    """Same process: the peer handle is the receiving RelayEndpoint itself."""
+    """Same process: the message object itself is delivered to the peer's endpoint (no copy)."""
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-        peer.handle.deliver(message)
-
-
-class HostTransport:
-    """CPU path: the message (header + CPU tensors) travels as the argument of the peer actor's `relay_deliver`."""
-
-    async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-        for item in message.items:
-            for name, tensor in item.tensors.items():
-                if tensor.device.type != "cpu":
-                    item.tensors[name] = tensor.cpu()
-        await peer.handle.relay_deliver.remote(message)
+        LOCAL_ENDPOINTS[peer.replica_id].deliver(message)
 
 
 class PlacementTransport:
-    """Picks the transport for each peer from what its handle is (an in-process endpoint or a Ray actor)."""
+    """Picks the transport per peer: in-process endpoint → LocalTransport, anything else → TCP."""
 
     def __init__(self) -> None:
         self.local = LocalTransport()
-        self.host = HostTransport()
+        self.tcp = TcpTransport()
+
+    def select(self, peer: RelayPeer) -> Transport:
+        return self.local if peer.replica_id in LOCAL_ENDPOINTS else self.tcp
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-        if hasattr(peer.handle, "deliver"):
-            await self.local.send(peer, message)
-        else:
-            await self.host.send(peer, message)
+        await self.select(peer).send(peer, message)

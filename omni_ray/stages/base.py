@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from omni_ray.relay import PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender
+from omni_ray.relay import LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender, RelayServer
 
 FINAL_TYPES = frozenset({"final", "error"})
 
@@ -18,8 +18,10 @@ class StageBase:
     stage_name = "stage"
 
     def __init__(self, replica_id: str | None = None) -> None:
-        self.replica_id = replica_id or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
+        self.replica_id = replica_id or _serve_replica_id() or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
         self.endpoint = RelayEndpoint()
+        self._server: RelayServer | None = None
+        self._peer_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._sender: RelaySender | None = None
@@ -28,9 +30,20 @@ class StageBase:
         self.failed = 0
 
     # ---- relay -------------------------------------------------------------------------------------------
-    async def relay_deliver(self, message: RelayMessage) -> None:
-        """Called by producer replicas (through the transport) once per producer step."""
-        self.endpoint.deliver(message)
+    async def relay_peer(self) -> RelayPeer:
+        """This replica's relay address; the listener starts on first use (on the replica's event loop)."""
+        self._bind_loop()
+        async with self._peer_lock:
+            if self._self_peer is None:
+                self._server = RelayServer(self.endpoint)
+                address = await self._server.start(_node_ip())
+                LOCAL_ENDPOINTS[self.replica_id] = self.endpoint
+                self._self_peer = RelayPeer(self.replica_id, address)
+        return self._self_peer
+
+    async def ready_event(self) -> dict[str, Any]:
+        """First event of every stage stream: where this replica receives relay messages."""
+        return {"type": "ready", "peer": await self.relay_peer(), "t": time.time()}
 
     @property
     def sender(self) -> RelaySender:
@@ -89,23 +102,29 @@ class StageBase:
         return len(self._streams)
 
     # ---- identity ----------------------------------------------------------------------------------------
-    def peer(self) -> RelayPeer:
-        """How other replicas address this one: the Ray actor handle when running as an actor."""
-        if self._self_peer is None:
-            handle: Any = self.endpoint
-            try:
-                import ray
-
-                if ray.is_initialized():
-                    handle = ray.get_runtime_context().current_actor
-            except RuntimeError:  # not inside an actor: in-process peer
-                pass
-            self._self_peer = RelayPeer(self.replica_id, handle)
-        return self._self_peer
-
     async def describe(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": self.peer()}
+        return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": await self.relay_peer()}
 
     def send_end(self, peer: RelayPeer | None, request_id: str, kind: str = "end", **meta: Any) -> None:
         if peer is not None:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])
+
+
+def _serve_replica_id() -> str | None:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not a Serve replica
+        return None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:
+        pass
+    return "127.0.0.1"

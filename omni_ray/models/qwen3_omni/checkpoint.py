@@ -374,10 +374,15 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
     return out_dir
 
 
-def default_checkpoint_dir() -> Path:
-    """Cache location of the embedded default checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``)."""
+def tiny_checkpoint_dir(seed: int = DEFAULT_SEED) -> Path:
+    """Cache location of a generated tiny checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``)."""
     cache = os.environ.get("OMNI_RAY_CACHE") or str(Path.home() / ".cache" / "omni-ray")
-    return Path(cache).expanduser() / f"qwen3-omni-tiny-seed{DEFAULT_SEED}"
+    return Path(cache).expanduser() / f"qwen3-omni-tiny-seed{seed}"
+
+
+def default_checkpoint_dir() -> Path:
+    """Cache location of the embedded default checkpoint."""
+    return tiny_checkpoint_dir(DEFAULT_SEED)
 
 
 def _is_complete(path: Path) -> bool:
@@ -385,9 +390,9 @@ def _is_complete(path: Path) -> bool:
     return (path / "omni_ray_tiny.json").is_file() and (path / "model.safetensors").is_file()
 
 
-def ensure_default_checkpoint() -> Path:
-    """Return the default checkpoint directory, generating it once (safe under concurrent callers)."""
-    target = default_checkpoint_dir()
+def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
+    """Return the tiny checkpoint directory for ``seed``, generating it once (safe under concurrent callers)."""
+    target = tiny_checkpoint_dir(seed)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +400,21 @@ def ensure_default_checkpoint() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not _is_complete(target):
-                make_tiny_checkpoint(target, seed=DEFAULT_SEED)
+                make_tiny_checkpoint(target, seed=seed)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
+
+
+def ensure_default_checkpoint() -> Path:
+    """The embedded default: the tiny checkpoint of the default seed."""
+    return ensure_tiny_checkpoint(DEFAULT_SEED)
+
+
+def resolve_checkpoint(path: str | Path | None, tiny_seed: int = DEFAULT_SEED) -> Path:
+    """A configured local checkpoint, or the tiny one (generated on first use) when no path is set."""
+    if path is not None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        return Path(path)
+    return ensure_tiny_checkpoint(tiny_seed)

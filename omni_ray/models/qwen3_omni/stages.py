@@ -13,10 +13,19 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.audio import AudioFeatureExtractor
-from omni_ray.config import EngineSettings, StageResources, TalkerSettings, VocoderSettings
+from omni_ray.config import (
+    EngineSettings,
+    ModelSource,
+    StageConfig,
+    StageResources,
+    TalkerStageConfig,
+    ThinkerStageConfig,
+    VocoderStageConfig,
+)
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.loop import EngineLoop
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.checkpoint import resolve_checkpoint
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
@@ -37,6 +46,7 @@ class ThinkerRequest:
     stop_ids: list[int]
     expects_audio: bool = False
     talker: RelayPeer | None = None  # where the Talker-bound states go; None for text-only replies
+    forced_ids: list[int] | None = None  # teacher-forced reply (speech): emitted instead of sampled
 
 
 @dataclass
@@ -46,6 +56,11 @@ class TalkerRequest:
     speaker: str
     vocoder: RelayPeer
     max_frames: int | None = None
+
+
+def _checkpoint(model: ModelSource) -> tuple[str, Qwen3OmniMoeConfig]:
+    path = resolve_checkpoint(model.path, model.tiny_seed)
+    return str(path), Qwen3OmniMoeConfig.from_pretrained(path)
 
 
 def _kv_cache(cfg: Any, settings: EngineSettings, res: StageResources) -> SlotKVCache:
@@ -61,11 +76,12 @@ class EncoderStage(StageBase):
 
     stage_name = "encoder"
 
-    def __init__(self, checkpoint: str, resources: StageResources, replica_id: str | None = None) -> None:
+    def __init__(self, model: ModelSource, stage: StageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        checkpoint, config = _checkpoint(model)
+        res = stage.resources
         self.features = AudioFeatureExtractor(checkpoint)
-        self.encoder = load_audio_encoder(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
+        self.encoder = load_audio_encoder(Path(checkpoint), config, res.device, DTYPES[res.dtype])
 
     async def encode(self, request_id: str, clips: list[np.ndarray], thinker: RelayPeer) -> int:
         """Encodes every clip of a request and relays one tensor [tokens, hidden]; returns the token count."""
@@ -87,14 +103,14 @@ class ThinkerStage(StageBase):
 
     stage_name = "thinker"
 
-    def __init__(
-        self, checkpoint: str, resources: StageResources, engine: EngineSettings, replica_id: str | None = None
-    ) -> None:
+    def __init__(self, model: ModelSource, stage: ThinkerStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
-        model = load_thinker(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
-        cache = _kv_cache(config.thinker_config.text_config, engine, resources)
-        self.engine = EngineLoop(ThinkerRunner(model, config, cache), self._on_outputs, self._on_failure, engine.max_batch, "thinker")
+        checkpoint, config = _checkpoint(model)
+        res, engine = stage.resources, stage.engine
+        thinker = load_thinker(Path(checkpoint), config, res.device, DTYPES[res.dtype])
+        cache = _kv_cache(config.thinker_config.text_config, engine, res)
+        runner = ThinkerRunner(thinker, config, cache)
+        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
         self._talkers: dict[str, RelayPeer] = {}
 
@@ -105,11 +121,12 @@ class ThinkerStage(StageBase):
             self._talkers[rid] = request.talker
         finished = False
         try:
+            yield await self.ready_event()
             audio = await self._await_audio(rid) if request.expects_audio else None
             self.engine.add(
                 ThinkerSequence(
                     rid, list(request.prompt_ids), request.sampling, request.max_tokens, frozenset(request.stop_ids),
-                    audio_embeds=audio, for_talker=request.talker is not None,
+                    audio_embeds=audio, for_talker=request.talker is not None, forced_ids=request.forced_ids,
                 )
             )
             async for event in self.stream(rid):
@@ -175,14 +192,13 @@ class TalkerStage(StageBase):
 
     stage_name = "talker"
 
-    def __init__(
-        self, checkpoint: str, resources: StageResources, engine: TalkerSettings, replica_id: str | None = None
-    ) -> None:
+    def __init__(self, model: ModelSource, stage: TalkerStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        self.config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        checkpoint, self.config = _checkpoint(model)
+        res, engine = stage.resources, stage.engine
         self.settings = engine
-        assets = load_talker(Path(checkpoint), self.config, resources.device, DTYPES[resources.dtype])
-        cache = _kv_cache(self.config.talker_config.text_config, engine, resources)
+        assets = load_talker(Path(checkpoint), self.config, res.device, DTYPES[res.dtype])
+        cache = _kv_cache(self.config.talker_config.text_config, engine, res)
         runner = TalkerRunner(assets, self.config, cache, engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
         self.engine.start()
@@ -207,6 +223,7 @@ class TalkerStage(StageBase):
         self.engine.add(seq)
         finished = False
         try:
+            yield await self.ready_event()
             async for event in self.stream(rid):
                 finished = event["type"] in ("final", "error")
                 yield event
@@ -269,13 +286,11 @@ class VocoderStage(StageBase):
 
     stage_name = "vocoder"
 
-    def __init__(
-        self, checkpoint: str, resources: StageResources, streaming: VocoderSettings, replica_id: str | None = None
-    ) -> None:
+    def __init__(self, model: ModelSource, stage: VocoderStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
-        module = load_code2wav(Path(checkpoint), config, resources.device, DTYPES[resources.dtype])
-        self.codec = Code2WavCodec(module)
+        checkpoint, config = _checkpoint(model)
+        res, streaming = stage.resources, stage.streaming
+        self.codec = Code2WavCodec(load_code2wav(Path(checkpoint), config, res.device, DTYPES[res.dtype]))
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -286,6 +301,7 @@ class VocoderStage(StageBase):
         self.endpoint.claim(request_id, inbox.put_nowait)
         decoder = StreamingDecoder(self.codec, self.schedule)
         try:
+            yield await self.ready_event()
             while True:
                 item = await inbox.get()
                 if item.kind == "error":

@@ -49,6 +49,7 @@ class ThinkerSequence:
     stop_ids: frozenset[int]
     audio_embeds: torch.Tensor | None = None  # [num_audio_tokens, hidden] for the <|audio_pad|> positions
     for_talker: bool = False
+    forced_ids: list[int] | None = None  # teacher-forced reply: these tokens are emitted instead of sampled
     slot: int = -1
     num_cached: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -96,10 +97,19 @@ class ThinkerRunner:
     @torch.inference_mode()
     def step(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
         outputs = [self._prefill(s) for s in seqs if s.num_cached == 0]
-        decoding = [s for s in seqs if s.num_cached > 0]
+        outputs.extend(self._advance_forced(s) for s in seqs if s.num_cached > 0 and s.forced_ids)
+        decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
         if decoding:
             outputs.extend(self._decode(decoding))
         return outputs
+
+    def _advance_forced(self, seq: ThinkerSequence) -> ThinkerStepOutput:
+        """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0
+        embeddings. No forward pass is needed for them (the Talker reads no hidden state at text positions)."""
+        embed = self.model.embed(torch.tensor([seq.output_ids[-1]], device=self.device))[0]
+        seq.num_cached += 1
+        token = self._accept(seq, None)
+        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=embed.float().cpu())
 
     def _prefill(self, seq: ThinkerSequence) -> ThinkerStepOutput:
         ids = torch.tensor([seq.prompt_ids], device=self.device)
@@ -110,18 +120,23 @@ class ThinkerRunner:
                 raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
             embeds[0, audio_mask] = seq.audio_embeds.to(embeds.device, embeds.dtype)
         length = ids.shape[1]
-        batch = AttentionBatch.build([seq.slot], [0], length, self.device)
-        positions = torch.arange(length, device=self.device)[None]
-        capture = (self.accept_layer,) if seq.for_talker else ()
-        hidden, captured = self.model.model(embeds, positions, self.cache.layers, batch, capture)
-        logits = self.model.lm_head(hidden[:, -1])
+        mm_mask = torch.isin(ids[0], self.multimodal_ids.to(ids.device))
+        logits: torch.Tensor | None = None
+        captured: dict[int, torch.Tensor] = {}
+        if not seq.forced_ids or bool(mm_mask.any()):  # a forced text-only reply needs no forward pass
+            batch = AttentionBatch.build([seq.slot], [0], length, self.device)
+            positions = torch.arange(length, device=self.device)[None]
+            capture = (self.accept_layer,) if seq.for_talker else ()
+            hidden, captured = self.model.model(embeds, positions, self.cache.layers, batch, capture)
+            logits = self.model.lm_head(hidden[0, -1])
         seq.num_cached = length
-        token = self._accept(seq, logits[0])
+        token = self._accept(seq, logits)
         prefix = None
         if seq.for_talker:
             positions_for_talker, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
-            mm_mask = torch.isin(ids[0], self.multimodal_ids.to(ids.device))
-            states = torch.where(mm_mask[:, None], captured[self.accept_layer][0], embeds[0])
+            states = embeds[0]
+            if self.accept_layer in captured:
+                states = torch.where(mm_mask[:, None], captured[self.accept_layer][0], embeds[0])
             prefix = {
                 "user_states": states[positions_for_talker].float().cpu(),
                 "user_multimodal": mm_mask[positions_for_talker].cpu(),
@@ -145,8 +160,15 @@ class ThinkerRunner:
             outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=talker_embed))
         return outputs
 
-    def _accept(self, seq: ThinkerSequence, logits: torch.Tensor) -> int:
-        assert seq.sampler is not None
+    def _accept(self, seq: ThinkerSequence, logits: torch.Tensor | None) -> int:
+        """Sample (or take the forced) next token and update the finish state."""
+        if seq.forced_ids:
+            token = seq.forced_ids[len(seq.output_ids)]
+            seq.output_ids.append(token)
+            if len(seq.output_ids) == len(seq.forced_ids):
+                seq.finish_reason = "stop"
+            return token
+        assert seq.sampler is not None and logits is not None
         history = None
         if seq.sampling.repetition_penalty != 1.0:
             history = torch.tensor(seq.prompt_ids + seq.output_ids, device=logits.device)

@@ -1,0 +1,198 @@
+"""A Qwen3-Omni request's life across the four stages: open the streams, chain relay peers, merge the events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from omni_ray.config import PipelineConfig
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.errors import InvalidRequestError, StageError
+from omni_ray.events import AudioChunk, Event, Finished, TextDelta
+from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
+from omni_ray.models.qwen3_omni.stages import TalkerRequest, ThinkerRequest
+from omni_ray.stages.client import StageClient
+
+# Talker defaults of the released model (transformers' generate()).
+DEFAULT_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05)
+SPEECH_INSTRUCTION = "Read the following text aloud."
+
+
+class Orchestrator:
+    """Runs requests over stage clients (Ray actors or Serve deployments); knows nothing of HTTP."""
+
+    def __init__(self, stages: dict[str, StageClient], prompts: PromptBuilder, config: PipelineConfig, model_config: Any) -> None:
+        self.stages = stages
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
+        self.config = config
+        self.model_config = model_config
+        self.stop_ids = [model_config.im_end_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.model_config.talker_config.speaker_id)
+
+    def check_request(
+        self, prompt_len: int, max_tokens: int, audio: bool, speaker: str | None, max_audio_frames: int | None
+    ) -> str:
+        """Client errors are caught here, before any stage sees the request. Returns the voice."""
+        if max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1")
+        limit = self.config.stages.thinker.engine.max_seq_len
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens"
+            )
+        voice = (speaker or self.config.default_speaker).lower()
+        if audio and voice not in self.model_config.talker_config.speaker_id:
+            raise InvalidRequestError(f"unknown voice '{speaker}'; available: {', '.join(self.voices)}")
+        if max_audio_frames is not None and max_audio_frames < 1:
+            raise InvalidRequestError("max_audio_frames must be at least 1")
+        return voice
+
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 256,
+        audio: bool = True,
+        speaker: str | None = None,
+        talker_sampling: SamplingParams | None = None,
+        max_audio_frames: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        return_codes: bool = False,
+    ) -> AsyncIterator[Event]:
+        """A chat reply: streamed text and (unless audio=False) streamed speech."""
+        submitted = time.time()
+        prompt = self.prompts.build(messages)
+        voice = self.check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames)
+        thinker = ThinkerRequest(
+            request_id or uuid.uuid4().hex, prompt.ids, sampling or SamplingParams(), max_tokens,
+            stop_token_ids or self.stop_ids, expects_audio=bool(prompt.clips),
+        )
+        async for event in self._run(prompt, thinker, audio, voice, talker_sampling, max_audio_frames, return_codes, submitted):
+            yield event
+
+    async def speak(
+        self,
+        text: str,
+        *,
+        speaker: str | None = None,
+        instructions: str | None = None,
+        talker_sampling: SamplingParams | None = None,
+        max_audio_frames: int | None = None,
+        request_id: str | None = None,
+        return_codes: bool = False,
+    ) -> AsyncIterator[Event]:
+        """Speech for `text` verbatim: it is the assistant's reply, teacher-forced through the Thinker."""
+        submitted = time.time()
+        if not text.strip():
+            raise InvalidRequestError("input text must not be empty")
+        prompt = self.prompts.build([{"role": "user", "content": instructions or SPEECH_INSTRUCTION}])
+        forced = self.tokenizer.encode(text, add_special_tokens=False) + [self.model_config.im_end_token_id]
+        voice = self.check_request(len(prompt.ids), len(forced), True, speaker, max_audio_frames)
+        thinker = ThinkerRequest(
+            request_id or uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0), len(forced),
+            self.stop_ids, forced_ids=forced,
+        )
+        async for event in self._run(prompt, thinker, True, voice, talker_sampling, max_audio_frames, return_codes, submitted):
+            yield event
+
+    async def _run(
+        self,
+        prompt: Prompt,
+        thinker: ThinkerRequest,
+        audio: bool,
+        voice: str,
+        talker_sampling: SamplingParams | None,
+        max_audio_frames: int | None,
+        return_codes: bool,
+        submitted: float,
+    ) -> AsyncIterator[Event]:
+        rid = thinker.request_id
+        timing = {"submitted": submitted}
+        events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        tasks: list[asyncio.Task[None]] = []
+        streams: list[str] = []
+
+        async def open_stream(name: str, method: str, *args: Any) -> Any:
+            """Start a stage stream; its first event names the replica's relay address."""
+            iterator = self.stages[name].stream(method, *args).__aiter__()
+            try:
+                first = await iterator.__anext__()
+            except Exception as exc:
+                raise StageError(f"{name} did not start: {exc}") from exc
+            if first["type"] != "ready":
+                raise StageError(f"{name}: {first.get('message', 'did not start')}")
+            tasks.append(asyncio.ensure_future(_pump(name, iterator, events)))
+            streams.append(name)
+            return first["peer"]
+
+        done: dict[str, dict[str, Any]] = {}
+        token_ids: list[int] = []
+        emitted = ""
+        try:
+            if audio:  # consumers first, so each producer knows where its relay messages go
+                vocoder = await open_stream("vocoder", "decode", rid, return_codes)
+                talker = TalkerRequest(rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames)
+                thinker.talker = await open_stream("talker", "speak", talker)
+            thinker_peer = await open_stream("thinker", "generate", thinker)
+            if prompt.clips:
+                tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, thinker_peer, events)))
+            while len(done) < len(streams):
+                name, event = await events.get()
+                kind = event["type"]
+                if kind == "error":
+                    raise StageError(f"{name}: {event['message']}")
+                if kind == "final":
+                    done[name] = event
+                elif kind == "token":
+                    timing.setdefault("first_token", event["t"])
+                    timing["last_token"] = event["t"]
+                    token_ids.append(event["token"])
+                    text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                    if len(text) > len(emitted) and not text.endswith("\ufffd"):
+                        delta, emitted = text[len(emitted) :], text
+                        yield TextDelta(delta, [event["token"]], event["t"])
+                elif kind == "audio":
+                    timing.setdefault("first_audio", event["t"])
+                    yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
+            usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(token_ids)}
+            if "talker" in done:
+                usage["audio_frames"] = int(done["talker"].get("frames", 0))
+            yield Finished(
+                done["thinker"]["finish_reason"], usage, done["talker"]["finish_reason"] if "talker" in done else None,
+                token_ids, time.time(), timing, done.get("vocoder", {}).get("codes"),
+                self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            )
+        finally:
+            for task in tasks:  # cancelling a pump closes its stage stream: that stage frees the request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(name: str, iterator: AsyncIterator[dict[str, Any]], events: asyncio.Queue[tuple[str, Any]]) -> None:
+    try:
+        async for event in iterator:
+            events.put_nowait((name, event))
+    except asyncio.CancelledError:
+        await iterator.aclose()  # type: ignore[attr-defined]
+        raise
+    except Exception as exc:  # the stage raised: surface it as that stream's error
+        events.put_nowait((name, {"type": "error", "message": str(exc)}))
+
+
+async def _encode(
+    encoder: StageClient, rid: str, prompt: Prompt, thinker: Any, events: asyncio.Queue[tuple[str, Any]]
+) -> None:
+    try:
+        await encoder.call("encode", rid, prompt.clips, thinker)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        events.put_nowait(("encoder", {"type": "error", "message": str(exc)}))

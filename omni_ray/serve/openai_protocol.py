@@ -1,0 +1,542 @@
+"""OpenAI-compatible wire protocol: request validation, mapping to Pipeline.generate, response/SSE builders, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import math
+import os
+import stat
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Annotated, Any, Callable, Literal, TypeVar, Union
+
+import numpy as np
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator,
+)
+
+from omni_ray.audio import AudioDecodeError, AudioTooLongError, audio_duration_seconds, encode_audio
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.errors import InvalidRequestError
+
+MiB = 1 << 20
+OUTPUT_SAMPLE_RATE = 24000
+AUDIO_EXPIRY_S = 3600
+SPEECH_CONTENT_TYPES: dict[str, str] = {
+    "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg",
+}
+
+
+class OpenAIError(Exception):
+    """An HTTP error rendered as OpenAI's envelope: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def too_large(message: str, param: str | None = None, code: str | None = "request_too_large") -> OpenAIError:
+    return OpenAIError(413, message, "invalid_request_error", param, code)
+
+
+def unprocessable(message: str, param: str | None = None, code: str | None = "invalid_schema") -> OpenAIError:
+    return OpenAIError(422, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model", "model_not_found")
+
+
+def rate_limited(retry_after_s: float) -> OpenAIError:
+    retry = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return OpenAIError(429, "Too many requests; retry later", "rate_limit_error", None, "rate_limit_exceeded", retry)
+
+
+def overloaded(retry_after_s: float) -> OpenAIError:
+    retry = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return OpenAIError(503, "The server is overloaded; retry later", "server_error", None, "overloaded", retry)
+
+
+def internal_error(message: str = "The server had an error while processing the request") -> OpenAIError:
+    return OpenAIError(500, message, "server_error", None, "internal_error")
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    """Dotted field path without union tags ("content:parts", "part:text") or pydantic's validator labels."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and (":" in p or "[" in p)))
+
+
+def from_validation_error(exc: ValidationError) -> OpenAIError:
+    """Schema errors → 422 listing every failing path (inputs are never echoed); param is the first path."""
+    errors = exc.errors(include_url=False, include_input=False)
+    paths = [_loc_path(tuple(e["loc"])) for e in errors]
+    details = "; ".join(f"{p}: {e['msg']}" if p else str(e["msg"]) for p, e in zip(paths, errors))
+    return unprocessable(f"Invalid request: {details}", paths[0] if paths and paths[0] else None)
+
+
+def invalid_request(exc: InvalidRequestError) -> OpenAIError:
+    """A pipeline client error → 400, or 413 when its cause chain holds AudioTooLongError."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, AudioTooLongError):
+            return too_large(str(exc), "messages", "audio_too_long")
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return bad_request(str(exc))
+
+
+class ServiceLimits(BaseModel):
+    """Per-deployment request limits enforced at the ingress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_request_bytes: int = Field(default=32 * MiB, ge=1)
+    max_audio_seconds: float = Field(default=300.0, gt=0, description="total input audio of one request")
+    max_prompt_tokens: int = Field(default=8192, ge=1)
+    max_completion_tokens: int = Field(default=2048, ge=1)
+    default_max_tokens: int = Field(default=256, ge=1)
+    max_speech_input_chars: int = Field(default=4096, ge=1)
+    allow_audio_urls: bool = False
+    allowed_local_audio_dirs: list[str] = Field(default_factory=list)
+    url_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    max_url_bytes: int = Field(default=32 * MiB, ge=1)
+
+
+def check_prompt_tokens(prompt_tokens: int, limits: ServiceLimits) -> None:
+    if prompt_tokens > limits.max_prompt_tokens:
+        msg = f"prompt is {prompt_tokens} tokens, over the limit of {limits.max_prompt_tokens}"
+        raise bad_request(msg, "messages", "context_length_exceeded")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class InputAudio(_Strict):
+    data: str = Field(min_length=1, description="base64; decoded and validated by the prompt builder")
+    format: Literal["wav", "mp3", "flac", "ogg"] | None = None
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioUrl(_Strict):
+    url: str = Field(min_length=1)
+
+
+class AudioUrlPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: AudioUrl
+    _resolved: dict[str, Any] | None = PrivateAttr(default=None)  # prompt-builder part, set by resolve_audio_urls
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"part:{kind}" if kind in ("text", "input_audio", "audio_url") else None
+
+
+# Callable discriminators: one clear error per bad part; their tags ("part:…", "content:…") are dropped from paths.
+ContentPart = Annotated[
+    Union[Annotated[TextPart, Tag("part:text")], Annotated[InputAudioPart, Tag("part:input_audio")],
+          Annotated[AudioUrlPart, Tag("part:audio_url")]],
+    Discriminator(_part_tag, custom_error_type="invalid_part_type",
+                  custom_error_message="unknown content part type; expected 'text', 'input_audio' or 'audio_url'"),
+]
+Content = Annotated[
+    Union[Annotated[str, Tag("content:text")], Annotated[list[ContentPart], Tag("content:parts")]],
+    Discriminator(lambda v: "content:text" if isinstance(v, str) else "content:parts" if isinstance(v, list) else None,
+                  custom_error_type="invalid_content",
+                  custom_error_message="content must be a string or a list of content parts"),
+]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Content
+    name: str | None = None  # accepted and ignored
+
+
+class AudioOutput(_Strict):
+    voice: str = Field(min_length=1)
+    format: Literal["wav", "pcm16", "flac", "mp3", "opus"]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# Known OpenAI fields accepted only at their no-op value: (field, accepted when, message of the 400 otherwise).
+_NO_TOOLS = "this server has no tool/function calling"
+_NOOP_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("tools", lambda v: v is None, f"'tools' is not supported: {_NO_TOOLS}"),
+    ("tool_choice", lambda v: v is None, f"'tool_choice' is not supported: {_NO_TOOLS}"),
+    ("stop", lambda v: v in (None, []), "stop sequences are not supported"),
+    ("n", lambda v: v in (None, 1), "only n=1 is supported"),
+    ("logprobs", lambda v: not v, "logprobs are not supported"),
+    ("top_logprobs", lambda v: not v, "logprobs are not supported"),
+    ("presence_penalty", lambda v: not v, "presence_penalty is not supported (only 0); use repetition_penalty"),
+    ("frequency_penalty", lambda v: not v, "frequency_penalty is not supported (only 0); use repetition_penalty"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported"),
+    ("response_format", lambda v: v is None or v.get("type") == "text", "only response_format type 'text' is supported"),
+)
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed"}
+
+
+class ChatCompletionRequest(_Strict):
+    """POST /v1/chat/completions. Unknown fields → 422; known but unsupported OpenAI features → 400.
+
+    Extensions: top_k, repetition_penalty. Accepted and ignored: user, metadata, store, messages[].name."""
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"])
+    audio: AudioOutput | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="legacy; max_completion_tokens wins if both")
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        """Raises OpenAIError (400) itself: pydantic passes exceptions other than ValueError/AssertionError through."""
+        for name, accepted, message in _NOOP_ONLY:
+            if not accepted(getattr(self, name)):
+                raise bad_request(message, name)
+        if "text" not in self.modalities:
+            raise bad_request("modalities must include 'text' (audio-only output is not supported)", "modalities")
+        if self.wants_audio and self.audio is None:
+            raise bad_request("'audio' (voice and format) is required when modalities include 'audio'", "audio")
+        if self.wants_audio and self.stream and self.audio is not None and self.audio.format != "pcm16":
+            raise bad_request("streamed audio is always pcm16: set audio.format to 'pcm16'", "audio.format")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        return self
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_limits(self, limits: ServiceLimits) -> int:
+        """The reply's max_tokens: requested (max_completion_tokens, else max_tokens) or the default; 400 over the cap."""
+        param, requested = "max_completion_tokens", self.max_completion_tokens
+        if requested is None and self.max_tokens is not None:
+            param, requested = "max_tokens", self.max_tokens
+        if requested is None:
+            return min(limits.default_max_tokens, limits.max_completion_tokens)
+        if requested > limits.max_completion_tokens:
+            raise bad_request(f"{param}={requested} exceeds the limit of {limits.max_completion_tokens}", param)
+        return requested
+
+    def to_generate_kwargs(self, limits: ServiceLimits) -> dict[str, Any]:
+        """Pipeline.generate kwargs plus `audio_format` (how to encode the reply): pop it before calling generate."""
+        # Unset fields take SamplingParams' defaults, which are OpenAI's: temperature 1, top_p 1 (0 → greedy).
+        sampling = SamplingParams(**self.model_dump(include=_SAMPLING_FIELDS, exclude_none=True))
+        audio = self.audio if self.wants_audio else None
+        return {
+            "sampling": sampling, "max_tokens": self.check_limits(limits), "audio": audio is not None,
+            "speaker": audio.voice.strip().lower() if audio else None, "audio_format": audio.format if audio else None,
+        }
+
+    def to_pipeline_messages(self) -> list[dict[str, Any]]:
+        """Messages as PromptBuilder.build takes them; audio_url parts must have been through resolve_audio_urls."""
+        out: list[dict[str, Any]] = []
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+                continue
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(message.content):
+                if isinstance(part, AudioUrlPart):
+                    if part._resolved is None:
+                        raise RuntimeError(f"messages.{i}.content.{j}: call resolve_audio_urls first")
+                    parts.append(part._resolved)
+                else:
+                    parts.append(part.model_dump(exclude_none=True))
+            out.append({"role": message.role, "content": parts})
+        return out
+
+
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
+            raise urllib.error.URLError(f"redirect to a non-http(s) URL refused: {newurl}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch_http(url: str, timeout: float, max_bytes: int, param: str) -> bytes:
+    request = urllib.request.Request(url, headers={"User-Agent": "omni-ray"})
+    try:
+        with urllib.request.build_opener(_HttpOnlyRedirects).open(request, timeout=timeout) as response:
+            length = response.headers.get("Content-Length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                raise too_large(f"audio_url is {length} bytes, over the limit of {max_bytes}", param)
+            data = response.read(max_bytes + 1)
+    except urllib.error.HTTPError as exc:
+        raise bad_request(f"could not fetch audio_url: HTTP {exc.code}", param, "audio_url_fetch_failed") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise bad_request(f"could not fetch audio_url: {exc}", param, "audio_url_fetch_failed") from exc
+    if len(data) > max_bytes:
+        raise too_large(f"audio_url is over the limit of {max_bytes} bytes", param)
+    return data
+
+
+def _read_local(url: str, limits: ServiceLimits, param: str) -> bytes:
+    """file:// only inside allowed_local_audio_dirs, judged on the realpath (so no symlink escapes)."""
+    if not limits.allowed_local_audio_dirs:
+        raise bad_request("local file access is disabled on this server", param, "local_files_disabled")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise bad_request("file:// URLs must not name a remote host", param)
+    real = os.path.realpath(urllib.request.url2pathname(parts.path))
+    roots = [os.path.realpath(d) for d in limits.allowed_local_audio_dirs]
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise bad_request("access to this local file is not allowed", param, "local_file_not_allowed")
+    try:
+        with os.fdopen(os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise bad_request("audio_url does not name a regular file", param)
+            data = f.read(limits.max_url_bytes + 1)
+    except OSError as exc:
+        raise bad_request(f"could not read local audio file: {exc.strerror or exc}", param) from exc
+    if len(data) > limits.max_url_bytes:
+        raise too_large(f"local audio file is over the limit of {limits.max_url_bytes} bytes", param)
+    return data
+
+
+async def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str, Any]:
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":  # data:[<mime>][;base64],<payload>; base64 passes through to the prompt builder's check
+        header, sep, payload = url[5:].partition(",")
+        if not sep:
+            raise bad_request("malformed data: URL (no ',')", param)
+        if header.lower().endswith(";base64"):
+            return {"type": "input_audio", "input_audio": {"data": payload}}
+        return {"type": "audio", "audio": urllib.parse.unquote_to_bytes(payload)}
+    if scheme in ("http", "https"):
+        if not limits.allow_audio_urls:
+            raise bad_request("http(s) audio_url is disabled on this server; send input_audio", param,
+                              "audio_url_disabled")
+        timeout = limits.url_fetch_timeout_s
+        fetch = asyncio.to_thread(_fetch_http, url, timeout, limits.max_url_bytes, param)
+        try:  # the socket timeout bounds each read; this bounds the whole transfer
+            return {"type": "audio", "audio": await asyncio.wait_for(fetch, timeout)}
+        except asyncio.TimeoutError as exc:
+            raise bad_request(f"fetching audio_url timed out after {timeout:g}s", param, "audio_url_fetch_failed") from exc
+    if scheme == "file":
+        return {"type": "audio", "audio": await asyncio.to_thread(_read_local, url, limits, param)}
+    raise bad_request(f"unsupported audio_url scheme {scheme!r}; use data:, http(s): or file:", param)
+
+
+def check_audio_duration(messages: list[dict[str, Any]], limits: ServiceLimits) -> None:
+    """413 when the clips of pipeline `messages` total over max_audio_seconds (header read; bad audio skipped)."""
+    total = 0.0
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else []:
+            try:
+                if part["type"] == "audio":
+                    total += audio_duration_seconds(bytes(part["audio"]))
+                elif part["type"] == "input_audio":
+                    total += audio_duration_seconds(base64.b64decode(part["input_audio"]["data"], validate=True))
+            except (AudioDecodeError, binascii.Error, ValueError):
+                continue  # the prompt builder reports it
+    if total > limits.max_audio_seconds:
+        msg = f"input audio totals {total:.1f}s, over the limit of {limits.max_audio_seconds:g}s"
+        raise too_large(msg, "messages", "audio_too_long")
+
+
+async def resolve_audio_urls(request: ChatCompletionRequest, limits: ServiceLimits) -> ChatCompletionRequest:
+    """A copy whose audio_url parts carry their audio (see to_pipeline_messages); also enforces max_audio_seconds."""
+    resolved = request.model_copy(deep=True)
+    for i, message in enumerate(resolved.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, AudioUrlPart):
+                part._resolved = await _resolve_one(part.audio_url.url, limits, f"messages.{i}.content.{j}.audio_url.url")
+    await asyncio.to_thread(check_audio_duration, resolved.to_pipeline_messages(), limits)
+    return resolved
+
+
+class SpeechRequest(_Strict):
+    """POST /v1/audio/speech. Only speed 1.0; `instructions` → 400 (ignoring a style request would mislead);
+    streaming only as pcm or wav (the compressed formats are encoded whole)."""
+
+    model: str = Field(min_length=1)
+    input: str
+    voice: str = Field(min_length=1)
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream: bool = False
+    instructions: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("input must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _supported(self) -> SpeechRequest:
+        if self.speed != 1.0:
+            raise bad_request("only speed 1.0 is supported", "speed")
+        if self.instructions:
+            raise bad_request("'instructions' is not supported", "instructions")
+        if self.stream and self.response_format not in ("pcm", "wav"):
+            raise bad_request("streaming speech is available as 'pcm' or 'wav' only", "response_format")
+        return self
+
+    @property
+    def content_type(self) -> str:
+        return SPEECH_CONTENT_TYPES[self.response_format]
+
+    @property
+    def audio_format(self) -> str:
+        """encode_audio's name for the format (OpenAI 'pcm' = raw 24 kHz 16-bit LE = 'pcm16')."""
+        return "pcm16" if self.response_format == "pcm" else self.response_format
+
+    @property
+    def speaker(self) -> str:
+        return self.voice.strip().lower()
+
+    def check_limits(self, limits: ServiceLimits) -> int:
+        """The input length in characters; 400 over max_speech_input_chars."""
+        if len(self.input) > limits.max_speech_input_chars:
+            msg = f"input is {len(self.input)} characters, over the limit of {limits.max_speech_input_chars}"
+            raise bad_request(msg, "input", "string_above_max_length")
+        return len(self.input)
+
+
+RequestT = TypeVar("RequestT", ChatCompletionRequest, SpeechRequest)
+
+
+def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
+    if len(raw) > limits.max_request_bytes:
+        raise too_large(f"request body is {len(raw)} bytes, over the limit of {limits.max_request_bytes}")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # includes UnicodeDecodeError and JSONDecodeError
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_request(raw: bytes | dict[str, Any], cls: type[RequestT], limits: ServiceLimits) -> RequestT:
+    """Body bytes (or decoded JSON) → a validated request within limits; every failure is an OpenAIError."""
+    body = parse_json_body(raw, limits) if isinstance(raw, bytes) else raw
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    request.check_limits(limits)
+    return request
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, audio_frames: int | None = None) -> dict[str, Any]:
+    """Text tokens; audio codec frames go to completion_tokens_details.audio_tokens, not into the totals."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if audio_frames is not None:
+        usage["completion_tokens_details"] = {"audio_tokens": audio_frames}
+    return usage
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
+               finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chat.completion.chunk; delta None gives the final usage-only chunk (choices [])."""
+    chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event, `data: <json>\\n\\n`; a string (e.g. "[DONE]") goes as is, one data line per line."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")) if isinstance(data, dict) else data
+    return "".join(f"data: {line}\n" for line in text.split("\n")).encode() + b"\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def audio_delta(audio_id: str, pcm: np.ndarray | None, transcript_delta: str = "") -> dict[str, Any]:
+    """A streaming delta {"audio": {id, data: base64 PCM16 LE mono 24 kHz, transcript}}; pcm None omits data."""
+    audio: dict[str, Any] = {"id": audio_id}
+    if pcm is not None:
+        raw = encode_audio(np.asarray(pcm, dtype=np.float32), OUTPUT_SAMPLE_RATE, "pcm16")
+        audio["data"] = base64.b64encode(raw).decode()
+    audio["transcript"] = transcript_delta
+    return {"audio": audio}
+
+
+def audio_message(audio_id: str, pcm: np.ndarray, fmt: str, transcript: str, created: int,
+                  sample_rate: int = OUTPUT_SAMPLE_RATE) -> dict[str, Any]:
+    """The non-streaming message.audio: the whole reply encoded as `fmt` (encode_audio's names; pcm16 = raw)."""
+    data = encode_audio(np.asarray(pcm, dtype=np.float32), sample_rate, fmt)
+    return {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": transcript,
+            "expires_at": created + AUDIO_EXPIRY_S}
+
+
+def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str,
+                    usage: dict[str, Any], audio: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A chat.completion. With audio (from audio_message) content is null, as in OpenAI: the text is its transcript."""
+    message: dict[str, Any] = {"role": "assistant", "content": None if audio else text, "refusal": None}
+    if audio is not None:
+        message["audio"] = audio
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def models_list(model_ids: list[str], created: int | None = None) -> dict[str, Any]:
+    stamp = int(time.time()) if created is None else created
+    return {"object": "list",
+            "data": [{"id": m, "object": "model", "created": stamp, "owned_by": "omni-ray"} for m in model_ids]}

@@ -1,0 +1,48 @@
+"""How callers reach a stage: the same streaming/unary interface over Ray actor handles or Serve handles."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+import ray
+
+
+class StageClient(Protocol):
+    def stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]: ...
+    async def call(self, method: str, *args: Any) -> Any: ...
+
+
+class ActorClient:
+    """A plain Ray actor running a stage (the Python API's pipeline)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
+        gen = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+        try:
+            async for ref in gen:
+                yield await ref
+        finally:
+            ray.cancel(gen)  # no-op once finished; otherwise the stage's stream is cancelled and cleans up
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)
+
+
+class ServeClient:
+    """A Serve deployment running a stage; each call lands on one replica and stays there."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
+        gen = getattr(self.handle.options(stream=True), method).remote(*args)
+        try:
+            async for event in gen:
+                yield event
+        finally:
+            gen.cancel()
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)

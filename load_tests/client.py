@@ -71,7 +71,8 @@ def chat_body(model: str, prompt: str, *, max_tokens: int, voice: str, temperatu
     body: dict[str, Any] = {
         "model": model, "messages": [{"role": "user", "content": content}],
         "modalities": ["text", "audio"], "audio": {"voice": voice, "format": "pcm16"},
-        "stream": True, "max_completion_tokens": max_tokens, "temperature": temperature,
+        "stream": True, "stream_options": {"include_usage": True},  # usage only comes when asked for
+        "max_completion_tokens": max_tokens, "temperature": temperature,
     }
     if seed is not None:
         body["seed"] = seed

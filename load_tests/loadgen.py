@@ -132,7 +132,10 @@ def parse_args(argv: Sequence[str] | None) -> LoadConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a load test; print the table; write results. Exit status 0 if any request succeeded, 1 if none, 2 on setup errors."""
+    """Run a load test, print the table and write the results.
+
+    Exit status: 0 if any request succeeded, 1 if none did, 2 if setup failed (e.g. GET /v1/models).
+    """
     cfg = parse_args(argv)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")

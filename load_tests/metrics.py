@@ -25,7 +25,7 @@ def pcm16_seconds(n_bytes: int) -> float:
 class StreamState:
     """What a response stream has delivered so far; times are seconds on the caller's clock."""
 
-    first_text_t: float | None = None
+    first_text_t: float | None = None  # first non-empty delta.content or delta.audio.transcript
     audio: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, PCM16 bytes)
     text: list[str] = field(default_factory=list)
     transcript: list[str] = field(default_factory=list)
@@ -81,7 +81,9 @@ def apply_chat_event(state: StreamState, payload: str, t: float) -> None:
                 except (binascii.Error, ValueError) as exc:
                     state.fail("protocol_error", f"bad base64 audio: {exc}")
             transcript = audio.get("transcript")
-            if isinstance(transcript, str) and transcript:
+            if isinstance(transcript, str) and transcript:  # OpenAI-style audio replies carry their text here
+                if state.first_text_t is None:
+                    state.first_text_t = t
                 state.transcript.append(transcript)
         if choice.get("finish_reason"):
             state.finish_reason = str(choice["finish_reason"])
@@ -174,7 +176,7 @@ def build_record(index: int, scenario: str, start: float, end: float, run_start:
         underruns=playback.underruns, stall_s=playback.stall_s,
         prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
         completion_tokens=_int_or_none(usage.get("completion_tokens")),
-        text_chars=sum(len(s) for s in state.text),
+        text_chars=sum(len(s) for s in (state.text or state.transcript)),
     )
 
 
@@ -229,7 +231,10 @@ def aggregate(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         finish[key] = finish.get(key, 0) + 1
     audio_total = sum(r.audio_s for r in records)
     tokens = sum(r.completion_tokens or 0 for r in ok)
-    rate = (lambda x: x / wall_s) if wall_s > 0 else (lambda x: 0.0)
+
+    def rate(x: float) -> float:
+        return x / wall_s if wall_s > 0 else 0.0
+
     return {
         "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "errors_by_status": dict(sorted(errors_by_status.items())),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import json
 import random
 import threading
@@ -23,12 +24,7 @@ from load_tests.metrics import (RequestRecord, StreamState, aggregate, apply_cha
 from load_tests.report import format_table  # noqa: E402
 from load_tests.sse import SSEParser, parse_sse  # noqa: E402
 
-try:
-    import matplotlib  # noqa: F401
-
-    HAVE_MPL = True
-except ImportError:
-    HAVE_MPL = False
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None  # without it the CLI skips plots
 
 
 # ---------------------------------------------------------------- SSE parsing
@@ -99,6 +95,16 @@ def test_apply_chat_event_accumulates_text_audio_finish_and_usage() -> None:
     assert st.first_text_t == 1.1 and st.audio == [(1.3, 4800)] and "".join(st.text) == "Hi there"
     assert st.finish_reason == "stop" and st.usage["completion_tokens"] == 2 and st.done
     assert st.transcript == ["Hi"] and st.error_type is None
+
+
+def test_apply_chat_event_transcript_only_text() -> None:
+    st = StreamState()  # OpenAI-style: with audio on, the text may come only as audio.transcript
+    apply_chat_event(st, _chunk({"audio": {"id": "a", "transcript": "Hel"}}), 2.0)
+    apply_chat_event(st, _chunk(_audio(480, "lo")), 2.2)
+    apply_chat_event(st, json.dumps({"id": "c", "choices": [], "usage": {"completion_tokens": 3}}), 2.3)
+    rec = build_record(0, "chat", 1.5, 2.5, 1.5, 200, st)
+    assert rec.ttft_s == pytest.approx(0.5) and rec.ttfa_s == pytest.approx(0.7) and rec.text_chars == 5
+    assert rec.completion_tokens == 3 and rec.audio_bytes == 480
 
 
 def test_apply_chat_event_errors() -> None:
@@ -261,7 +267,8 @@ class FakeOmni:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         n, body = await self._admit(request)
         if not (body.get("model") == "fake-omni" and body.get("stream") is True and body.get("messages")
-                and body.get("modalities") == ["text", "audio"] and body.get("audio", {}).get("format") == "pcm16"):
+                and body.get("modalities") == ["text", "audio"] and body.get("audio", {}).get("format") == "pcm16"
+                and body.get("stream_options") == {"include_usage": True}):
             return self._error(400, "invalid_request_error", "unexpected request body")
         if n == self.fail_on:
             return self._error(503, "server_overloaded", "try later", headers={"Retry-After": "1"})
@@ -274,8 +281,8 @@ class FakeOmni:
             await resp.prepare(request)
             chunks = [_chunk({"role": "assistant", "content": "Hel"}), _chunk({"content": "lo"})]
             chunks += [_chunk(_audio(n_bytes, "Hello")) for n_bytes in CHAT_AUDIO]
-            chunks += [_chunk({}, finish="stop", usage={"prompt_tokens": 4, "completion_tokens": 2,
-                                                        "total_tokens": 6}), "[DONE]"]
+            usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+            chunks += [_chunk({}, finish="stop"), json.dumps({"id": "c1", "choices": [], "usage": usage}), "[DONE]"]
             for c in chunks:
                 event = f"data: {c}\n\n".encode()
                 half = len(event) // 2  # split every event across two writes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import os
 from math import gcd
 
@@ -193,3 +194,13 @@ class AudioFeatureExtractor:
     def num_audio_tokens(self, feature_len: int) -> int:
         """Audio-encoder output positions for `feature_len` mel frames."""
         return num_audio_tokens(feature_len, self.n_window)
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """A PCM16 mono WAV header for a stream of unknown length (sizes set to the maximum, as streaming servers do)."""
+    unknown = 0xFFFFFFFF
+    return (
+        b"RIFF" + struct.pack("<I", unknown) + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data" + struct.pack("<I", unknown)
+    )

@@ -23,7 +23,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_cluster(tiny_checkpoint: Path) -> Iterator[str]:
     import ray
 
-    context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: the pipeline's four actors and the Serve app's replicas each ask for a fraction.
+    context = ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield context.address_info["address"]
     ray.shutdown()
 
@@ -43,3 +44,29 @@ def hf_model(tiny_checkpoint: Path) -> Any:
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+SERVE_PORT = 8000
+# Small limits so that the 413 paths are cheap to exercise.
+SERVE_LIMITS = {"max_request_bytes": 2 * 1024 * 1024, "max_audio_seconds": 20, "max_completion_tokens": 512}
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: str) -> Iterator[str]:
+    """The real service: Ray Serve, one deployment per stage plus the OpenAI ingress, on the tiny model."""
+    import time
+
+    import httpx
+    from ray import serve
+
+    from omni_ray.serve.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    serve.run(build_app({"model_name": "qwen3-omni", "limits": SERVE_LIMITS}), name="omni", route_prefix="/")
+    url = f"http://127.0.0.1:{SERVE_PORT}"
+    deadline = time.time() + 60
+    while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+        assert time.time() < deadline, "service never became ready"
+        time.sleep(0.2)
+    yield url
+    serve.shutdown()

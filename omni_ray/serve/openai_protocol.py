@@ -77,17 +77,15 @@ def internal_error(message: str = "The server had an error while processing the 
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
 
-def _loc_path(loc: tuple[int | str, ...]) -> str:
-    """Dotted field path without union tags ("content:parts", "part:text") or pydantic's validator labels."""
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and (":" in p or "[" in p)))
-
-
 def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """Schema errors → 422 listing every failing path (inputs are never echoed); param is the first path."""
+    """Schema errors → 422 listing every failing path (inputs are never echoed); param is the first path.
+
+    Paths are dotted ("messages.0.content.1.input_audio.data"), without union tags ("part:text") or validator labels."""
     errors = exc.errors(include_url=False, include_input=False)
-    paths = [_loc_path(tuple(e["loc"])) for e in errors]
-    details = "; ".join(f"{p}: {e['msg']}" if p else str(e["msg"]) for p, e in zip(paths, errors))
-    return unprocessable(f"Invalid request: {details}", paths[0] if paths and paths[0] else None)
+    paths = [".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and (":" in p or "[" in p))) for e in errors]
+    details = "; ".join(f"{p}: {e['msg']}" if p else str(e["msg"]) for p, e in zip(paths[:10], errors))
+    more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
+    return unprocessable(f"Invalid request: {details}{more}", paths[0] if paths and paths[0] else None)
 
 
 def invalid_request(exc: InvalidRequestError) -> OpenAIError:
@@ -201,10 +199,8 @@ _NOOP_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("presence_penalty", lambda v: not v, "presence_penalty is not supported (only 0); use repetition_penalty"),
     ("frequency_penalty", lambda v: not v, "frequency_penalty is not supported (only 0); use repetition_penalty"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
-    ("response_format", lambda v: v is None or v.get("type") == "text", "only response_format type 'text' is supported"),
+    ("response_format", lambda v: v is None or v.get("type") == "text", "only response_format 'text' is supported"),
 )
-
-
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed"}
 
 
@@ -215,7 +211,7 @@ class ChatCompletionRequest(_Strict):
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"])
+    modalities: list[Literal["text", "audio"]] = ["text"]  # pydantic copies mutable defaults per instance
     audio: AudioOutput | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -245,12 +241,12 @@ class ChatCompletionRequest(_Strict):
         """Raises OpenAIError (400) itself: pydantic passes exceptions other than ValueError/AssertionError through."""
         for name, accepted, message in _NOOP_ONLY:
             if not accepted(getattr(self, name)):
-                raise bad_request(message, name)
+                raise bad_request(message, name, "unsupported_parameter")
         if "text" not in self.modalities:
             raise bad_request("modalities must include 'text' (audio-only output is not supported)", "modalities")
         if self.wants_audio and self.audio is None:
             raise bad_request("'audio' (voice and format) is required when modalities include 'audio'", "audio")
-        if self.wants_audio and self.stream and self.audio is not None and self.audio.format != "pcm16":
+        if self.stream and self.audio is not None and self.wants_audio and self.audio.format != "pcm16":
             raise bad_request("streamed audio is always pcm16: set audio.format to 'pcm16'", "audio.format")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -265,7 +261,7 @@ class ChatCompletionRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_limits(self, limits: ServiceLimits) -> int:
-        """The reply's max_tokens: requested (max_completion_tokens, else max_tokens) or the default; 400 over the cap."""
+        """The reply's max_tokens: max_completion_tokens, else max_tokens, else the default; 400 over the cap."""
         param, requested = "max_completion_tokens", self.max_completion_tokens
         if requested is None and self.max_tokens is not None:
             param, requested = "max_tokens", self.max_tokens
@@ -283,6 +279,7 @@ class ChatCompletionRequest(_Strict):
         return {
             "sampling": sampling, "max_tokens": self.check_limits(limits), "audio": audio is not None,
             "speaker": audio.voice.strip().lower() if audio else None, "audio_format": audio.format if audio else None,
+            "talker_sampling": talker_sampling(self.temperature, self.seed),
         }
 
     def to_pipeline_messages(self) -> list[dict[str, Any]]:
@@ -318,7 +315,7 @@ def _fetch_http(url: str, timeout: float, max_bytes: int, param: str) -> bytes:
             length = response.headers.get("Content-Length", "")
             if length.isdigit() and int(length) > max_bytes:
                 raise too_large(f"audio_url is {length} bytes, over the limit of {max_bytes}", param)
-            data = response.read(max_bytes + 1)
+            data: bytes = response.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
         raise bad_request(f"could not fetch audio_url: HTTP {exc.code}", param, "audio_url_fetch_failed") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -369,7 +366,8 @@ async def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str,
         try:  # the socket timeout bounds each read; this bounds the whole transfer
             return {"type": "audio", "audio": await asyncio.wait_for(fetch, timeout)}
         except asyncio.TimeoutError as exc:
-            raise bad_request(f"fetching audio_url timed out after {timeout:g}s", param, "audio_url_fetch_failed") from exc
+            msg = f"fetching audio_url timed out after {timeout:g}s"
+            raise bad_request(msg, param, "audio_url_fetch_failed") from exc
     if scheme == "file":
         return {"type": "audio", "audio": await asyncio.to_thread(_read_local, url, limits, param)}
     raise bad_request(f"unsupported audio_url scheme {scheme!r}; use data:, http(s): or file:", param)
@@ -398,14 +396,15 @@ async def resolve_audio_urls(request: ChatCompletionRequest, limits: ServiceLimi
     for i, message in enumerate(resolved.messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
             if isinstance(part, AudioUrlPart):
-                part._resolved = await _resolve_one(part.audio_url.url, limits, f"messages.{i}.content.{j}.audio_url.url")
+                param = f"messages.{i}.content.{j}.audio_url.url"
+                part._resolved = await _resolve_one(part.audio_url.url, limits, param)
     await asyncio.to_thread(check_audio_duration, resolved.to_pipeline_messages(), limits)
     return resolved
 
 
 class SpeechRequest(_Strict):
-    """POST /v1/audio/speech. Only speed 1.0; `instructions` → 400 (ignoring a style request would mislead);
-    streaming only as pcm or wav (the compressed formats are encoded whole)."""
+    """POST /v1/audio/speech → Pipeline.speak. Only speed 1.0; streaming only as pcm or wav (the compressed formats
+    are encoded whole). `instructions` replaces speak()'s user turn ("Read the following text aloud.")."""
 
     model: str = Field(min_length=1)
     input: str
@@ -414,6 +413,8 @@ class SpeechRequest(_Strict):
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream: bool = False
     instructions: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="extension: Talker temperature")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="extension: Talker sampling seed")
 
     @field_validator("input")
     @classmethod
@@ -426,8 +427,6 @@ class SpeechRequest(_Strict):
     def _supported(self) -> SpeechRequest:
         if self.speed != 1.0:
             raise bad_request("only speed 1.0 is supported", "speed")
-        if self.instructions:
-            raise bad_request("'instructions' is not supported", "instructions")
         if self.stream and self.response_format not in ("pcm", "wav"):
             raise bad_request("streaming speech is available as 'pcm' or 'wav' only", "response_format")
         return self
@@ -445,12 +444,27 @@ class SpeechRequest(_Strict):
     def speaker(self) -> str:
         return self.voice.strip().lower()
 
-    def check_limits(self, limits: ServiceLimits) -> int:
-        """The input length in characters; 400 over max_speech_input_chars."""
-        if len(self.input) > limits.max_speech_input_chars:
-            msg = f"input is {len(self.input)} characters, over the limit of {limits.max_speech_input_chars}"
-            raise bad_request(msg, "input", "string_above_max_length")
-        return len(self.input)
+    def check_limits(self, limits: ServiceLimits) -> None:
+        """400 when input or instructions exceed max_speech_input_chars."""
+        for name, value in (("input", self.input), ("instructions", self.instructions or "")):
+            if len(value) > limits.max_speech_input_chars:
+                msg = f"{name} is {len(value)} characters, over the limit of {limits.max_speech_input_chars}"
+                raise bad_request(msg, name, "string_above_max_length")
+
+    def to_speak_kwargs(self) -> dict[str, Any]:
+        """Pipeline.speak(text, **kwargs) arguments: the text is `input`."""
+        return {
+            "speaker": self.speaker, "instructions": self.instructions or None,
+            "talker_sampling": talker_sampling(self.temperature, self.seed),
+        }
+
+
+def talker_sampling(temperature: float | None, seed: int | None) -> SamplingParams:
+    """The Talker's sampling for a request: greedy when the request is greedy (temperature 0), so that a greedy
+    request is deterministic end to end; otherwise the released model's settings, seeded by the request."""
+    if temperature == 0:
+        return SamplingParams(temperature=0.0, repetition_penalty=1.05)
+    return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=seed)
 
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, SpeechRequest)
@@ -528,7 +542,7 @@ def audio_message(audio_id: str, pcm: np.ndarray, fmt: str, transcript: str, cre
 def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str,
                     usage: dict[str, Any], audio: dict[str, Any] | None = None) -> dict[str, Any]:
     """A chat.completion. With audio (from audio_message) content is null, as in OpenAI: the text is its transcript."""
-    message: dict[str, Any] = {"role": "assistant", "content": None if audio else text, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if audio is not None:
         message["audio"] = audio
     choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}

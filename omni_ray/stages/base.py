@@ -28,6 +28,30 @@ class StageBase:
         self._self_peer: RelayPeer | None = None
         self.completed = 0
         self.failed = 0
+        self._reporter: Any = None
+
+    def start_reporting(self) -> None:
+        """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
+        if _serve_replica_id() is not None and self._reporter is None:
+            from omni_ray.serve.stats import StatsReporter
+
+            self._reporter = StatsReporter(self.replica_id, self.load_stats)
+
+    def load_stats(self) -> dict[str, Any]:
+        """What this replica is doing now. Stages with an engine add running/waiting/KV numbers."""
+        return {"stage": self.stage_name, "streams": self.active_requests(), "completed": self.completed,
+                "failed": self.failed, "load": self.active_requests()}
+
+    async def stats(self) -> dict[str, Any]:
+        return self.load_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: the stage's own load signal."""
+        stats = self.load_stats()
+        metrics = {"load": float(stats["load"])}
+        if stats.get("kv_total"):
+            metrics["kv_occupancy"] = stats["kv_used"] / stats["kv_total"]
+        return metrics
 
     # ---- relay -------------------------------------------------------------------------------------------
     async def relay_peer(self) -> RelayPeer:

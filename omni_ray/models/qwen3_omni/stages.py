@@ -63,6 +63,13 @@ def _checkpoint(model: ModelSource) -> tuple[str, Qwen3OmniMoeConfig]:
     return str(path), Qwen3OmniMoeConfig.from_pretrained(path)
 
 
+def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any]) -> dict[str, Any]:
+    stats = {**StageBase.load_stats(stage), **engine.stats(), **stage.endpoint.stats()}
+    stats["kv_used"], stats["kv_total"] = engine.runner.cache.used_slots, engine.runner.cache.num_slots
+    stats["load"] = stats["running"] + stats["waiting"]
+    return stats
+
+
 def _kv_cache(cfg: Any, settings: EngineSettings, res: StageResources) -> SlotKVCache:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return SlotKVCache(
@@ -82,17 +89,27 @@ class EncoderStage(StageBase):
         res = stage.resources
         self.features = AudioFeatureExtractor(checkpoint)
         self.encoder = load_audio_encoder(Path(checkpoint), config, res.device, DTYPES[res.dtype])
+        self._encoding = 0
+        self.start_reporting()
 
     async def encode(self, request_id: str, clips: list[np.ndarray], thinker: RelayPeer) -> int:
         """Encodes every clip of a request and relays one tensor [tokens, hidden]; returns the token count."""
+        self._encoding += 1
         try:
             embeds = await asyncio.to_thread(self._encode, clips)
         except Exception as exc:
             self.send_end(thinker, request_id, kind="error", message=f"audio encoding failed: {exc}")
+            self.failed += 1
             raise
+        finally:
+            self._encoding -= 1
+        self.completed += 1
         self.sender.send(thinker, [RelayItem(request_id, tensors={"audio_embeds": embeds.float().cpu()})])
         self.sender.forget(request_id)  # one item per request: no sequence state to keep
         return int(embeds.shape[0])
+
+    def load_stats(self) -> dict[str, Any]:
+        return {**super().load_stats(), "streams": self._encoding, "load": self._encoding}
 
     def _encode(self, clips: list[np.ndarray]) -> torch.Tensor:
         return encode_audio_features(self.encoder, [self.features(clip)[0] for clip in clips])
@@ -113,6 +130,7 @@ class ThinkerStage(StageBase):
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
         self._talkers: dict[str, RelayPeer] = {}
+        self.start_reporting()
 
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[dict[str, Any]]:
         rid = request.request_id
@@ -183,8 +201,8 @@ class ThinkerStage(StageBase):
         for peer, items in batches.values():
             self.sender.send(peer, items)
 
-    async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "streams": self.active_requests(), **self.endpoint.stats()}
+    def load_stats(self) -> dict[str, Any]:
+        return _engine_stats(self, self.engine)
 
 
 class TalkerStage(StageBase):
@@ -204,6 +222,7 @@ class TalkerStage(StageBase):
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
         self._sequences: dict[str, TalkerSequence] = {}
+        self.start_reporting()
 
     async def speak(self, request: TalkerRequest) -> AsyncIterator[dict[str, Any]]:
         rid = request.request_id
@@ -277,8 +296,8 @@ class TalkerStage(StageBase):
         for peer, items in batches.values():
             self.sender.send(peer, items)
 
-    async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "streams": self.active_requests(), **self.endpoint.stats()}
+    def load_stats(self) -> dict[str, Any]:
+        return _engine_stats(self, self.engine)
 
 
 class VocoderStage(StageBase):
@@ -292,6 +311,7 @@ class VocoderStage(StageBase):
         res, streaming = stage.resources, stage.streaming
         self.codec = Code2WavCodec(load_code2wav(Path(checkpoint), config, res.device, DTYPES[res.dtype]))
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
+        self.start_reporting()
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Streams audio events, then a final event (with every frame's codes when `return_codes`)."""
@@ -333,5 +353,3 @@ class VocoderStage(StageBase):
             self.endpoint.release(request_id)
             self._streams.pop(request_id, None)
 
-    async def stats(self) -> dict[str, Any]:
-        return {"streams": self.active_requests(), **self.endpoint.stats()}

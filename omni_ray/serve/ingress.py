@@ -1,0 +1,246 @@
+"""The OpenAI-compatible HTTP front (FastAPI on Ray Serve): chat completions, speech, models, health, metrics.
+
+No `from __future__ import annotations` here: FastAPI must see real annotations after Serve rebinds the routes.
+"""
+
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import FastAPI, Request
+from ray import serve
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.audio import encode_audio, wav_stream_header
+from omni_ray.config import PipelineConfig
+from omni_ray.errors import InvalidRequestError, StageError
+from omni_ray.events import AudioChunk, Event, Finished, TextDelta
+from omni_ray.models.qwen3_omni.checkpoint import resolve_checkpoint
+from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
+from omni_ray.models.qwen3_omni.prompt import PromptBuilder
+from omni_ray.serve import openai_protocol as oai
+from omni_ray.serve.metrics import ServiceMetrics
+from omni_ray.serve.stats import stats_board
+from omni_ray.stages.client import ServeClient
+
+STAGES = ("encoder", "thinker", "talker", "vocoder")
+app = FastAPI(title="omni-ray", docs_url=None, redoc_url=None)
+
+
+def error_response(error: oai.OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _as_openai_error(exc: Exception) -> oai.OpenAIError:
+    """Client mistakes → 4xx; full queues → 503 with Retry-After; anything else is ours → 500."""
+    if isinstance(exc, oai.OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return oai.invalid_request(exc)
+    cause: BaseException | None = exc
+    while cause is not None:
+        if type(cause).__name__ == "BackPressureError":
+            return oai.overloaded(1.0)
+        cause = cause.__cause__
+    return oai.internal_error(str(exc) if isinstance(exc, StageError) else "internal error")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+@serve.ingress(app)
+class OmniIngress:
+    """Parses and validates requests, runs them through the orchestrator over the stage deployments."""
+
+    def __init__(
+        self, encoder: Any, thinker: Any, talker: Any, vocoder: Any, pipeline: dict[str, Any],
+        limits: dict[str, Any], model_name: str,
+    ) -> None:
+        self.config = PipelineConfig.model_validate(pipeline)
+        self.limits = oai.ServiceLimits.model_validate(limits)
+        self.model_name = model_name
+        checkpoint = str(resolve_checkpoint(self.config.model.path, self.config.model.tiny_seed))
+        model_config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+        prompts = PromptBuilder(checkpoint, model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
+        clients = {name: ServeClient(h) for name, h in zip(STAGES, (encoder, thinker, talker, vocoder))}
+        self.orchestrator = Orchestrator(clients, prompts, self.config, model_config)
+        self.metrics = ServiceMetrics()
+        self.board = stats_board()
+
+    # ---- routes --------------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def route_chat(self, request: Request) -> Response:
+        return await self._guard("chat", self.chat, request)
+
+    @app.post("/v1/audio/speech")
+    async def route_speech(self, request: Request) -> Response:
+        return await self._guard("speech", self.speech, request)
+
+    @app.get("/v1/models")
+    async def route_models(self) -> JSONResponse:
+        return JSONResponse(oai.models_list([self.model_name]))
+
+    @app.get("/health")
+    async def route_health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def route_ready(self) -> Response:
+        return await self.ready()
+
+    @app.get("/metrics")
+    async def route_metrics(self) -> Response:
+        return await self.metrics_text()
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise oai.model_not_found(model)
+
+    async def _start(self, events: AsyncIterator[Event]) -> tuple[Event | None, AsyncIterator[Event]]:
+        """Run until the first event so that request errors become HTTP errors, not a broken stream."""
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            return None, events
+        return first, events
+
+    async def _guard(self, endpoint: str, handler: Any, request: Request) -> Response:
+        self.metrics.in_flight.inc()
+        try:
+            response = await handler(await request.body())
+        except asyncio.CancelledError:
+            self.metrics.cancelled.labels(endpoint).inc()
+            raise
+        except Exception as exc:
+            response = error_response(_as_openai_error(exc))
+        finally:
+            self.metrics.in_flight.dec()
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    async def _counted(self, endpoint: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Streaming bodies: count cancellations (client gone) after the headers were sent."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        except asyncio.CancelledError:
+            self.metrics.cancelled.labels(endpoint).inc()
+            raise
+
+    # ---- chat ----------------------------------------------------------------------------------------------
+    async def chat(self, raw: bytes) -> Response:
+        request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)
+        self._check_model(request.model)
+        request = await oai.resolve_audio_urls(request, self.limits)
+        kwargs = request.to_generate_kwargs(self.limits)
+        audio_format = kwargs.pop("audio_format")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        first, events = await self._start(
+            self.orchestrator.generate(request.to_pipeline_messages(), request_id=rid, **kwargs)
+        )
+        if request.stream:
+            body = self._chat_stream(rid, created, first, events, kwargs["audio"])
+            return StreamingResponse(self._counted("chat", body), media_type="text/event-stream")
+        return await self._chat_whole(rid, created, first, events, audio_format)
+
+    async def _chat_stream(
+        self, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio: bool
+    ) -> AsyncIterator[bytes]:
+        audio_id = f"audio_{rid}"
+        yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}))
+        seconds = 0.0
+        event = first
+        while event is not None:
+            if isinstance(event, TextDelta):
+                delta: dict[str, Any] = {"content": event.text}
+                if audio:
+                    delta.update(oai.audio_delta(audio_id, None, event.text))
+                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, delta))
+            elif isinstance(event, AudioChunk):
+                seconds += len(event.pcm) / event.sample_rate
+                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, oai.audio_delta(audio_id, event.pcm)))
+            elif isinstance(event, Finished):
+                usage = oai.usage_dict(event.usage["prompt_tokens"], event.usage["completion_tokens"], event.usage.get("audio_frames"))
+                self.metrics.observe_reply(event.timing, seconds, event.t)
+                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {}, event.finish_reason, usage))
+            event = await anext(events, None)
+        yield oai.SSE_DONE
+
+    async def _chat_whole(
+        self, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio_format: str | None
+    ) -> Response:
+        pcm: list[np.ndarray] = []
+        final: Finished | None = None
+        event = first
+        while event is not None:
+            if isinstance(event, AudioChunk):
+                pcm.append(event.pcm)
+            elif isinstance(event, Finished):
+                final = event
+            event = await anext(events, None)
+        assert final is not None
+        samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+        self.metrics.observe_reply(final.timing, len(samples) / 24000, final.t)
+        audio = oai.audio_message(f"audio_{rid}", samples, audio_format, final.text, created) if audio_format else None
+        usage = oai.usage_dict(final.usage["prompt_tokens"], final.usage["completion_tokens"], final.usage.get("audio_frames"))
+        body = oai.chat_completion(rid, self.model_name, created, final.text, final.finish_reason, usage, audio)
+        return JSONResponse(body)
+
+    # ---- speech --------------------------------------------------------------------------------------------
+    async def speech(self, raw: bytes) -> Response:
+        request = oai.parse_request(raw, oai.SpeechRequest, self.limits)
+        self._check_model(request.model)
+        first, events = await self._start(
+            self.orchestrator.speak(request.input, request_id=f"speech-{uuid.uuid4().hex}", **request.to_speak_kwargs())
+        )
+        if request.stream:
+            body = self._speech_stream(first, events, request.response_format == "wav")
+            return StreamingResponse(self._counted("speech", body), media_type=request.content_type)
+        pcm: list[np.ndarray] = []
+        event = first
+        while event is not None:
+            if isinstance(event, AudioChunk):
+                pcm.append(event.pcm)
+            elif isinstance(event, Finished):
+                samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+                self.metrics.observe_reply(event.timing, len(samples) / 24000, event.t)
+            event = await anext(events, None)
+        samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+        return Response(encode_audio(samples, 24000, request.audio_format), media_type=request.content_type)
+
+    async def _speech_stream(self, first: Event | None, events: AsyncIterator[Event], wav: bool) -> AsyncIterator[bytes]:
+        if wav:
+            yield wav_stream_header(24000)
+        seconds = 0.0
+        event = first
+        while event is not None:
+            if isinstance(event, AudioChunk):
+                seconds += len(event.pcm) / event.sample_rate
+                yield encode_audio(event.pcm, event.sample_rate, "pcm16")
+            elif isinstance(event, Finished):
+                self.metrics.observe_reply(event.timing, seconds, event.t)
+            event = await anext(events, None)
+
+    # ---- service -------------------------------------------------------------------------------------------
+    async def ready(self) -> Response:
+        snapshot: dict[str, dict[str, Any]] = await self.board.snapshot.remote()
+        present = {str(s.get("stage")) for s in snapshot.values()}
+        missing = [stage for stage in STAGES if stage not in present]
+        if missing:
+            return JSONResponse({"status": "not ready", "missing_stages": missing}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ready", "replicas": len(snapshot)})
+
+    async def metrics_text(self) -> Response:
+        snapshot = await self.board.snapshot.remote()
+        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the HTTP service: requests by status, latency to first token/audio, RTF, stage load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+STAGE_GAUGES = {
+    "running": "sequences in the engine's running batch",
+    "waiting": "sequences waiting for admission (queue depth)",
+    "streams": "requests with an open stream on the replica",
+    "kv_used": "KV cache slots in use",
+}
+
+
+class ServiceMetrics:
+    """A private registry, rendered by GET /metrics (one ingress replica's view plus every stage replica)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("omni_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
+        self.in_flight = Gauge("omni_requests_in_flight", "requests being served by this ingress", registry=r)
+        self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("omni_time_to_first_audio_seconds", "time to first audio chunk", buckets=LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("omni_real_time_factor", "wall time / audio seconds of a reply", buckets=RTF_BUCKETS, registry=r)
+        self.audio_seconds = Counter("omni_audio_seconds", "seconds of audio produced", registry=r)
+        self.stage = {
+            name: Gauge(f"omni_stage_{name}", help_text, ["stage", "replica"], registry=r)
+            for name, help_text in STAGE_GAUGES.items()
+        }
+        self.replicas = Gauge("omni_stage_replicas", "replicas reporting, per stage", ["stage"], registry=r)
+
+    def observe_reply(self, timing: dict[str, float], audio_seconds: float, finished_at: float) -> None:
+        submitted = timing.get("submitted")
+        if submitted is None:
+            return
+        if "first_token" in timing:
+            self.ttft.observe(timing["first_token"] - submitted)
+        if "first_audio" in timing:
+            self.ttfa.observe(timing["first_audio"] - submitted)
+        if audio_seconds > 0:
+            self.audio_seconds.inc(audio_seconds)
+            self.rtf.observe((finished_at - submitted) / audio_seconds)
+
+    def render(self, stage_stats: dict[str, dict[str, Any]]) -> bytes:
+        for gauge in self.stage.values():
+            gauge.clear()
+        self.replicas.clear()
+        counts: dict[str, int] = {}
+        for replica, stats in stage_stats.items():
+            stage = str(stats.get("stage", "unknown"))
+            counts[stage] = counts.get(stage, 0) + 1
+            for name, gauge in self.stage.items():
+                if name in stats:
+                    gauge.labels(stage, replica).set(float(stats[name]))
+        for stage, count in counts.items():
+            self.replicas.labels(stage).set(count)
+        return generate_latest(self.registry)

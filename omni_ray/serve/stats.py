@@ -1,0 +1,60 @@
+"""A small named actor where every stage replica posts its load, read by the ingress for /metrics and /ready."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import ray
+
+BOARD_NAME = "omni-ray-stats"
+REPORT_PERIOD_S = 0.25
+STALE_AFTER_S = 3.0
+
+
+@ray.remote(num_cpus=0)
+class StatsBoard:
+    """Latest stats per replica; replicas that stop reporting disappear after STALE_AFTER_S."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def report(self, replica_id: str, stats: dict[str, Any]) -> None:
+        self._stats[replica_id] = (time.time(), stats)
+
+    def forget(self, replica_id: str) -> None:
+        self._stats.pop(replica_id, None)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        cutoff = time.time() - STALE_AFTER_S
+        self._stats = {rid: (t, s) for rid, (t, s) in self._stats.items() if t >= cutoff}
+        return {rid: s for rid, (_, s) in self._stats.items()}
+
+
+def stats_board(namespace: str | None = None) -> Any:
+    """The board of this Ray namespace, created on first use."""
+    return StatsBoard.options(name=BOARD_NAME, namespace=namespace, get_if_exists=True, lifetime="detached").remote()
+
+
+class StatsReporter:
+    """Background thread posting `collect()` to the board every REPORT_PERIOD_S."""
+
+    def __init__(self, replica_id: str, collect: Callable[[], dict[str, Any]]) -> None:
+        self.replica_id = replica_id
+        self.collect = collect
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stats-reporter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        board = None
+        while not self._stop.wait(REPORT_PERIOD_S):
+            try:
+                board = board or stats_board()
+                board.report.remote(self.replica_id, self.collect())
+            except Exception:  # the board is best effort: serving never waits on it
+                board = None
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,129 @@
+"""The real HTTP service (Ray Serve, tiny model) called with the official `openai` client: outputs equal the
+Python API's for the same greedy request."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from _reference import wav_part
+from omni_ray.audio import encode_audio
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.events import AudioChunk, Finished, TextDelta
+
+MODEL = "qwen3-omni"
+GREEDY = SamplingParams(temperature=0.0)
+GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)  # what temperature 0 means over HTTP
+
+
+@pytest.fixture(scope="module")
+def client(serve_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def python_api(events: Any) -> tuple[str, bytes, Finished]:
+    """Text, PCM16 bytes (quantised as the server does) and the final event of a Python API reply."""
+
+    async def collect() -> tuple[str, bytes, Finished]:
+        text, pcm, final = "", b"", None
+        async for event in events:
+            if isinstance(event, TextDelta):
+                text += event.text
+            elif isinstance(event, AudioChunk):
+                pcm += encode_audio(event.pcm, 24000, "pcm16")
+            elif isinstance(event, Finished):
+                final = event
+        assert final is not None
+        return text, pcm, final
+
+    return asyncio.run(collect())
+
+
+def test_streaming_chat_with_audio_equals_the_python_api(client: openai.OpenAI, pipeline: Any) -> None:
+    messages = [{"role": "user", "content": "Tell me about the weather in spring."}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+        stream=True, temperature=0, max_completion_tokens=14, stream_options={"include_usage": True},
+    )
+    text, pcm, finish_reason, usage, transcript = "", b"", None, None, ""
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            text += delta.get("content") or ""
+            audio = delta.get("audio") or {}
+            pcm += base64.b64decode(audio.get("data") or "")
+            transcript += audio.get("transcript") or ""
+            finish_reason = choice.finish_reason or finish_reason
+    expected_text, expected_pcm, final = python_api(
+        pipeline.generate(messages, sampling=GREEDY, max_tokens=14, speaker="ethan", talker_sampling=GREEDY_TALKER)
+    )
+    assert text == expected_text and transcript == expected_text
+    assert len(pcm) > 0 and pcm == expected_pcm
+    assert finish_reason == final.finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == 14 and usage.prompt_tokens == final.usage["prompt_tokens"]
+
+
+def test_chat_with_audio_in_and_wav_out_equals_the_python_api(client: openai.OpenAI, pipeline: Any) -> None:
+    part = wav_part(1.3, 22050, 2, seed=11)
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What was that?"}]}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"},
+        temperature=0, max_completion_tokens=10,
+    )
+    message = reply.choices[0].message
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="int16")
+    expected_text, expected_pcm, final = python_api(
+        pipeline.generate(messages, sampling=GREEDY, max_tokens=10, speaker="chelsie", talker_sampling=GREEDY_TALKER)
+    )
+    assert message.content == expected_text and message.audio.transcript == expected_text
+    assert rate == 24000 and samples.tobytes() == expected_pcm
+    assert message.audio.expires_at > reply.created
+    assert reply.usage.completion_tokens == len(final.token_ids)
+
+
+def test_text_only_chat_equals_the_python_api(client: openai.OpenAI, pipeline: Any) -> None:
+    messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_completion_tokens=9)
+    expected_text, expected_pcm, _ = python_api(pipeline.generate(messages, sampling=GREEDY, max_tokens=9, audio=False))
+    assert reply.choices[0].message.content == expected_text and expected_pcm == b""
+    assert getattr(reply.choices[0].message, "audio", None) is None
+
+
+def test_speech_equals_the_python_api_streamed_or_not(client: openai.OpenAI, pipeline: Any) -> None:
+    text = "Good morning, the train leaves at seven."
+    whole = client.audio.speech.create(
+        model=MODEL, voice="aiden", input=text, response_format="pcm", extra_body={"temperature": 0}
+    ).read()
+    with client.audio.speech.with_streaming_response.create(
+        model=MODEL, voice="aiden", input=text, response_format="pcm", extra_body={"temperature": 0, "stream": True}
+    ) as response:
+        streamed = b"".join(response.iter_bytes())
+    spoken_text, expected_pcm, final = python_api(pipeline.speak(text, speaker="aiden", talker_sampling=GREEDY_TALKER))
+    assert spoken_text == text  # the input is the reply, verbatim
+    assert len(whole) > 0 and whole == expected_pcm and streamed == expected_pcm
+    assert final.finish_reason == "stop"
+    wav = client.audio.speech.create(model=MODEL, voice="aiden", input=text, extra_body={"temperature": 0}).read()
+    samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
+    assert rate == 24000 and samples.tobytes() == expected_pcm
+
+
+def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> None:
+    import httpx
+
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{serve_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{serve_url}/ready").status_code == 200
+    metrics = httpx.get(f"{serve_url}/metrics").text
+    for name in ("omni_requests_total", "omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds",
+                 "omni_real_time_factor", "omni_stage_waiting", "omni_stage_running"):
+        assert name in metrics, name
+    assert 'omni_stage_replicas{stage="talker"} 1.0' in metrics

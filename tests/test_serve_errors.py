@@ -1,0 +1,130 @@
+"""Malformed HTTP requests get their documented 4xx in the OpenAI error envelope; disconnects free every stage."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from _reference import wav_part
+
+MODEL = "qwen3-omni"
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": HELLO, **fields}
+
+
+def _audio_message(data: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]
+
+
+def _long_wav(seconds: float) -> str:
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros(int(seconds * 8000), np.float32), 8000, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+# (name, method, path, json body or raw bytes, expected status)
+BAD: list[tuple[str, str, str, Any, int]] = [
+    ("invalid json", "POST", "/v1/chat/completions", b"{not json", 400),
+    ("json array body", "POST", "/v1/chat/completions", b"[1, 2]", 400),
+    ("unknown field", "POST", "/v1/chat/completions", _chat(bogus=1), 422),
+    ("temperature out of range", "POST", "/v1/chat/completions", _chat(temperature=5), 422),
+    ("top_p zero", "POST", "/v1/chat/completions", _chat(top_p=0), 422),
+    ("max tokens zero", "POST", "/v1/chat/completions", _chat(max_completion_tokens=0), 422),
+    ("max tokens over limit", "POST", "/v1/chat/completions", _chat(max_completion_tokens=100_000), 400),
+    ("n=2", "POST", "/v1/chat/completions", _chat(n=2), 400),
+    ("tools", "POST", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), 400),
+    ("stop sequences", "POST", "/v1/chat/completions", _chat(stop=["x"]), 400),
+    ("audio-only modality", "POST", "/v1/chat/completions", _chat(modalities=["audio"]), 400),
+    ("audio modality without audio config", "POST", "/v1/chat/completions", _chat(modalities=["text", "audio"]), 400),
+    ("unknown voice", "POST", "/v1/chat/completions",
+     _chat(modalities=["text", "audio"], audio={"voice": "nobody", "format": "wav"}), 400),
+    ("streamed audio not pcm16", "POST", "/v1/chat/completions",
+     _chat(modalities=["text", "audio"], audio={"voice": "ethan", "format": "mp3"}, stream=True), 400),
+    ("stream_options without stream", "POST", "/v1/chat/completions", _chat(stream_options={"include_usage": True}), 400),
+    ("empty messages", "POST", "/v1/chat/completions", _chat(messages=[]), 422),
+    ("unknown role", "POST", "/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "hi"}]), 422),
+    ("bad base64 audio", "POST", "/v1/chat/completions", _chat(messages=_audio_message("@@not base64@@")), 400),
+    ("undecodable audio", "POST", "/v1/chat/completions",
+     _chat(messages=_audio_message(base64.b64encode(b"definitely not a wav file").decode())), 400),
+    ("audio too long", "POST", "/v1/chat/completions", _chat(messages=_audio_message(_long_wav(25))), 413),
+    ("body too large", "POST", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": "x" * 3_000_000}]), 413),
+    ("audio url disabled", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "http://example.com/a.wav"}}]}]), 400),
+    ("local file disabled", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]}]), 400),
+    ("unknown model", "POST", "/v1/chat/completions", {**_chat(), "model": "gpt-9"}, 404),
+    ("speech empty input", "POST", "/v1/audio/speech", {"model": MODEL, "input": "  ", "voice": "ethan"}, 422),
+    ("speech speed", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "ethan", "speed": 2.0}, 400),
+    ("speech unknown format", "POST", "/v1/audio/speech",
+     {"model": MODEL, "input": "hi", "voice": "ethan", "response_format": "aac"}, 422),
+    ("speech unknown voice", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "nobody"}, 400),
+    ("wrong method", "GET", "/v1/chat/completions", None, 405),
+    ("unknown path", "POST", "/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_malformed_request_gets_its_documented_status(
+    serve_url: str, name: str, method: str, path: str, body: Any, status: int
+) -> None:
+    kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    response = httpx.request(method, f"{serve_url}{path}", timeout=60, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_service_keeps_serving_after_bad_requests(serve_url: str) -> None:
+    for _, method, path, body, _ in BAD[:5]:
+        httpx.request(method, f"{serve_url}{path}", json=body if isinstance(body, dict) else None, timeout=60)
+    response = httpx.post(f"{serve_url}/v1/chat/completions", json=_chat(max_completion_tokens=3), timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None
+
+
+def _stage_load(metrics: str) -> dict[str, float]:
+    """Sum of running/waiting/streams gauges per stage from /metrics."""
+    load: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(("omni_stage_running{", "omni_stage_waiting{", "omni_stage_streams{")):
+            labels, value = line.rsplit(" ", 1)
+            stage = labels.split('stage="')[1].split('"')[0]
+            load[stage] = load.get(stage, 0.0) + float(value)
+    return load
+
+
+def test_client_disconnect_frees_every_stage_within_a_second(serve_url: str) -> None:
+    body = _chat(
+        messages=[{"role": "user", "content": [wav_part(1.0, 16000, 1, seed=4), {"type": "text", "text": "Go on."}]}],
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, stream=True,
+        max_completion_tokens=500, temperature=0,
+    )
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{serve_url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"data"' in json.dumps(json.loads(line[6:])["choices"][0]["delta"]):
+                    break  # first audio arrived: the request is live in every stage
+            busy = _stage_load(httpx.get(f"{serve_url}/metrics").text)
+        closed = time.monotonic()  # leaving the block closes the connection: the client is gone
+    assert busy.get("thinker", 0) > 0 or busy.get("talker", 0) > 0  # it really was running (stats lag ≤ 0.25 s)
+    while True:
+        load = _stage_load(httpx.get(f"{serve_url}/metrics").text)
+        if all(v == 0 for v in load.values()) and set(load) >= {"thinker", "talker", "vocoder", "encoder"}:
+            break
+        assert time.monotonic() - closed < 1.0, f"stages still busy 1 s after the disconnect: {load}"
+        time.sleep(0.05)
+    print(f"\nevery stage idle {1000 * (time.monotonic() - closed):.0f} ms after the disconnect (as seen by /metrics)")
+    metrics = httpx.get(f"{serve_url}/metrics").text
+    assert 'omni_requests_cancelled_total{endpoint="chat"}' in metrics

@@ -32,9 +32,22 @@ class StatsBoard:
         return {rid: s for rid, (_, s) in self._stats.items()}
 
 
-def stats_board(namespace: str | None = None) -> Any:
-    """The board of this Ray namespace, created on first use."""
-    return StatsBoard.options(name=BOARD_NAME, namespace=namespace, get_if_exists=True, lifetime="detached").remote()
+def current_app_name() -> str:
+    """The Serve application this replica belongs to ('' outside Serve)."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().app_name or "")
+    except Exception:
+        return ""
+
+
+def stats_board(app_name: str | None = None) -> Any:
+    """The board of one Serve application (each app sees only its own replicas), created on first use."""
+    app = current_app_name() if app_name is None else app_name
+    return StatsBoard.options(
+        name=f"{BOARD_NAME}-{app}", namespace="omni-ray", get_if_exists=True, lifetime="detached"
+    ).remote()
 
 
 class StatsReporter:

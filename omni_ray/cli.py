@@ -79,6 +79,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from omni_ray.serve.app import app_from_serve_config
+
+    config_path = Path(args.config) if args.config else Path(__file__).parent / "assets" / "serve_tiny_cpu.yaml"
+    app, spec = app_from_serve_config(config_path)
+    http = {**spec["http_options"], **({"host": args.host} if args.host else {}), **({"port": args.port} if args.port else {})}
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address) if address else ray.init(include_dashboard=False)
+    serve.start(http_options=http)
+    print(f"omni-ray serving {spec['name']} at http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}{spec['route_prefix']}",
+          file=sys.stderr)
+    serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP service on Ray Serve")
+    srv.add_argument("--config", help="Serve config YAML (default: the tiny CPU layout, deployments/tiny_cpu.yaml)")
+    srv.add_argument("--host", default=None)
+    srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
+    srv.set_defaults(func=_serve)
     return parser
 
 

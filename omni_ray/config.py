@@ -16,7 +16,7 @@ class _Strict(BaseModel):
 class StageResources(_Strict):
     """Where a stage replica runs."""
 
-    num_cpus: float = Field(default=0.5, ge=0)
+    num_cpus: float = Field(default=0.2, ge=0)
     num_gpus: float = Field(default=0, ge=0)
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -90,5 +90,8 @@ class PipelineConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PipelineConfig":
+        """A pipeline YAML, or a Serve config whose first application's `args.pipeline` holds one."""
         data = yaml.safe_load(Path(path).read_text()) or {}
+        if "applications" in data:
+            data = (data["applications"][0].get("args") or {}).get("pipeline") or {}
         return cls.model_validate(data)

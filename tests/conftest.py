@@ -59,10 +59,12 @@ def serve_url(ray_cluster: str) -> Iterator[str]:
     import httpx
     from ray import serve
 
-    from omni_ray.serve.app import build_app
+    from omni_ray.serve.app import app_from_serve_config
 
+    layout = Path(__file__).resolve().parent.parent / "deployments" / "tiny_cpu.yaml"  # the shipped default
+    app, spec = app_from_serve_config(layout, overrides={"limits": SERVE_LIMITS})
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-    serve.run(build_app({"model_name": "qwen3-omni", "limits": SERVE_LIMITS}), name="omni", route_prefix="/")
+    serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"])
     url = f"http://127.0.0.1:{SERVE_PORT}"
     deadline = time.time() + 60
     while httpx.get(f"{url}/ready", timeout=5).status_code != 200:

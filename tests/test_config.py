@@ -1,25 +1,55 @@
-"""The pipeline YAML schema: shipped layouts validate, mistakes are rejected with clear errors."""
+"""Config files: every Serve layout validates with Ray's own schema and builds; pipeline YAML mistakes are rejected."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import PipelineConfig
+from omni_ray.serve.app import STAGE_CLASSES, app_from_serve_config
 
-DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
-
-
-@pytest.mark.parametrize("path", sorted(DEPLOYMENTS.glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_layouts_validate(path: Path) -> None:
-    config = PipelineConfig.from_yaml(path)
-    assert config.stages.vocoder.streaming.chunk_ramp[0] == 1
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
 
 
-def test_tiny_cpu_layout_is_the_default() -> None:
-    assert PipelineConfig.from_yaml(DEPLOYMENTS / "qwen3_omni_tiny_cpu.yaml") == PipelineConfig()
+def test_the_three_layouts_ship() -> None:
+    assert {p.name for p in LAYOUTS} >= {"tiny_cpu.yaml", "qwen3_omni_30b_2gpu.yaml", "qwen3_omni_30b_1gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
+def test_layout_is_a_valid_serve_config_that_builds(path: Path) -> None:
+    raw = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` check
+    app = schema.applications[0]
+    assert app.import_path == "omni_ray.serve.app:build_app"
+    assert {d.name for d in app.deployments} == set(STAGE_CLASSES) | {"ingress"}
+    pipeline = PipelineConfig.from_yaml(path)
+    built, spec = app_from_serve_config(path)
+    assert built is not None and spec["name"] == app.name
+    for stage in STAGE_CLASSES:
+        resources = getattr(pipeline.stages, stage).resources
+        assert resources.device == "cpu" or resources.num_gpus > 0
+
+
+def test_gpu_layouts_place_stages_as_documented() -> None:
+    two = PipelineConfig.from_yaml(ROOT / "deployments/qwen3_omni_30b_2gpu.yaml").stages
+    # Only packing that fits: thinker + encoder on one GPU, talker + vocoder on the other.
+    assert two.thinker.resources.num_gpus + two.encoder.resources.num_gpus == 1.0
+    assert two.talker.resources.num_gpus + two.vocoder.resources.num_gpus == 1.0
+    assert two.thinker.resources.num_gpus + two.talker.resources.num_gpus > 1.0
+    assert two.thinker.resources.num_gpus + two.vocoder.resources.num_gpus > 1.0
+    one = PipelineConfig.from_yaml(ROOT / "deployments/qwen3_omni_30b_1gpu.yaml").stages
+    assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0
+
+
+def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:
+    assert PipelineConfig.from_yaml(ROOT / "deployments/tiny_cpu.yaml") == PipelineConfig()
+    packaged = ROOT / "omni_ray/assets/serve_tiny_cpu.yaml"
+    assert packaged.read_text() == (ROOT / "deployments/tiny_cpu.yaml").read_text()
 
 
 @pytest.mark.parametrize(

@@ -56,14 +56,14 @@ def test_audio_prompt_matches_transformers(pipeline: Any, hf_model: Any) -> None
 
 def test_concurrent_staggered_requests_each_match_their_own_reference(pipeline: Any, hf_model: Any) -> None:
     cases = [
-        ([{"role": "user", "content": "Hi."}], 18, 12),
-        ([{"role": "user", "content": "Tell me a long story about a boat, the sea and the wind at night."}], 40, 9),
-        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five, please."}], 26, 16),
-        ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 32, 7),
+        ([{"role": "user", "content": "Hi."}], 60, 12),
+        ([{"role": "user", "content": "Tell me a long story about a boat, the sea and the wind at night."}], 90, 9),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five, please."}], 70, 16),
+        ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 80, 7),
     ]
 
     async def staggered(index: int) -> Any:
-        await asyncio.sleep(0.12 * index)
+        await asyncio.sleep(0.04 * index)
         messages, max_tokens, max_frames = cases[index]
         return await run_pipeline(pipeline, messages, max_tokens, max_frames)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
 from ray import serve
-from ray.serve.config import AutoscalingConfig
 
 from omni_ray.config import PipelineConfig, StageConfig
 from omni_ray.models.qwen3_omni.stages import EncoderStage, TalkerStage, ThinkerStage, VocoderStage
@@ -28,10 +29,7 @@ def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus},
         "max_ongoing_requests": 2 * concurrent,  # each request holds one stream; the engine queues the rest
         "max_queued_requests": 4 * concurrent,
-        "autoscaling_config": AutoscalingConfig(
-            min_replicas=1, max_replicas=1, target_ongoing_requests=concurrent,
-            policy={"policy_function": LOAD_POLICY},
-        ),
+        "num_replicas": 1,  # a YAML `autoscaling_config` (e.g. with LOAD_POLICY) replaces this
         "health_check_period_s": 10,
         "graceful_shutdown_timeout_s": 60,  # a replica that scales down finishes its streams first
     }
@@ -49,13 +47,37 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     bound = {}
     for name, cls in STAGE_CLASSES.items():
         stage = getattr(config.stages, name)
-        options = {**stage_deployment_options(name, stage), **(args.get("stage_options") or {}).get(name, {})}
+        override = (args.get("stage_options") or {}).get(name, {})
+        options = stage_deployment_options(name, stage)
+        if "autoscaling_config" in override:
+            options.pop("num_replicas")
+        options.update(override)
         deployment = serve.deployment(cls).options(**options)
         bound[name] = deployment.bind(config.model, stage)
-    ingress = serve.deployment(OmniIngress).options(
-        name="ingress", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=256, max_queued_requests=512,
-    )
+    ingress_options = {"name": "ingress", "ray_actor_options": {"num_cpus": 0.2}, "max_ongoing_requests": 256,
+                       "max_queued_requests": 512, **(args.get("stage_options") or {}).get("ingress", {})}
+    ingress = serve.deployment(OmniIngress).options(**ingress_options)
     return ingress.bind(
         bound["encoder"], bound["thinker"], bound["talker"], bound["vocoder"],
         config.model_dump(mode="json"), limits.model_dump(mode="json"), model_name,
     )
+
+
+def app_from_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The first application of a Serve config file built imperatively (for `omni-ray serve` and tests):
+    its `deployments:` entries become `stage_options`. Returns the app and the config (http_options, name, ...).
+    `serve run FILE` gives the same application through Serve's own config path."""
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load(Path(path).read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    application = config.applications[0]
+    args = {**(application.args or {}), **(overrides or {})}
+    stage_options = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in raw["applications"][0].get("deployments", [])}
+    for name, options in (args.get("stage_options") or {}).items():
+        stage_options.setdefault(name, {}).update(options)
+    args["stage_options"] = stage_options
+    return build_app(args), {
+        "name": application.name, "route_prefix": application.route_prefix or "/",
+        "http_options": raw.get("http_options") or {},
+    }

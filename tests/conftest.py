@@ -48,7 +48,9 @@ def hf_model(tiny_checkpoint: Path) -> Any:
 
 SERVE_PORT = 8000
 # Small limits so that the 413 paths are cheap to exercise.
-SERVE_LIMITS = {"max_request_bytes": 2 * 1024 * 1024, "max_audio_seconds": 20, "max_completion_tokens": 512}
+SERVE_LIMITS = {
+    "max_request_bytes": 2 * 1024 * 1024, "max_audio_seconds": 20, "max_completion_tokens": 512, "max_prompt_tokens": 2000,
+}
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,8 @@ BAD: list[tuple[str, str, str, Any, int]] = [
      _chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "http://example.com/a.wav"}}]}]), 400),
     ("local file disabled", "POST", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]}]), 400),
+    ("prompt over max_prompt_tokens", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "many words here " * 1000}]), 400),
     ("unknown model", "POST", "/v1/chat/completions", {**_chat(), "model": "gpt-9"}, 404),
     ("speech empty input", "POST", "/v1/audio/speech", {"model": MODEL, "input": "  ", "voice": "ethan"}, 422),
     ("speech speed", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "ethan", "speed": 2.0}, 400),

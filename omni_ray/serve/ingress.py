@@ -72,7 +72,7 @@ class OmniIngress:
         model_config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
         prompts = PromptBuilder(checkpoint, model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
         clients = {name: ServeClient(h) for name, h in zip(STAGES, (encoder, thinker, talker, vocoder))}
-        self.orchestrator = Orchestrator(clients, prompts, self.config, model_config)
+        self.orchestrator = Orchestrator(clients, prompts, self.config, model_config, self.limits.max_prompt_tokens)
         self.metrics = ServiceMetrics()
         self.board = stats_board()
 

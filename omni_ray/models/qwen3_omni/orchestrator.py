@@ -23,8 +23,16 @@ SPEECH_INSTRUCTION = "Read the following text aloud."
 class Orchestrator:
     """Runs requests over stage clients (Ray actors or Serve deployments); knows nothing of HTTP."""
 
-    def __init__(self, stages: dict[str, StageClient], prompts: PromptBuilder, config: PipelineConfig, model_config: Any) -> None:
+    def __init__(
+        self,
+        stages: dict[str, StageClient],
+        prompts: PromptBuilder,
+        config: PipelineConfig,
+        model_config: Any,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
         self.stages = stages
+        self.max_prompt_tokens = max_prompt_tokens
         self.prompts = prompts
         self.tokenizer = prompts.tokenizer
         self.config = config
@@ -41,6 +49,8 @@ class Orchestrator:
         """Client errors are caught here, before any stage sees the request. Returns the voice."""
         if max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1")
+        if self.max_prompt_tokens is not None and prompt_len > self.max_prompt_tokens:
+            raise InvalidRequestError(f"prompt is {prompt_len} tokens, over the limit of {self.max_prompt_tokens}")
         limit = self.config.stages.thinker.engine.max_seq_len
         if prompt_len + max_tokens > limit:
             raise InvalidRequestError(

@@ -10,6 +10,7 @@ import pytest
 
 from _reference import GREEDY, GREEDY_TALKER, run_pipeline, wav_part
 from omni_ray.errors import InvalidRequestError
+from omni_ray.engine.sampler import SamplingParams
 from omni_ray.pipeline import AudioChunk
 
 HELLO = [{"role": "user", "content": "Hello!"}]
@@ -67,3 +68,25 @@ def test_abandoned_request_is_freed_in_every_stage_within_a_second(pipeline: Any
     print(f"\nall stages idle {elapsed * 1000:.0f} ms after the client left")
     reply = asyncio.run(run_pipeline(pipeline, HELLO, max_tokens=4, max_frames=3))
     assert reply.codes.shape[1] >= 1
+
+
+def test_many_concurrent_requests_all_finish(pipeline: Any) -> None:
+    """Rounds of overlapping requests, finishing at different steps: every stream ends (no lost end-of-stream
+    relay item when a request's final event races its relay messages)."""
+
+    async def one(index: int) -> int:
+        chunks = 0
+        async for event in pipeline.generate(
+            [{"role": "user", "content": f"Request {index}, please talk."}],
+            sampling=SamplingParams(temperature=0.8, seed=index), max_tokens=6 + index % 7 * 3,
+            max_audio_frames=6 + index % 5 * 3,
+        ):
+            chunks += isinstance(event, AudioChunk)
+        return chunks
+
+    async def rounds() -> None:
+        for r in range(8):
+            done = await asyncio.wait_for(asyncio.gather(*(one(r * 10 + i) for i in range(6))), timeout=60)
+            assert all(chunks > 0 for chunks in done)
+
+    asyncio.run(rounds())

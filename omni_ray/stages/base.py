@@ -129,6 +129,20 @@ class StageBase:
     async def describe(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": await self.relay_peer()}
 
+    def relay_step(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
+        """Ship one engine step's relay items: one message per consumer replica, with every request bound there.
+        Call on the event loop thread."""
+        batches: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}
+        for peer, item in items:
+            batches.setdefault(peer.replica_id, (peer, []))[1].append(item)
+        for peer, group in batches.values():
+            self.sender.send(peer, group)
+
+    def relay_step_threadsafe(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
+        """relay_step from an engine thread."""
+        if self._event_loop is not None and items:
+            self._event_loop.call_soon_threadsafe(self.relay_step, items)
+
     def send_end(self, peer: RelayPeer | None, request_id: str, kind: str = "end", **meta: Any) -> None:
         if peer is not None:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])

@@ -176,30 +176,27 @@ class ThinkerStage(StageBase):
             )
 
     def _on_outputs(self, outputs: list[ThinkerStepOutput]) -> None:
+        # Relay first: once the final event is out, the request's stream may close and forget its Talker peer.
+        self.relay_step_threadsafe([item for out in outputs for item in self._talker_items(out)])
         for out in outputs:
             event: dict[str, Any] = {"type": "token", "token": out.token}
             self.emit(out.request_id, event)
             if out.finish_reason is not None:
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason})
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._relay_to_talkers, outputs)
 
-    def _relay_to_talkers(self, outputs: list[ThinkerStepOutput]) -> None:
-        """One message per Talker replica per step, carrying every request bound there."""
-        batches: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}
-        for out in outputs:
-            peer = self._talkers.get(out.request_id)
-            if peer is None:
-                continue
-            items = batches.setdefault(peer.replica_id, (peer, []))[1]
-            if out.talker_prefix is not None:
-                items.append(RelayItem(out.request_id, tensors=out.talker_prefix))
-            if out.talker_embed is not None:
-                items.append(RelayItem(out.request_id, tensors={"text_embed": out.talker_embed}))
-            if out.finish_reason is not None:
-                items.append(RelayItem(out.request_id, kind="end"))
-        for peer, items in batches.values():
-            self.sender.send(peer, items)
+    def _talker_items(self, out: ThinkerStepOutput) -> list[tuple[RelayPeer, RelayItem]]:
+        """What the Talker consumes from this step: prefill states, the input token's embedding, the end."""
+        peer = self._talkers.get(out.request_id)
+        if peer is None:
+            return []
+        items = []
+        if out.talker_prefix is not None:
+            items.append(RelayItem(out.request_id, tensors=out.talker_prefix))
+        if out.talker_embed is not None:
+            items.append(RelayItem(out.request_id, tensors={"text_embed": out.talker_embed}))
+        if out.finish_reason is not None:
+            items.append(RelayItem(out.request_id, kind="end"))
+        return [(peer, item) for item in items]
 
     def load_stats(self) -> dict[str, Any]:
         return _engine_stats(self, self.engine)
@@ -274,27 +271,25 @@ class TalkerStage(StageBase):
         self.fail(request_id, str(error))
 
     def _on_outputs(self, outputs: list[TalkerStepOutput]) -> None:
+        # Relay first: once the final event is out, the request's stream may close and forget its vocoder peer.
+        self.relay_step_threadsafe([item for out in outputs for item in self._vocoder_items(out)])
         for out in outputs:
             if out.finish_reason is not None:
                 seq = self._sequences.get(out.request_id)
                 frames = seq.frames if seq is not None else 0
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames})
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._relay_to_vocoders, outputs)
 
-    def _relay_to_vocoders(self, outputs: list[TalkerStepOutput]) -> None:
-        batches: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}
-        for out in outputs:
-            peer = self._vocoders.get(out.request_id)
-            if peer is None:
-                continue
-            items = batches.setdefault(peer.replica_id, (peer, []))[1]
-            if out.codes is not None:
-                items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]}))
-            if out.finish_reason is not None:
-                items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))
-        for peer, items in batches.values():
-            self.sender.send(peer, items)
+    def _vocoder_items(self, out: TalkerStepOutput) -> list[tuple[RelayPeer, RelayItem]]:
+        """The step's frame (all code groups) and, when the request ended, the end marker."""
+        peer = self._vocoders.get(out.request_id)
+        if peer is None:
+            return []
+        items = []
+        if out.codes is not None:
+            items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]}))
+        if out.finish_reason is not None:
+            items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))
+        return [(peer, item) for item in items]
 
     def load_stats(self) -> dict[str, Any]:
         return _engine_stats(self, self.engine)
@@ -339,6 +334,7 @@ class VocoderStage(StageBase):
                         "sample_rate": self.codec.sample_rate, "t": time.time(),
                     }
                 if item.kind == "end":
+                    self.completed += 1
                     yield {
                         "type": "final",
                         "finish_reason": item.meta.get("finish_reason", "stop"),
@@ -347,7 +343,6 @@ class VocoderStage(StageBase):
                         "codes": torch.cat(received, dim=1) if received else None,
                         "t": time.time(),
                     }
-                    self.completed += 1
                     return
         finally:
             self.endpoint.release(request_id)

@@ -6,6 +6,7 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -80,3 +81,26 @@ def load_module(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         if expected[key].shape != value.shape:
             raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(expected[key].shape)}")
     module.load_state_dict(tensors, strict=True)
+
+
+@torch.no_grad()
+def random_module(factory: Callable[[], nn.Module], device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Build a module directly on `device` with random weights (norm scales 1, biases 0, the rest N(0, 0.02)).
+
+    For speed work without a checkpoint: full-size models initialise on the GPU in seconds."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            module = factory()
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in module.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    return module.to(device=device, dtype=dtype).eval()

@@ -15,7 +15,7 @@ from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids
-from omni_ray.weights import fuse_expert_weights, load_module, read_rows, read_tensors
+from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_rows, read_tensors
 
 # The code predictor samples with these when the Talker samples (transformers' fixed choice).
 MTP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -66,16 +66,20 @@ class TalkerAssets:
     tts_pad: torch.Tensor
 
 
-def load_talker(checkpoint: Path, config: Any, device: str, dtype: torch.dtype) -> TalkerAssets:
-    """Reads `talker.*` plus three rows of the Thinker's token embedding."""
-    model = TalkerModel(config.talker_config)
-    load_module(model, fuse_expert_weights(read_tensors(checkpoint, "talker.")))
-    model = model.to(device=device, dtype=dtype).eval()
-    rows = read_rows(
-        checkpoint,
-        "thinker.model.embed_tokens.weight",
-        [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
-    ).to(device=device, dtype=dtype)
+def load_talker(checkpoint: Path | None, config: Any, device: str, dtype: torch.dtype) -> TalkerAssets:
+    """Reads `talker.*` plus three rows of the Thinker's token embedding; random weights when no checkpoint."""
+    if checkpoint is None:
+        model: TalkerModel = random_module(lambda: TalkerModel(config.talker_config), device, dtype)  # type: ignore[assignment]
+        rows = torch.randn(3, config.talker_config.thinker_hidden_size, device=device, dtype=dtype) * 0.02
+    else:
+        model = TalkerModel(config.talker_config)
+        load_module(model, fuse_expert_weights(read_tensors(checkpoint, "talker.")))
+        model = model.to(device=device, dtype=dtype).eval()
+        rows = read_rows(
+            checkpoint,
+            "thinker.model.embed_tokens.weight",
+            [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
+        ).to(device=device, dtype=dtype)
     with torch.inference_mode():
         bos, eos, pad = model.text_projection(rows)
     return TalkerAssets(model, bos, eos, pad)

@@ -14,7 +14,7 @@ from omni_ray.engine.sampler import RequestSampler, SamplingParams
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
-from omni_ray.weights import fuse_expert_weights, load_module, read_tensors
+from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
 
 
 class ThinkerLM(nn.Module):
@@ -30,8 +30,10 @@ class ThinkerLM(nn.Module):
         return self.model.embed_tokens(ids)
 
 
-def load_thinker(checkpoint: Path, config: Any, device: str, dtype: torch.dtype) -> ThinkerLM:
-    """Reads only `thinker.model.*` (minus the encoders) and `thinker.lm_head.*`."""
+def load_thinker(checkpoint: Path | None, config: Any, device: str, dtype: torch.dtype) -> ThinkerLM:
+    """Reads only `thinker.model.*` (minus the encoders) and `thinker.lm_head.*`; random weights when no checkpoint."""
+    if checkpoint is None:
+        return random_module(lambda: ThinkerLM(config.thinker_config.text_config), device, dtype)  # type: ignore[return-value]
     model = ThinkerLM(config.thinker_config.text_config)
     tensors = read_tensors(checkpoint, "thinker.", only=("model.", "lm_head."))
     load_module(model, fuse_expert_weights(tensors))

@@ -1,0 +1,131 @@
+"""Engine-only speed of full-size Qwen3-Omni (random weights): Thinker and Talker(+MTP) steps per batch size."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
+from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
+
+FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json"
+# Memory-bandwidth floors at batch 1 on an H200 (~4.3 TB/s copy bandwidth), from the issue.
+FLOOR_MS = {"thinker": 1.6, "talker": 0.6}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _timed(fn: Callable[[], Any], device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000
+
+
+def bench_thinker(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
+    text = config.thinker_config.text_config
+    runner = ThinkerRunner(
+        load_thinker(None, config, device, dtype), config,
+        SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads, text.head_dim, dtype, device),
+    )
+    rows = []
+    prompt_ids = [config.im_start_token_id, config.user_token_id] + [1000 + i for i in range(prompt - 5)]
+    prompt_ids += [config.im_end_token_id, config.im_start_token_id, config.assistant_token_id, 198][: prompt - len(prompt_ids)]
+    prompt_ids = (prompt_ids + [198] * prompt)[:prompt - 3] + [config.im_start_token_id, config.assistant_token_id, 198]
+    for batch in batches:
+        seqs = [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), steps + 4, frozenset(), for_talker=True)
+                for i in range(batch)]
+        for seq in seqs:
+            runner.admit(seq)
+        prefill_ms = _timed(lambda: runner.step(seqs), device)
+        times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
+        for seq in seqs:
+            runner.release(seq)
+        rows.append({"stage": "thinker", "batch": batch, "prefill_ms_total": prefill_ms,
+                     "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])})
+    del runner
+    return rows
+
+
+def bench_talker(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
+    text = config.talker_config.text_config
+    runner = TalkerRunner(
+        load_talker(None, config, device, dtype), config,
+        SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 16, text.num_key_value_heads, text.head_dim, dtype, device),
+        max(batches),
+    )
+    hidden = config.talker_config.thinker_hidden_size
+    rows = []
+    for batch in batches:
+        seqs = []
+        for i in range(batch):
+            seq = TalkerSequence(f"k{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=steps + 4)
+            seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
+                          "assistant_prefix": torch.randn(3, hidden) * 0.02}
+            seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
+            runner.admit(seq)
+            seqs.append(seq)
+        prefill_ms = _timed(lambda: runner.step(seqs), device)
+        times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
+        for seq in seqs:
+            runner.release(seq)
+        rows.append({"stage": "talker", "batch": batch, "prefill_ms_total": prefill_ms,
+                     "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])})
+    return rows
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [f"# Engine step times ({meta['gpu']}, {meta['date']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, eager (no CUDA graphs)", "",
+             "| stage | batch | step p50 (ms) | per request (ms) | floor at batch 1 (ms) | ratio to floor | prefill, all requests (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = FLOOR_MS[r["stage"]]
+        lines.append(f"| {r['stage']}{' + MTP' if r['stage'] == 'talker' else ''} | {r['batch']} | {r['step_ms_p50']:.1f} | "
+                     f"{r['step_ms_p50'] / r['batch']:.2f} | {floor} | {r['step_ms_p50'] / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omni_ray.bench", description=__doc__)
+    parser.add_argument("--config", default=str(FULL_CONFIG))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    config = Qwen3OmniMoeConfig.from_json_file(args.config)
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = DTYPES[args.dtype]
+    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps)
+    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "dtype": args.dtype,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "command": "python -m omni_ray.bench " + " ".join(argv or [])}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_steps.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out / "engine_steps.md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -56,7 +56,6 @@ def bench_thinker(config: Any, device: str, dtype: torch.dtype, batches: list[in
             runner.release(seq)
         rows.append({"stage": "thinker", "batch": batch, "prefill_ms_total": prefill_ms,
                      "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])})
-    del runner
     return rows
 
 

@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from _reference import run_pipeline, run_transformers, snr_db, wav_part

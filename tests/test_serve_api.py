@@ -8,7 +8,6 @@ import base64
 import io
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
 import soundfile as sf

@@ -35,6 +35,18 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def _run_batch(runner: Any, seqs: list[Any], steps: int, device: str, stage: str) -> dict[str, Any]:
+    """Admit a batch, time its prefill step and `steps` decode steps, release it."""
+    for seq in seqs:
+        runner.admit(seq)
+    prefill_ms = _timed(lambda: runner.step(seqs), device)
+    times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
+    for seq in seqs:
+        runner.release(seq)
+    return {"stage": stage, "batch": len(seqs), "prefill_ms_total": prefill_ms,
+            "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])}
+
+
 def bench_thinker(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     runner = ThinkerRunner(
@@ -42,20 +54,12 @@ def bench_thinker(config: Any, device: str, dtype: torch.dtype, batches: list[in
         SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads, text.head_dim, dtype, device),
     )
     rows = []
-    prompt_ids = [config.im_start_token_id, config.user_token_id] + [1000 + i for i in range(prompt - 5)]
-    prompt_ids += [config.im_end_token_id, config.im_start_token_id, config.assistant_token_id, 198][: prompt - len(prompt_ids)]
-    prompt_ids = (prompt_ids + [198] * prompt)[:prompt - 3] + [config.im_start_token_id, config.assistant_token_id, 198]
+    user_turn = [config.im_start_token_id, config.user_token_id] + [10 + i % 900 for i in range(prompt - 6)] + [config.im_end_token_id]
+    prompt_ids = user_turn + [config.im_start_token_id, config.assistant_token_id, 198]  # ends "<|im_start|>assistant\n"
     for batch in batches:
         seqs = [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), steps + 4, frozenset(), for_talker=True)
                 for i in range(batch)]
-        for seq in seqs:
-            runner.admit(seq)
-        prefill_ms = _timed(lambda: runner.step(seqs), device)
-        times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
-        for seq in seqs:
-            runner.release(seq)
-        rows.append({"stage": "thinker", "batch": batch, "prefill_ms_total": prefill_ms,
-                     "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])})
+        rows.append(_run_batch(runner, seqs, steps, device, "thinker"))
     return rows
 
 
@@ -75,14 +79,8 @@ def bench_talker(config: Any, device: str, dtype: torch.dtype, batches: list[int
             seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
                           "assistant_prefix": torch.randn(3, hidden) * 0.02}
             seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
-            runner.admit(seq)
             seqs.append(seq)
-        prefill_ms = _timed(lambda: runner.step(seqs), device)
-        times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
-        for seq in seqs:
-            runner.release(seq)
-        rows.append({"stage": "talker", "batch": batch, "prefill_ms_total": prefill_ms,
-                     "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])})
+        rows.append(_run_batch(runner, seqs, steps, device, "talker"))
     return rows
 
 

@@ -58,3 +58,19 @@ def test_cuda_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path) -> None:
 def test_bfloat16_runs_end_to_end_on_cuda(tiny_checkpoint: Path) -> None:
     tokens, frames = _reply(tiny_checkpoint, "cuda", torch.bfloat16)
     assert len(tokens) == 64 and len(frames) == 64
+
+
+def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
+    from omni_ray.layers.moe import Experts
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        experts = Experts(128, 2048, 768).to(torch.bfloat16)
+        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
+        torch.nn.init.normal_(experts.down_proj, std=0.02)
+        for tokens in (1, 8, 32, 100):
+            x = torch.randn(tokens, 2048, dtype=torch.bfloat16)
+            chosen = torch.stack([torch.randperm(128)[:8] for _ in range(tokens)])
+            weights = torch.softmax(torch.randn(tokens, 8), -1)
+            grouped, looped = experts.grouped(x, chosen, weights), experts.looped(x, chosen, weights)
+            assert torch.allclose(grouped.float(), looped.float(), atol=2e-3, rtol=2e-2), (grouped - looped).abs().max()

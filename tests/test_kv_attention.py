@@ -395,3 +395,19 @@ def test_load_module_is_strict() -> None:
     # a failed load leaves the module untouched
     for k, v in mlp.state_dict().items():
         assert torch.equal(v, good[k])
+
+
+def test_grouped_experts_equal_the_per_expert_loop() -> None:
+    """The grouped-GEMM path (used on CUDA in half precision) computes what the exact loop computes."""
+    from omni_ray.layers.moe import Experts
+
+    g = torch.Generator().manual_seed(5)
+    experts = Experts(num_experts=6, hidden_size=16, intermediate_size=8)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
+        x = torch.randn(11, 16, generator=g)
+        chosen = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(11)])
+        chosen[:, 0] = 3  # one expert shared by all tokens, some experts unused
+        weights = torch.rand(11, 2, generator=g)
+        assert torch.allclose(experts.grouped(x, chosen, weights), experts.looped(x, chosen, weights), atol=1e-5)

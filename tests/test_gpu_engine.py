@@ -73,4 +73,6 @@ def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
             chosen = torch.stack([torch.randperm(128)[:8] for _ in range(tokens)])
             weights = torch.softmax(torch.randn(tokens, 8), -1)
             grouped, looped = experts.grouped(x, chosen, weights), experts.looped(x, chosen, weights)
-            assert torch.allclose(grouped.float(), looped.float(), atol=2e-3, rtol=2e-2), (grouped - looped).abs().max()
+            # bf16 keeps ~3 significant digits; the two paths round and sum in different orders.
+            error = (grouped.float() - looped.float()).norm() / looped.float().norm()
+            assert error < 1e-2, error

@@ -70,7 +70,7 @@ class Experts(nn.Module):
             tokens = token_of[start : start + count]
             gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, tokens, y * flat_weights[start : start + count, None])
+            out.index_add_(0, tokens, (y * flat_weights[start : start + count, None]).to(out.dtype))
             start += count
         return out
 

@@ -208,15 +208,17 @@ class OmniIngress:
             body = self._speech_stream(first, events, request.response_format == "wav")
             return StreamingResponse(self._counted("speech", body), media_type=request.content_type)
         pcm: list[np.ndarray] = []
+        final: Finished | None = None
         event = first
         while event is not None:
             if isinstance(event, AudioChunk):
                 pcm.append(event.pcm)
             elif isinstance(event, Finished):
-                samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
-                self.metrics.observe_reply(event.timing, len(samples) / 24000, event.t)
+                final = event
             event = await anext(events, None)
         samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+        if final is not None:
+            self.metrics.observe_reply(final.timing, len(samples) / 24000, final.t)
         return Response(encode_audio(samples, 24000, request.audio_format), media_type=request.content_type)
 
     async def _speech_stream(self, first: Event | None, events: AsyncIterator[Event], wav: bool) -> AsyncIterator[bytes]:

@@ -9,24 +9,20 @@ import json
 import math
 import os
 import stat
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Annotated, Any, Callable, Literal, TypeVar, Union
 
-import numpy as np
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator,
 )
 
-from omni_ray.audio import AudioDecodeError, AudioTooLongError, audio_duration_seconds, encode_audio
+from omni_ray.audio import AudioDecodeError, AudioTooLongError, audio_duration_seconds
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 
 MiB = 1 << 20
-OUTPUT_SAMPLE_RATE = 24000
-AUDIO_EXPIRY_S = 3600
 SPEECH_CONTENT_TYPES: dict[str, str] = {
     "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg",
 }
@@ -493,64 +489,14 @@ def parse_request(raw: bytes | dict[str, Any], cls: type[RequestT], limits: Serv
     return request
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, audio_frames: int | None = None) -> dict[str, Any]:
-    """Text tokens; audio codec frames go to completion_tokens_details.audio_tokens, not into the totals."""
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
-    if audio_frames is not None:
-        usage["completion_tokens_details"] = {"audio_tokens": audio_frames}
-    return usage
-
-
-def chat_chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chat.completion.chunk; delta None gives the final usage-only chunk (choices [])."""
-    chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event, `data: <json>\\n\\n`; a string (e.g. "[DONE]") goes as is, one data line per line."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")) if isinstance(data, dict) else data
-    return "".join(f"data: {line}\n" for line in text.split("\n")).encode() + b"\n"
-
-
-SSE_DONE = sse("[DONE]")
-
-
-def audio_delta(audio_id: str, pcm: np.ndarray | None, transcript_delta: str = "") -> dict[str, Any]:
-    """A streaming delta {"audio": {id, data: base64 PCM16 LE mono 24 kHz, transcript}}; pcm None omits data."""
-    audio: dict[str, Any] = {"id": audio_id}
-    if pcm is not None:
-        raw = encode_audio(np.asarray(pcm, dtype=np.float32), OUTPUT_SAMPLE_RATE, "pcm16")
-        audio["data"] = base64.b64encode(raw).decode()
-    audio["transcript"] = transcript_delta
-    return {"audio": audio}
-
-
-def audio_message(audio_id: str, pcm: np.ndarray, fmt: str, transcript: str, created: int,
-                  sample_rate: int = OUTPUT_SAMPLE_RATE) -> dict[str, Any]:
-    """The non-streaming message.audio: the whole reply encoded as `fmt` (encode_audio's names; pcm16 = raw)."""
-    data = encode_audio(np.asarray(pcm, dtype=np.float32), sample_rate, fmt)
-    return {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": transcript,
-            "expires_at": created + AUDIO_EXPIRY_S}
-
-
-def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str,
-                    usage: dict[str, Any], audio: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A chat.completion. With audio (from audio_message) content is null, as in OpenAI: the text is its transcript."""
-    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-    if audio is not None:
-        message["audio"] = audio
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
-
-
-def models_list(model_ids: list[str], created: int | None = None) -> dict[str, Any]:
-    stamp = int(time.time()) if created is None else created
-    return {"object": "list",
-            "data": [{"id": m, "object": "model", "created": stamp, "owned_by": "omni-ray"} for m in model_ids]}
+# Response builders live in openai_responses; re-exported here so callers have one protocol module.
+from omni_ray.serve.openai_responses import (  # noqa: E402,F401
+    SSE_DONE,
+    audio_delta,
+    audio_message,
+    chat_chunk,
+    chat_completion,
+    models_list,
+    sse,
+    usage_dict,
+)

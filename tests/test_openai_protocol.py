@@ -214,7 +214,7 @@ def test_generate_kwargs_audio_greedy_seed_voice() -> None:
     assert sampling.greedy and sampling.seed == 7 and sampling.top_k == 20 and sampling.repetition_penalty == 1.1
     talker = kwargs.pop("talker_sampling")
     assert talker.greedy  # a greedy request is greedy end to end
-    assert kwargs == {"max_tokens": 64, "audio": True, "speaker": "ethan", "audio_format": "flac"}
+    assert kwargs == {"max_tokens": 64, "audio": True, "speaker": "ethan", "audio_format": "flac", "ignore_eos": False}
 
 
 def test_generate_kwargs_defaults_text_only() -> None:

@@ -33,7 +33,7 @@ def parts(tiny_checkpoint: Path) -> dict[str, Any]:
     outputs = []
     while seq.finish_reason is None:
         outputs += thinker.step([seq])
-    return {"config": config, "checkpoint": tiny_checkpoint, "thinker_outputs": outputs}
+    return {"config": config, "checkpoint": tiny_checkpoint, "thinker_outputs": outputs, "prompt_ids": list(ids)}
 
 
 def _runner(parts: dict[str, Any]) -> TalkerRunner:
@@ -59,6 +59,7 @@ def _run(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> lis
             break
         assert runner.ready(seq)
         frames += [o.codes for o in runner.step([seq]) if o.codes is not None]
+    runner.release(seq)
     return frames
 
 
@@ -100,6 +101,37 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     assert seq.finish_reason == "stop"
     assert len(frames) < 6
     assert seq.group0_history[-1] == eos
+    # Benchmark mode: the same EOS-loving weights, but EOS is never sampled and the frame cap ends the reply.
+    with torch.no_grad():
+        head[eos] = head[first] * 50
+    try:
+        forced = TalkerSequence("n", GREEDY_TALKER, speaker, max_frames=6, ignore_eos=True)
+        runner.admit(forced)
+        _feed(forced, parts["thinker_outputs"])
+        frames = _run(runner, forced)
+    finally:
+        with torch.no_grad():
+            head[eos] = saved
+    assert forced.finish_reason == "length" and len(frames) == 6 and eos not in forced.group0_history
+
+
+def test_thinker_ignore_eos_runs_to_max_tokens(parts: dict[str, Any]) -> None:
+    config, checkpoint = parts["config"], parts["checkpoint"]
+    text = config.thinker_config.text_config
+    runner = ThinkerRunner(
+        load_thinker(checkpoint, config, "cpu", torch.float32), config,
+        SlotKVCache(text.num_hidden_layers, 2, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu"),
+    )
+    first = parts["thinker_outputs"][0].token  # the greedy first reply token: make it a stop token
+    prompt = parts["prompt_ids"]
+    stopping = ThinkerSequence("s", prompt, SamplingParams(temperature=0.0), 10, frozenset({first}))
+    ignoring = ThinkerSequence("i", prompt, SamplingParams(temperature=0.0), 10, frozenset({first}), ignore_eos=True)
+    for seq in (stopping, ignoring):
+        runner.admit(seq)
+        while seq.finish_reason is None:
+            runner.step([seq])
+    assert stopping.output_ids == [first] and stopping.finish_reason == "stop"
+    assert len(ignoring.output_ids) == 10 and ignoring.finish_reason == "length"
 
 
 def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> None:

@@ -218,6 +218,7 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1, description="legacy; max_completion_tokens wins if both")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    ignore_eos: bool = Field(default=False, description="extension (benchmarks): run to max tokens / frame cap")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -275,7 +276,7 @@ class ChatCompletionRequest(_Strict):
         return {
             "sampling": sampling, "max_tokens": self.check_limits(limits), "audio": audio is not None,
             "speaker": audio.voice.strip().lower() if audio else None, "audio_format": audio.format if audio else None,
-            "talker_sampling": talker_sampling(self.temperature, self.seed),
+            "talker_sampling": talker_sampling(self.temperature, self.seed), "ignore_eos": self.ignore_eos,
         }
 
     def to_pipeline_messages(self) -> list[dict[str, Any]]:

@@ -76,14 +76,16 @@ class Orchestrator:
         stop_token_ids: list[int] | None = None,
         request_id: str | None = None,
         return_codes: bool = False,
+        ignore_eos: bool = False,
     ) -> AsyncIterator[Event]:
-        """A chat reply: streamed text and (unless audio=False) streamed speech."""
+        """A chat reply: streamed text and (unless audio=False) streamed speech. `ignore_eos` (benchmarks): the
+        reply runs to max_tokens and the speech to its frame cap (max_audio_frames when given)."""
         submitted = time.time()
         prompt = self.prompts.build(messages)
         voice = self.check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames)
         thinker = ThinkerRequest(
             request_id or uuid.uuid4().hex, prompt.ids, sampling or SamplingParams(), max_tokens,
-            stop_token_ids or self.stop_ids, expects_audio=bool(prompt.clips),
+            stop_token_ids or self.stop_ids, expects_audio=bool(prompt.clips), ignore_eos=ignore_eos,
         )
         async for event in self._run(prompt, thinker, audio, voice, talker_sampling, max_audio_frames, return_codes, submitted):
             yield event
@@ -149,7 +151,9 @@ class Orchestrator:
         try:
             if audio:  # consumers first, so each producer knows where its relay messages go
                 vocoder = await open_stream("vocoder", "decode", rid, return_codes)
-                talker = TalkerRequest(rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames)
+                talker = TalkerRequest(
+                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames, thinker.ignore_eos
+                )
                 thinker.talker = await open_stream("talker", "speak", talker)
             thinker_peer = await open_stream("thinker", "generate", thinker)
             if prompt.clips:

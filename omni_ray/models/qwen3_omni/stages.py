@@ -47,6 +47,7 @@ class ThinkerRequest:
     expects_audio: bool = False
     talker: RelayPeer | None = None  # where the Talker-bound states go; None for text-only replies
     forced_ids: list[int] | None = None  # teacher-forced reply (speech): emitted instead of sampled
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TalkerRequest:
     speaker: str
     vocoder: RelayPeer
     max_frames: int | None = None
+    ignore_eos: bool = False
 
 
 def _checkpoint(model: ModelSource) -> tuple[str, Qwen3OmniMoeConfig]:
@@ -145,6 +147,7 @@ class ThinkerStage(StageBase):
                 ThinkerSequence(
                     rid, list(request.prompt_ids), request.sampling, request.max_tokens, frozenset(request.stop_ids),
                     audio_embeds=audio, for_talker=request.talker is not None, forced_ids=request.forced_ids,
+                    ignore_eos=request.ignore_eos,
                 )
             )
             async for event in self.stream(rid):
@@ -232,7 +235,7 @@ class TalkerStage(StageBase):
         seq = TalkerSequence(
             rid, request.sampling, int(speaker_id), cap,
             frames_per_text_token=0.0 if request.max_frames else self.settings.frames_per_text_token,
-            frame_budget_base=self.settings.frame_budget_base,
+            frame_budget_base=self.settings.frame_budget_base, ignore_eos=request.ignore_eos,
         )
         self._sequences[rid] = seq
         self.endpoint.claim(rid, lambda item: self._on_thinker_item(seq, item))

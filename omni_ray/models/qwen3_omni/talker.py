@@ -95,6 +95,7 @@ class TalkerSequence:
     max_frames: int
     frames_per_text_token: float = 0.0  # 0 disables the text-proportional limit
     frame_budget_base: int = 0
+    ignore_eos: bool = False  # benchmark mode: codec EOS is never sampled; the frame cap ends the reply
     # filled by the relay as the Thinker streams
     prefix: dict[str, torch.Tensor] | None = None
     text_embeds: list[torch.Tensor] = field(default_factory=list)  # Thinker layer-0 embeddings of reply tokens
@@ -187,6 +188,9 @@ class TalkerRunner:
             return outputs
         hidden = torch.stack(hiddens)
         logits = self.model.codec_head(hidden)
+        no_eos = [i for i, s in enumerate(stepping) if s.ignore_eos]
+        if no_eos:
+            logits[no_eos, self.eos] = float("-inf")
         histories = [torch.tensor(s.group0_history, dtype=torch.long) for s in stepping]
         group0 = sample_batch(logits, [s.sampler for s in stepping], histories, self.suppress)  # type: ignore[misc]
         for seq, token in zip(stepping, group0):

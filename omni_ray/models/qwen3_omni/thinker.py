@@ -52,6 +52,7 @@ class ThinkerSequence:
     audio_embeds: torch.Tensor | None = None  # [num_audio_tokens, hidden] for the <|audio_pad|> positions
     for_talker: bool = False
     forced_ids: list[int] | None = None  # teacher-forced reply: these tokens are emitted instead of sampled
+    ignore_eos: bool = False  # benchmark mode: stop tokens do not end the reply, only max_tokens does
     slot: int = -1
     num_cached: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -98,9 +99,12 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
-        outputs = [self._prefill(s) for s in seqs if s.num_cached == 0]
-        outputs.extend(self._advance_forced(s) for s in seqs if s.num_cached > 0 and s.forced_ids)
+        # Partition first: a sequence prefilled in this step must not also decode in it.
+        prefilling = [s for s in seqs if s.num_cached == 0]
+        forced = [s for s in seqs if s.num_cached > 0 and s.forced_ids]
         decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
+        outputs = [self._prefill(s) for s in prefilling]
+        outputs.extend(self._advance_forced(s) for s in forced)
         if decoding:
             outputs.extend(self._decode(decoding))
         return outputs
@@ -176,7 +180,7 @@ class ThinkerRunner:
             history = torch.tensor(seq.prompt_ids + seq.output_ids, device=logits.device)
         token = seq.sampler.pick(logits, history)
         seq.output_ids.append(token)
-        if token in seq.stop_ids:
+        if token in seq.stop_ids and not seq.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = "length"

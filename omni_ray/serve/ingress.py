@@ -25,6 +25,7 @@ from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
+from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.stats import stats_board
 from omni_ray.stages.client import ServeClient
 
@@ -114,6 +115,23 @@ class OmniIngress:
             return None, events
         return first, events
 
+    async def _collect(self, first: Event | None, events: AsyncIterator[Event]) -> tuple[np.ndarray, Finished]:
+        """A whole (non-streamed) reply: all its audio and its final event; records its latency metrics."""
+        pcm: list[np.ndarray] = []
+        final: Finished | None = None
+        event = first
+        while event is not None:
+            if isinstance(event, AudioChunk):
+                pcm.append(event.pcm)
+            elif isinstance(event, Finished):
+                final = event
+            event = await anext(events, None)
+        if final is None:
+            raise StageError("the reply ended without a final event")
+        samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+        self.metrics.observe_reply(final.timing, len(samples) / OUTPUT_SAMPLE_RATE, final.t)
+        return samples, final
+
     async def _guard(self, endpoint: str, handler: Any, request: Request) -> Response:
         self.metrics.in_flight.inc()
         try:
@@ -180,18 +198,7 @@ class OmniIngress:
     async def _chat_whole(
         self, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio_format: str | None
     ) -> Response:
-        pcm: list[np.ndarray] = []
-        final: Finished | None = None
-        event = first
-        while event is not None:
-            if isinstance(event, AudioChunk):
-                pcm.append(event.pcm)
-            elif isinstance(event, Finished):
-                final = event
-            event = await anext(events, None)
-        assert final is not None
-        samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
-        self.metrics.observe_reply(final.timing, len(samples) / 24000, final.t)
+        samples, final = await self._collect(first, events)
         audio = oai.audio_message(f"audio_{rid}", samples, audio_format, final.text, created) if audio_format else None
         usage = oai.usage_dict(final.usage["prompt_tokens"], final.usage["completion_tokens"], final.usage.get("audio_frames"))
         body = oai.chat_completion(rid, self.model_name, created, final.text, final.finish_reason, usage, audio)
@@ -207,23 +214,12 @@ class OmniIngress:
         if request.stream:
             body = self._speech_stream(first, events, request.response_format == "wav")
             return StreamingResponse(self._counted("speech", body), media_type=request.content_type)
-        pcm: list[np.ndarray] = []
-        final: Finished | None = None
-        event = first
-        while event is not None:
-            if isinstance(event, AudioChunk):
-                pcm.append(event.pcm)
-            elif isinstance(event, Finished):
-                final = event
-            event = await anext(events, None)
-        samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
-        if final is not None:
-            self.metrics.observe_reply(final.timing, len(samples) / 24000, final.t)
-        return Response(encode_audio(samples, 24000, request.audio_format), media_type=request.content_type)
+        samples, _ = await self._collect(first, events)
+        return Response(encode_audio(samples, OUTPUT_SAMPLE_RATE, request.audio_format), media_type=request.content_type)
 
     async def _speech_stream(self, first: Event | None, events: AsyncIterator[Event], wav: bool) -> AsyncIterator[bytes]:
         if wav:
-            yield wav_stream_header(24000)
+            yield wav_stream_header(OUTPUT_SAMPLE_RATE)
         seconds = 0.0
         event = first
         while event is not None:

@@ -23,9 +23,6 @@ class StatsBoard:
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
         self._stats[replica_id] = (time.time(), stats)
 
-    def forget(self, replica_id: str) -> None:
-        self._stats.pop(replica_id, None)
-
     def snapshot(self) -> dict[str, dict[str, Any]]:
         cutoff = time.time() - STALE_AFTER_S
         self._stats = {rid: (t, s) for rid, (t, s) in self._stats.items() if t >= cutoff}

@@ -35,58 +35,75 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _run_batch(runner: Any, seqs: list[Any], steps: int, device: str, stage: str) -> dict[str, Any]:
-    """Admit a batch, time its prefill step and `steps` decode steps, release it."""
-    for seq in seqs:
-        runner.admit(seq)
-    prefill_ms = _timed(lambda: runner.step(seqs), device)
-    times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
-    for seq in seqs:
-        runner.release(seq)
+def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, device: str, stage: str) -> dict[str, Any]:
+    """One untimed pass (captures this batch's CUDA graphs), then a timed one: the prefill step and `steps` decode
+    steps of the same batch."""
+    for timed in (False, True):
+        seqs = make_seqs()
+        for seq in seqs:
+            runner.admit(seq)
+        prefill_ms = _timed(lambda: runner.step(seqs), device)
+        times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
+        for seq in seqs:
+            runner.release(seq)
     return {"stage": stage, "batch": len(seqs), "prefill_ms_total": prefill_ms,
-            "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:])}
+            "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:]),
+            "graphs": len(runner.graphs), "capture_ms_total": round(runner.graphs.capture_ms)}
 
 
-def bench_thinker(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
+def bench_thinker(
+    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool
+) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     runner = ThinkerRunner(
         load_thinker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads, text.head_dim, dtype, device),
+        cuda_graphs=graphs,
     )
     rows = []
     user_turn = [config.im_start_token_id, config.user_token_id] + [10 + i % 900 for i in range(prompt - 6)] + [config.im_end_token_id]
     prompt_ids = user_turn + [config.im_start_token_id, config.assistant_token_id, 198]  # ends "<|im_start|>assistant\n"
     for batch in batches:
-        seqs = [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), steps + 4, frozenset(), for_talker=True)
-                for i in range(batch)]
-        rows.append(_run_batch(runner, seqs, steps, device, "thinker"))
+        def make_seqs(batch: int = batch) -> list[ThinkerSequence]:
+            return [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), steps + 4, frozenset(), for_talker=True)
+                    for i in range(batch)]
+
+        rows.append(_run_batch(runner, make_seqs, steps, device, "thinker"))
     return rows
 
 
-def bench_talker(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
+def bench_talker(
+    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool
+) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 16, text.num_key_value_heads, text.head_dim, dtype, device),
-        max(batches),
+        max(batches), cuda_graphs=graphs,
     )
-    hidden = config.talker_config.thinker_hidden_size
     rows = []
     for batch in batches:
-        seqs = []
-        for i in range(batch):
-            seq = TalkerSequence(f"k{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=steps + 4)
-            seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
-                          "assistant_prefix": torch.randn(3, hidden) * 0.02}
-            seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
-            seqs.append(seq)
-        rows.append(_run_batch(runner, seqs, steps, device, "talker"))
+        rows.append(_run_batch(runner, lambda batch=batch: _talker_seqs(config, batch, prompt, steps), steps, device, "talker"))
     return rows
+
+
+def _talker_seqs(config: Any, batch: int, prompt: int, steps: int) -> list[TalkerSequence]:
+    """Talker requests fed with random Thinker states (a 100-token prompt and enough reply text for every step)."""
+    hidden = config.talker_config.thinker_hidden_size
+    seqs = []
+    for i in range(batch):
+        seq = TalkerSequence(f"k{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=steps + 4,
+                             ignore_eos=True)
+        seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
+                      "assistant_prefix": torch.randn(3, hidden) * 0.02}
+        seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
+        seqs.append(seq)
+    return seqs
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Engine step times ({meta['gpu']}, {meta['date']})", "",
-             f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, eager (no CUDA graphs)", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, {meta['mode']}", "",
              "| stage | batch | step p50 (ms) | per request (ms) | floor at batch 1 (ms) | ratio to floor | prefill, all requests (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -104,16 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
-    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps)
+    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps)
+    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "dtype": args.dtype,
+            "mode": "eager (no CUDA graphs)" if args.eager else "CUDA graphs",
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "command": "python -m omni_ray.bench " + " ".join(argv or [])}
     out = Path(args.out)

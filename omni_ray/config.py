@@ -33,6 +33,8 @@ class EngineSettings(_Strict):
 
     max_batch: int = Field(default=16, ge=1)
     max_seq_len: int = Field(default=4096, ge=16)
+    cuda_graphs: bool = Field(default=True, description="replay fixed-shape steps from CUDA graphs (CUDA devices only)")
+    max_prefill_tokens: int = Field(default=8192, ge=16, description="padded tokens per batched prefill")
 
 
 class VocoderSettings(_Strict):
@@ -75,11 +77,22 @@ class StagesConfig(_Strict):
 
 
 class ModelSource(_Strict):
-    """A local checkpoint directory, or the embedded tiny model (generated into the cache on first use)."""
+    """A local checkpoint directory, the embedded tiny model (generated into the cache on first use), or
+    full-size random weights for speed work (shapes from `config`, tokenizer from the tiny model)."""
 
     family: Literal["qwen3_omni"] = "qwen3_omni"
     path: Path | None = None
     tiny_seed: int = 0
+    random_weights: bool = False
+    config: Path | None = Field(default=None, description="model config.json for random weights; default: the 30B-A3B one")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if self.random_weights and self.path is not None:
+            raise ValueError("random_weights and path are exclusive: random weights load no checkpoint")
+        if self.config is not None and not self.random_weights:
+            raise ValueError("config is only read with random_weights (a checkpoint brings its own)")
+        return self
 
 
 class PipelineConfig(_Strict):

@@ -6,11 +6,10 @@ import asyncio
 from typing import Any, AsyncIterator
 
 import ray
-from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.config import PipelineConfig, StageConfig
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
-from omni_ray.models.qwen3_omni.checkpoint import resolve_checkpoint
+from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.models.qwen3_omni.stages import EncoderStage, TalkerStage, ThinkerStage, VocoderStage
@@ -32,10 +31,11 @@ class Pipeline:
 
     def __init__(self, config: PipelineConfig | None = None) -> None:
         self.config = config or PipelineConfig()
-        self.checkpoint = str(resolve_checkpoint(self.config.model.path, self.config.model.tiny_seed))
-        self.model_config = Qwen3OmniMoeConfig.from_pretrained(self.checkpoint)
+        files = resolve_model(self.config.model)
+        self.checkpoint = str(files.tokenizer_dir)  # tokenizer, processor configs (and weights, unless random)
+        self.model_config = files.config
         self.prompts = PromptBuilder(
-            self.checkpoint, self.model_config.thinker_config.audio_token_id, self.config.max_audio_seconds
+            str(files.tokenizer_dir), self.model_config.thinker_config.audio_token_id, self.config.max_audio_seconds
         )
         self.tokenizer = self.prompts.tokenizer
         stages = self.config.stages

@@ -1,4 +1,4 @@
-"""GPU: the Thinker and Talker(+MTP) runners give the CPU's tokens and codes on CUDA. Skipped without CUDA."""
+"""GPU: CUDA-graph replay of the Thinker, Talker and MTP gives eager's and the CPU's tokens and codes. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -17,47 +17,72 @@ from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, l
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _reply(checkpoint: Path, device: str, dtype: torch.dtype) -> tuple[list[int], list[list[int]]]:
+def _reply(
+    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",)
+) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
+    """Greedy 64-token replies and 64-frame speech for each prompt, all in one batch; plus how many graphs ran."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there!"}], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
     tc = config.thinker_config.text_config
     thinker = ThinkerRunner(load_thinker(checkpoint, config, device, dtype), config,
-                            SlotKVCache(tc.num_hidden_layers, 2, 256, tc.num_key_value_heads, tc.head_dim, dtype, device))
-    seq = ThinkerSequence("a", ids, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
-    thinker.admit(seq)
-    outputs: list[Any] = []
-    while seq.finish_reason is None:
-        outputs += thinker.step([seq])
+                            SlotKVCache(tc.num_hidden_layers, 4, 256, tc.num_key_value_heads, tc.head_dim, dtype, device),
+                            cuda_graphs=cuda_graphs)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        seqs.append(ThinkerSequence(f"r{i}", ids, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True))
+        thinker.admit(seqs[-1])
+    outputs: dict[str, list[Any]] = {s.request_id: [] for s in seqs}
+    while any(s.finish_reason is None for s in seqs):
+        for out in thinker.step([s for s in seqs if s.finish_reason is None]):
+            outputs[out.request_id].append(out)
     kc = config.talker_config.text_config
     talker = TalkerRunner(load_talker(checkpoint, config, device, dtype), config,
-                          SlotKVCache(kc.num_hidden_layers, 2, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 2)
-    speech = TalkerSequence("a", SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=64)
-    talker.admit(speech)
-    for out in outputs:
-        speech.prefix = out.talker_prefix or speech.prefix
-        if out.talker_embed is not None:
-            speech.text_embeds.append(out.talker_embed)
-    speech.thinker_done = True
-    frames: list[list[int]] = []
-    while speech.finish_reason is None:
-        frames += [o.codes for o in talker.step([speech]) if o.codes is not None]
-    return seq.output_ids, frames
+                          SlotKVCache(kc.num_hidden_layers, 4, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 4,
+                          cuda_graphs=cuda_graphs)
+    speeches = []
+    for seq in seqs:
+        speech = TalkerSequence(seq.request_id, SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=64)
+        talker.admit(speech)
+        for out in outputs[seq.request_id]:
+            speech.prefix = out.talker_prefix or speech.prefix
+            if out.talker_embed is not None:
+                speech.text_embeds.append(out.talker_embed)
+        speech.thinker_done = True
+        speeches.append(speech)
+    frames: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
+    while any(s.finish_reason is None for s in speeches):
+        for out in talker.step([s for s in speeches if s.finish_reason is None]):
+            if out.codes is not None:
+                frames[out.request_id].append(out.codes)
+    graphs = {"thinker": len(thinker.graphs), "talker": len(talker.graphs)}
+    return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
 
 
-def test_cuda_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path) -> None:
+def test_cuda_graph_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path) -> None:
+    """fp32 on CUDA, replayed from graphs, against the CPU: the same 64 tokens and 64 frames of 16 codes."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    cpu_tokens, cpu_frames = _reply(tiny_checkpoint, "cpu", torch.float32)
-    gpu_tokens, gpu_frames = _reply(tiny_checkpoint, "cuda", torch.float32)
-    assert len(cpu_tokens) == 64 and len(cpu_frames) == 64
+    cpu_tokens, cpu_frames, _ = _reply(tiny_checkpoint, "cpu", torch.float32)
+    gpu_tokens, gpu_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.float32)
+    assert len(cpu_tokens[0]) == 64 and len(cpu_frames[0]) == 64
+    assert graphs["thinker"] > 0 and graphs["talker"] > 0
     assert gpu_tokens == cpu_tokens
     assert gpu_frames == cpu_frames
 
 
-def test_bfloat16_runs_end_to_end_on_cuda(tiny_checkpoint: Path) -> None:
-    tokens, frames = _reply(tiny_checkpoint, "cuda", torch.bfloat16)
-    assert len(tokens) == 64 and len(frames) == 64
+def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Path) -> None:
+    """bf16, four requests of different lengths in one batch: graph replay gives eager's tokens (Thinker), group-0
+    codes (Talker) and MTP codes (groups 1-15) for all 64 steps."""
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
+    eager_tokens, eager_frames, eager_graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts)
+    graph_tokens, graph_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts)
+    assert eager_graphs == {"thinker": 0, "talker": 0}
+    assert graphs["thinker"] >= 2 and graphs["talker"] >= 3  # prefill + decode; prefill + decode + frame
+    assert all(len(t) == 64 for t in eager_tokens) and all(len(f) == 64 for f in eager_frames)
+    assert graph_tokens == eager_tokens
+    assert [[f[0] for f in frames] for frames in graph_frames] == [[f[0] for f in frames] for frames in eager_frames]
+    assert graph_frames == eager_frames
 
 
 def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:

@@ -25,9 +25,11 @@ def test_cache_shapes() -> None:
     cache = _cache(num_slots=3, max_len=16, layers=2)
     assert len(cache.layers) == 2
     for k, v in cache.layers:
-        assert k.shape == v.shape == (3, 16, 2, 8)
+        assert k.shape == v.shape == (4, 16, 2, 8)  # 3 slots + the scratch slot that padding rows use
         assert k.data_ptr() != v.data_ptr()
     assert cache.layers[0][0].data_ptr() != cache.layers[1][0].data_ptr()
+    assert cache.scratch_slot == 3
+    assert sorted(cache.allocate() for _ in range(3)) == [0, 1, 2]  # the scratch slot is never handed out
 
 
 def test_cache_allocate_release_full() -> None:

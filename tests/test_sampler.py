@@ -1,4 +1,4 @@
-"""Unit tests of per-request sampling: greedy, seeds, top-k/top-p, repetition penalty, suppressed ids."""
+"""Unit tests of batched sampling: greedy, seeds, top-k/top-p, repetition penalty, banned ids, per-row parameters."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import torch
 from pydantic import ValidationError
 
 from omni_ray.engine.sampler import (
-    RequestSampler,
+    NoiseSource,
+    SamplingBatch,
     SamplingParams,
-    apply_repetition_penalty,
+    draw_noise,
     filter_top_k_top_p,
-    sample_batch,
+    penalize_repeats,
+    sample,
+    sample_rows,
 )
 
 
@@ -19,22 +22,32 @@ def _rows(n: int, vocab: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor
     return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+def _pick(row: torch.Tensor, source: NoiseSource, history: list[int] | None = None) -> int:
+    seen = None
+    if history is not None:
+        seen = torch.zeros(1, row.shape[-1], dtype=torch.bool)
+        seen[0, history] = True
+    return int(sample_rows(row[None], [source], seen)[0])
+
+
+def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    return filter_top_k_top_p(row[None], torch.tensor([top_k]), torch.tensor([top_p]))[0]
+
+
 def test_greedy_picks_argmax() -> None:
-    sampler = RequestSampler(SamplingParams(temperature=0.0))
-    assert sampler.params.greedy
+    source = NoiseSource(SamplingParams(temperature=0.0))
+    assert source.params.greedy
     for row in _rows(20, 37, seed=1):
-        assert sampler.pick(row) == int(torch.argmax(row))
+        assert _pick(row, source) == int(torch.argmax(row))
     # bf16 input is accepted (an fp32 copy is made) and does not change the pick
     row = torch.tensor([0.5, 3.0, -1.0, 2.5]).to(torch.bfloat16)
-    assert sampler.pick(row) == 1
+    assert _pick(row, source) == 1
 
 
-def test_pick_does_not_modify_logits() -> None:
+def test_sampling_does_not_modify_logits() -> None:
     row = torch.tensor([2.0, -1.0, 0.5, 4.0])
     original = row.clone()
-    RequestSampler(SamplingParams(temperature=0.7, top_k=2, top_p=0.9, repetition_penalty=1.3, seed=0)).pick(
-        row, torch.tensor([0, 1, 3])
-    )
+    _pick(row, NoiseSource(SamplingParams(temperature=0.7, top_k=2, top_p=0.9, repetition_penalty=1.3, seed=0)), [0, 1, 3])
     assert torch.equal(row, original)
 
 
@@ -42,8 +55,8 @@ def test_same_seed_same_sequence_different_seeds_differ() -> None:
     rows = _rows(40, 50, seed=2, scale=0.3)  # fairly flat distributions: draws are genuinely random
 
     def draws(seed: int) -> list[int]:
-        sampler = RequestSampler(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler.pick(row) for row in rows]
+        source = NoiseSource(SamplingParams(temperature=1.0, seed=seed))
+        return [_pick(row, source) for row in rows]
 
     first = draws(1234)
     assert draws(1234) == first
@@ -52,62 +65,71 @@ def test_same_seed_same_sequence_different_seeds_differ() -> None:
     assert draws(99) != first
 
 
-def test_each_request_has_its_own_generator() -> None:
-    """Interleaving two seeded requests does not change either one's sequence."""
+def test_a_seeded_row_does_not_depend_on_its_batch() -> None:
+    """A seeded request draws the same tokens alone and when batched with others (own generator per row)."""
     rows = _rows(20, 30, seed=3, scale=0.3)
-    alone = RequestSampler(SamplingParams(seed=7))
-    expected = [alone.pick(r) for r in rows]
-    a = RequestSampler(SamplingParams(seed=7))
-    b = RequestSampler(SamplingParams(seed=8))
-    got = []
-    for r in rows:
-        got.append(a.pick(r))
-        b.pick(r)
+    alone = NoiseSource(SamplingParams(seed=7))
+    expected = [_pick(r, alone) for r in rows]
+    a, b, c = NoiseSource(SamplingParams(seed=7)), NoiseSource(SamplingParams(seed=8)), NoiseSource(SamplingParams())
+    got = [int(sample_rows(torch.stack([r, r, r]), [b, a, c])[1]) for r in rows]
     assert got == expected
 
 
+def test_draws_follow_the_distribution() -> None:
+    """Gumbel-max draws are categorical samples: frequencies match softmax(logits / T)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    temperature = 0.8
+    logits = torch.log(probs) * temperature  # softmax(logits / T) == probs
+    params = SamplingParams(temperature=temperature, seed=5)
+    noise = draw_noise([NoiseSource(params)] * 1, (8000, 4), "cpu")[0]
+    picks = sample(logits.expand(8000, -1), SamplingBatch.of([params] * 8000, "cpu"), noise)
+    freq = torch.bincount(picks, minlength=4).float() / 8000
+    assert torch.allclose(freq, probs, atol=0.02), freq
+
+
 def test_top_k_one_equals_greedy() -> None:
-    greedy = RequestSampler(SamplingParams(temperature=0.0))
-    top1 = RequestSampler(SamplingParams(temperature=1.5, top_k=1, seed=0))
+    greedy = NoiseSource(SamplingParams(temperature=0.0))
+    top1 = NoiseSource(SamplingParams(temperature=1.5, top_k=1, seed=0))
     for row in _rows(50, 40, seed=4, scale=0.5):
-        assert top1.pick(row) == greedy.pick(row)
+        assert _pick(row, top1) == _pick(row, greedy)
 
 
 def test_tiny_top_p_keeps_only_the_top_token() -> None:
     for row in _rows(20, 40, seed=5, scale=0.5):
-        filtered = filter_top_k_top_p(row, 0, 1e-4)
+        filtered = _filter(row, 0, 1e-4)
         finite = torch.isfinite(filtered).nonzero().flatten().tolist()
         assert finite == [int(torch.argmax(row))]
         assert filtered[finite[0]] == row[finite[0]]
-    sampler = RequestSampler(SamplingParams(temperature=2.0, top_p=1e-4, seed=0))
+    source = NoiseSource(SamplingParams(temperature=2.0, top_p=1e-4, seed=0))
     for row in _rows(30, 40, seed=6, scale=0.2):
-        assert sampler.pick(row) == int(torch.argmax(row))
+        assert _pick(row, source) == int(torch.argmax(row))
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
     # probabilities 0.4, 0.3, 0.2, 0.1: top_p 0.5 keeps {0.4, 0.3} (cumulative 0.7 >= 0.5), top_p 0.75 adds 0.2
     row = torch.log(torch.tensor([0.3, 0.1, 0.4, 0.2]))
-    assert torch.isfinite(filter_top_k_top_p(row, 0, 0.5)).tolist() == [True, False, True, False]
-    assert torch.isfinite(filter_top_k_top_p(row, 0, 0.75)).tolist() == [True, False, True, True]
-    assert torch.isfinite(filter_top_k_top_p(row, 0, 1.0)).all()
+    assert torch.isfinite(_filter(row, 0, 0.5)).tolist() == [True, False, True, False]
+    assert torch.isfinite(_filter(row, 0, 0.75)).tolist() == [True, False, True, True]
+    assert torch.isfinite(_filter(row, 0, 1.0)).all()
     # top-k first, then top-p over what is left (the order transformers applies them in)
-    assert torch.isfinite(filter_top_k_top_p(row, 3, 0.5)).tolist() == [True, False, True, False]
-    assert torch.isfinite(filter_top_k_top_p(row, 2, 1.0)).tolist() == [True, False, True, False]
+    assert torch.isfinite(_filter(row, 3, 0.5)).tolist() == [True, False, True, False]
+    assert torch.isfinite(_filter(row, 2, 1.0)).tolist() == [True, False, True, False]
 
 
-def test_filter_matches_transformers_warpers() -> None:
+def test_filter_matches_transformers_warpers_row_by_row_in_one_batch() -> None:
     from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-    for i, row in enumerate(_rows(20, 64, seed=7)):
-        top_k = [0, 1, 5, 17][i % 4]
-        top_p = [1.0, 0.3, 0.8, 0.95, 0.05][i % 5]
-        ours = filter_top_k_top_p(row, top_k, top_p)
+    rows = _rows(20, 64, seed=7)
+    top_k = torch.tensor([[0, 1, 5, 17][i % 4] for i in range(20)])
+    top_p = torch.tensor([[1.0, 0.3, 0.8, 0.95, 0.05][i % 5] for i in range(20)])
+    ours = filter_top_k_top_p(rows, top_k, top_p)
+    for i, row in enumerate(rows):
         ref = row[None].clone()
-        if top_k > 0:
-            ref = TopKLogitsWarper(top_k)(None, ref)
-        if top_p < 1.0:
-            ref = TopPLogitsWarper(top_p)(None, ref)
-        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref[0])), (top_k, top_p)
+        if top_k[i] > 0:
+            ref = TopKLogitsWarper(int(top_k[i]))(None, ref)
+        if top_p[i] < 1.0:
+            ref = TopPLogitsWarper(float(top_p[i]))(None, ref)
+        assert torch.equal(torch.isfinite(ours[i]), torch.isfinite(ref[0])), (top_k[i], top_p[i])
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(3, 1.0), (0, 0.5), (4, 0.6), (4, 0.7)])
@@ -116,25 +138,22 @@ def test_masked_tokens_are_never_picked(top_k: int, top_p: float) -> None:
     # renormalised top-k survivors (top-4: .353 .294 .235 .118, so 0.6 keeps two and 0.7 three)
     probs = torch.tensor([0.05, 0.25, 0.10, 0.30, 0.20, 0.04, 0.06])
     row = torch.log(probs)
-    allowed = set(torch.isfinite(filter_top_k_top_p(row, top_k, top_p)).nonzero().flatten().tolist())
+    allowed = set(torch.isfinite(_filter(row, top_k, top_p)).nonzero().flatten().tolist())
     expected = {(3, 1.0): {1, 3, 4}, (0, 0.5): {1, 3}, (4, 0.6): {1, 3}, (4, 0.7): {1, 3, 4}}[(top_k, top_p)]
     assert allowed == expected
-    sampler = RequestSampler(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=11))
-    picks = [sampler.pick(row) for _ in range(400)]
+    source = NoiseSource(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=11))
+    picks = [_pick(row, source) for _ in range(400)]
     assert set(picks) <= allowed
     assert set(picks) == allowed  # every kept token does get drawn
 
 
 def test_repetition_penalty_by_hand() -> None:
-    row = torch.tensor([2.0, -1.0, 0.5, -3.0, 4.0, 0.0])
-    history = torch.tensor([0, 1, 1, 3, 5])
-    apply_repetition_penalty(row, history, 2.0)
-    assert torch.equal(row, torch.tensor([1.0, -2.0, 0.5, -6.0, 4.0, 0.0]))
+    row = torch.tensor([[2.0, -1.0, 0.5, -3.0, 4.0, 0.0]])
+    seen = torch.tensor([[True, True, False, True, False, True]])
+    assert torch.equal(penalize_repeats(row, seen, torch.tensor([2.0])), torch.tensor([[1.0, -2.0, 0.5, -6.0, 4.0, 0.0]]))
     # penalty 1 and an empty history leave the row alone
-    row2 = torch.tensor([2.0, -1.0])
-    apply_repetition_penalty(row2, torch.tensor([0, 1]), 1.0)
-    apply_repetition_penalty(row2, torch.tensor([], dtype=torch.long), 3.0)
-    assert torch.equal(row2, torch.tensor([2.0, -1.0]))
+    assert torch.equal(penalize_repeats(row, seen, torch.tensor([1.0])), row)
+    assert torch.equal(penalize_repeats(row, torch.zeros_like(seen), torch.tensor([3.0])), row)
 
 
 def test_repetition_penalty_matches_transformers() -> None:
@@ -142,51 +161,60 @@ def test_repetition_penalty_matches_transformers() -> None:
 
     scores = _rows(1, 50, seed=8, scale=3.0)
     history = torch.tensor([3, 7, 7, 11, 0, 49, 3, 20])
+    seen = torch.zeros(1, 50, dtype=torch.bool)
+    seen[0, history] = True
     for penalty in (1.05, 1.3, 0.8):
-        ours = scores[0].clone()
-        apply_repetition_penalty(ours, history, penalty)
+        ours = penalize_repeats(scores, seen, torch.tensor([penalty]))
         ref = RepetitionPenaltyLogitsProcessor(penalty=penalty)(history[None], scores.clone())
-        torch.testing.assert_close(ours, ref[0], rtol=0, atol=0)
-        unseen = torch.ones(50, dtype=torch.bool)
-        unseen[history] = False
-        assert torch.equal(ours[unseen], scores[0][unseen])
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+        assert torch.equal(ours[~seen], scores[~seen])
 
 
 def test_repetition_penalty_changes_the_greedy_pick() -> None:
-    sampler = RequestSampler(SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    source = NoiseSource(SamplingParams(temperature=0.0, repetition_penalty=2.0))
     row = torch.tensor([3.0, 2.0, -5.0])
-    assert sampler.pick(row) == 0
-    assert sampler.pick(row, torch.tensor([0])) == 1  # 3 / 2 < 2
-    assert sampler.pick(row, torch.tensor([2])) == 0
+    assert _pick(row, source) == 0
+    assert _pick(row, source, [0]) == 1  # 3 / 2 < 2
+    assert _pick(row, source, [2]) == 0
 
 
-def test_sample_batch_never_picks_suppressed_ids() -> None:
+def test_one_batch_mixes_per_row_parameters_and_never_picks_banned_ids() -> None:
     vocab = 12
     logits = _rows(3, vocab, seed=9, scale=0.2)
-    suppress = torch.tensor([4, 9])
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[[4, 9]] = True
     logits[:, 4] = 50.0  # the highest logit of every row, by far
     logits[1, 9] = 60.0
     original = logits.clone()
-    samplers = [
-        RequestSampler(SamplingParams(temperature=0.0)),
-        RequestSampler(SamplingParams(temperature=1.0, seed=1)),
-        RequestSampler(SamplingParams(temperature=3.0, top_k=5, top_p=0.9, repetition_penalty=1.2, seed=2)),
+    sources = [
+        NoiseSource(SamplingParams(temperature=0.0)),
+        NoiseSource(SamplingParams(temperature=1.0, seed=1)),
+        NoiseSource(SamplingParams(temperature=3.0, top_k=5, top_p=0.9, repetition_penalty=1.2, seed=2)),
     ]
-    histories = [None, torch.tensor([0, 1]), torch.tensor([4, 9, 2])]
-    seen: set[int] = set()
+    seen = torch.zeros(3, vocab, dtype=torch.bool)
+    seen[1, [0, 1]] = True
+    seen[2, [4, 9, 2]] = True
+    drawn: set[int] = set()
     for _ in range(200):
-        picks = sample_batch(logits, samplers, histories, suppress)
+        picks = sample_rows(logits, sources, seen, banned).tolist()
         assert len(picks) == 3
         assert not set(picks) & {4, 9}
-        seen.update(picks[1:])
-    assert len(seen) > 3
+        drawn.update(picks[1:])
+    assert len(drawn) > 3
     masked = original.clone()
-    masked[:, suppress] = float("-inf")
+    masked[:, banned] = float("-inf")
     assert picks[0] == int(torch.argmax(masked[0]))
     assert torch.equal(logits, original)  # the caller's logits are not modified
-    # without suppression the suppressed id would have been the greedy pick
-    assert sample_batch(logits, samplers[:1], [None])[0] == 4
-    assert sample_batch(logits, samplers[:1], [None], torch.tensor([], dtype=torch.long))[0] == 4
+    # without the ban the banned id would have been the greedy pick
+    assert int(sample_rows(logits, sources[:1])[0]) == 4
+
+
+def test_padding_rows_are_greedy() -> None:
+    batch = SamplingBatch.of([SamplingParams(temperature=0.5, top_k=3)], "cpu", rows=4)
+    assert batch.temperature.tolist() == [0.5, 0.0, 0.0, 0.0]
+    assert batch.top_k.tolist() == [3, 0, 0, 0]
+    noise = draw_noise([NoiseSource(SamplingParams(temperature=0.0))], (5,), "cpu", rows=4)
+    assert noise.shape == (4, 5) and bool((noise == 1).all())
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,7 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     try:
         seq = TalkerSequence("e", GREEDY_TALKER, speaker, max_frames=6)
         runner.admit(seq)
+        slot = seq.slot
         _feed(seq, parts["thinker_outputs"])
         frames = _run(runner, seq)
     finally:
@@ -100,19 +101,20 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
             head[eos] = saved
     assert seq.finish_reason == "stop"
     assert len(frames) < 6
-    assert seq.group0_history[-1] == eos
+    assert bool(runner.seen[slot, eos])  # the step that ended it sampled EOS as its group-0 code
     # Benchmark mode: the same EOS-loving weights, but EOS is never sampled and the frame cap ends the reply.
     with torch.no_grad():
         head[eos] = head[first] * 50
     try:
         forced = TalkerSequence("n", GREEDY_TALKER, speaker, max_frames=6, ignore_eos=True)
         runner.admit(forced)
+        slot = forced.slot
         _feed(forced, parts["thinker_outputs"])
         frames = _run(runner, forced)
     finally:
         with torch.no_grad():
             head[eos] = saved
-    assert forced.finish_reason == "length" and len(frames) == 6 and eos not in forced.group0_history
+    assert forced.finish_reason == "length" and len(frames) == 6 and not bool(runner.seen[slot, eos])
 
 
 def test_thinker_ignore_eos_runs_to_max_tokens(parts: dict[str, Any]) -> None:

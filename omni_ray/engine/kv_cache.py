@@ -10,7 +10,9 @@ class KVCacheFull(RuntimeError):
 
 
 class SlotKVCache:
-    """K/V tensors per layer shaped [num_slots, max_len, kv_heads, head_dim]; slots are handed out and returned."""
+    """K/V tensors per layer shaped [num_slots + 1, max_len, kv_heads, head_dim]; slots are handed out and returned.
+
+    The extra last slot is scratch: padding rows of a fixed-shape batch read and write there, never in a live slot."""
 
     def __init__(
         self,
@@ -22,12 +24,13 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_slots, max_len, num_kv_heads, head_dim)
+        shape = (num_slots + 1, max_len, num_kv_heads, head_dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
         self.num_slots = num_slots
+        self.scratch_slot = num_slots
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))
 

@@ -1,6 +1,15 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, repetition penalty, seeds, suppressed ids."""
+"""Batched sampling on the device: per-row greedy/temperature/top-k/top-p/repetition penalty, noise-driven draws.
+
+Every row of a batch has its own parameters (as tensors), so one call samples a whole step with no host sync and
+the same code runs inside a CUDA graph. Randomness comes in as exponential noise drawn outside: a row's draw is
+argmax(logits/T - log(noise)) (the Gumbel-max trick, an exact categorical sample), and each seeded request draws
+its noise from its own generator, so its tokens do not depend on what it was batched with.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,69 +31,130 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> None:
-    """In place on one row: divide positive / multiply negative logits of tokens already seen."""
-    if penalty == 1.0 or history.numel() == 0:
-        return
-    seen = torch.unique(history.to(logits.device))
-    scores = logits[seen]
-    logits[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+GREEDY = SamplingParams(temperature=0.0)
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row of logits."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative <= (1 - top_p)
-        remove_sorted[-1] = False
-        remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of a batch as device tensors."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    penalty: torch.Tensor  # [B] float32
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str, rows: int | None = None) -> "SamplingBatch":
+        """Rows past len(params) (batch padding) are greedy. One host→device copy."""
+        rows = len(params) if rows is None else rows
+        table = torch.tensor(
+            [[p.temperature, p.top_k, p.top_p, p.repetition_penalty] for p in params]
+            + [[0.0, 0.0, 1.0, 1.0]] * (rows - len(params)),
+            dtype=torch.float64,
+        ).reshape(rows, 4).to(device)
+        return cls(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float())
+
+    def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}{name}": getattr(self, name) for name in ("temperature", "top_k", "top_p", "penalty")}
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "SamplingBatch":
+        return cls(*(tensors[f"{prefix}{name}"] for name in ("temperature", "top_k", "top_p", "penalty")))
 
 
-class RequestSampler:
-    """Sampling state for one request: its params and its own random generator (seeded if asked).
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Transformers' repetition penalty on [B, V] rows: seen tokens' positive logits / p, negative ones * p."""
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
 
-    The generator lives on the device of the logits it first samples from."""
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what lies outside each row's top-k, then outside the top-p nucleus of what is left
+    (the order and tie rules of transformers' TopK/TopP warpers). logits [B, V]; top_k [B] (0 = off); top_p [B]."""
+    vocab = logits.shape[-1]
+    ascending, order = torch.sort(logits, dim=-1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth_largest = ascending.gather(-1, (vocab - k)[:, None])
+    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    remove_sorted = (cumulative <= (1 - top_p[:, None])) | torch.isinf(ascending)
+    remove_sorted[:, -1] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingBatch,
+    noise: torch.Tensor,
+    seen: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+    filtered: bool = True,
+) -> torch.Tensor:
+    """One token per row of logits [B, V] → [B] long, on the device, with no host sync.
+
+    noise [B, V]: Exp(1) draws (ignored by greedy rows); seen [B, V] bool: tokens the repetition penalty applies to;
+    banned [B, V] or [V] bool: never picked. `filtered=False` skips top-k/top-p (when no row uses them)."""
+    x = logits.to(torch.float32)
+    if banned is not None:
+        x = x.masked_fill(banned, float("-inf"))
+    if seen is not None:
+        x = penalize_repeats(x, seen, params.penalty)
+    greedy = x.argmax(-1)
+    x = x / params.temperature.clamp_min(1e-5)[:, None]
+    if filtered:
+        x = filter_top_k_top_p(x, params.top_k, params.top_p)
+    drawn = (x - noise.clamp_min(1e-30).log()).argmax(-1)
+    return torch.where(params.temperature > 0, drawn, greedy)
+
+
+class NoiseSource:
+    """Where one request's random draws come from: its own seeded generator, or the device's default one."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._generator: torch.Generator | None = None
 
-    def generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
-            if self.params.seed is not None:
-                self._generator.manual_seed(self.params.seed)
-            else:
-                self._generator.seed()
+            self._generator.manual_seed(self.params.seed)
         return self._generator
 
-    def pick(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
-        """logits: one row [V] (fp32 copy is made); history: ids that the repetition penalty applies to."""
-        row = logits.to(torch.float32).clone()
-        if history is not None:
-            apply_repetition_penalty(row, history, self.params.repetition_penalty)
-        if self.params.greedy:
-            return int(torch.argmax(row))
-        row = row / self.params.temperature
-        row = filter_top_k_top_p(row, self.params.top_k, self.params.top_p)
-        probs = torch.softmax(row, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator(probs.device)))
+
+def draw_noise(
+    sources: Sequence[NoiseSource], shape: tuple[int, ...], device: torch.device | str, rows: int | None = None
+) -> torch.Tensor:
+    """Exp(1) noise [rows, *shape]: unseeded rows in one draw, each seeded row from its own generator.
+    Greedy rows and padding rows get ones (never read)."""
+    rows = len(sources) if rows is None else rows
+    device = torch.device(device)
+    if all(s.params.greedy for s in sources):
+        return torch.ones((rows, *shape), device=device)
+    noise = torch.empty((rows, *shape), device=device).exponential_()
+    for i, source in enumerate(sources):
+        generator = source.generator(device)
+        if generator is not None and not source.params.greedy:
+            noise[i].exponential_(generator=generator)
+    return noise
 
 
-def sample_batch(
+def needs_filter(params: Sequence[SamplingParams]) -> bool:
+    return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+
+
+def sample_rows(
     logits: torch.Tensor,
-    samplers: list[RequestSampler],
-    histories: list[torch.Tensor | None],
-    suppress: torch.Tensor | None = None,
-) -> list[int]:
-    """Pick one token per row of logits [B, V]; `suppress` ids (shared by all rows) are never picked."""
-    if suppress is not None and suppress.numel() > 0:
-        logits = logits.clone()
-        logits[:, suppress] = float("-inf")
-    return [s.pick(logits[i], histories[i]) for i, s in enumerate(samplers)]
+    sources: Sequence[NoiseSource],
+    seen: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager convenience: sample [B, V] logits for B requests given their noise sources."""
+    params = [s.params for s in sources]
+    batch = SamplingBatch.of(params, logits.device)
+    noise = draw_noise(sources, tuple(logits.shape[1:]), logits.device)
+    if seen is not None and all(p.repetition_penalty == 1.0 for p in params):
+        seen = None
+    return sample(logits, batch, noise, seen, banned, needs_filter(params))

@@ -20,12 +20,13 @@ from omni_ray.layers.basic import RMSNorm, apply_rotary
 class AttentionBatch:
     """Where a step's tokens live in the KV cache: B rows of T new tokens each.
 
-    Row b writes its T tokens at cache positions starts[b] .. starts[b]+T-1 of cache slot slots[b]
-    and attends causally to everything before them in that slot.
+    Row b writes its T tokens at cache positions starts[b] .. starts[b]+T-1 of cache slot slots[b] and attends
+    causally to everything before them in that slot. Keys are read over a fixed range of `kv_len` positions, and the
+    mask hides what lies past each row's own length, so every shape is static for a given (B, T, kv_len): the same
+    code is captured in a CUDA graph.
     """
 
     slots: torch.Tensor  # [B] long
-    starts: torch.Tensor  # [B] long
     num_tokens: int
     kv_len: int
     mask: torch.Tensor  # [B, 1, T, kv_len] bool, True = attend
@@ -33,14 +34,19 @@ class AttentionBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_tokens: int, device: torch.device) -> "AttentionBatch":
+        """From host lists; kv_len is the smallest range that covers every row."""
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        kv_len = max(starts) + num_tokens
-        offsets = torch.arange(num_tokens, device=device)
-        write_index = start_t[:, None] + offsets[None, :]
-        key_pos = torch.arange(kv_len, device=device)
+        return cls.from_tensors(slot_t, start_t, num_tokens, max(starts) + num_tokens)
+
+    @classmethod
+    def from_tensors(cls, slots: torch.Tensor, starts: torch.Tensor, num_tokens: int, kv_len: int) -> "AttentionBatch":
+        """From device tensors, with no host sync (graph-capturable). kv_len must cover max(starts) + num_tokens."""
+        offsets = torch.arange(num_tokens, device=starts.device)
+        write_index = starts[:, None] + offsets[None, :]
+        key_pos = torch.arange(kv_len, device=starts.device)
         mask = key_pos[None, None, :] <= write_index[:, :, None]
-        return cls(slot_t, start_t, num_tokens, kv_len, mask[:, None], write_index)
+        return cls(slots, num_tokens, kv_len, mask[:, None], write_index)
 
 
 class Attention(nn.Module):

@@ -35,17 +35,20 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, H]; experts/weights: [N, k]. On CUDA in half precision: grouped GEMMs with no host sync;
-        elsewhere one matmul per hit expert (exact, the CPU reference path)."""
+        """x: [N, H]; experts/weights: [N, k]. On CUDA, with no host sync (so CUDA graphs can capture it): grouped
+        GEMMs in half precision, per-pair gathered weights otherwise; on the CPU one matmul per hit expert."""
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             return self.grouped(x, experts, weights)
+        if x.is_cuda:
+            return self.gathered(x, experts, weights)
         return self.looped(x, experts, weights)
 
     @staticmethod
     def _sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        # bincount would size its output from a host read of max(); a scatter-add keeps this sync-free
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         return order, order // experts.shape[1], counts
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -56,6 +59,13 @@ class Experts(nn.Module):
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+    def gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair with its own gathered weights: sync-free and exact, but memory grows with
+        N*k*expert size, so it is for small models in fp32 (tests), not for serving."""
+        gate, up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts]).chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[experts])
+        return (y * weights[..., None].to(y.dtype)).sum(1).to(x.dtype)
 
     def looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One matmul per hit expert (needs the per-expert counts on the host)."""

@@ -14,13 +14,12 @@ from fastapi import FastAPI, Request
 from ray import serve
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.audio import encode_audio, wav_stream_header
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
-from omni_ray.models.qwen3_omni.checkpoint import resolve_checkpoint
+from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.serve import openai_protocol as oai
@@ -69,9 +68,9 @@ class OmniIngress:
         self.config = PipelineConfig.model_validate(pipeline)
         self.limits = oai.ServiceLimits.model_validate(limits)
         self.model_name = model_name
-        checkpoint = str(resolve_checkpoint(self.config.model.path, self.config.model.tiny_seed))
-        model_config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
-        prompts = PromptBuilder(checkpoint, model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
+        files = resolve_model(self.config.model)
+        model_config = files.config
+        prompts = PromptBuilder(str(files.tokenizer_dir), model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
         clients = {name: ServeClient(h) for name, h in zip(STAGES, (encoder, thinker, talker, vocoder))}
         self.orchestrator = Orchestrator(clients, prompts, self.config, model_config, self.limits.max_prompt_tokens)
         self.metrics = ServiceMetrics()

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import numpy as np
 import torch
-from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.audio import AudioFeatureExtractor
 from omni_ray.config import (
@@ -25,7 +23,7 @@ from omni_ray.config import (
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.loop import EngineLoop
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_omni.checkpoint import resolve_checkpoint
+from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
@@ -60,9 +58,6 @@ class TalkerRequest:
     ignore_eos: bool = False
 
 
-def _checkpoint(model: ModelSource) -> tuple[str, Qwen3OmniMoeConfig]:
-    path = resolve_checkpoint(model.path, model.tiny_seed)
-    return str(path), Qwen3OmniMoeConfig.from_pretrained(path)
 
 
 def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any]) -> dict[str, Any]:
@@ -87,10 +82,11 @@ class EncoderStage(StageBase):
 
     def __init__(self, model: ModelSource, stage: StageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        checkpoint, config = _checkpoint(model)
+        files = resolve_model(model)
+        config = files.config
         res = stage.resources
-        self.features = AudioFeatureExtractor(checkpoint)
-        self.encoder = load_audio_encoder(Path(checkpoint), config, res.device, DTYPES[res.dtype])
+        self.features = AudioFeatureExtractor(str(files.tokenizer_dir))
+        self.encoder = load_audio_encoder(files.weights, config, res.device, DTYPES[res.dtype])
         self._encoding = 0
         self.start_reporting()
 
@@ -124,11 +120,12 @@ class ThinkerStage(StageBase):
 
     def __init__(self, model: ModelSource, stage: ThinkerStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        checkpoint, config = _checkpoint(model)
+        files = resolve_model(model)
+        config = files.config
         res, engine = stage.resources, stage.engine
-        thinker = load_thinker(Path(checkpoint), config, res.device, DTYPES[res.dtype])
+        thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(config.thinker_config.text_config, engine, res)
-        runner = ThinkerRunner(thinker, config, cache)
+        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
         self._talkers: dict[str, RelayPeer] = {}
@@ -212,12 +209,13 @@ class TalkerStage(StageBase):
 
     def __init__(self, model: ModelSource, stage: TalkerStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        checkpoint, self.config = _checkpoint(model)
+        files = resolve_model(model)
+        self.config = files.config
         res, engine = stage.resources, stage.engine
         self.settings = engine
-        assets = load_talker(Path(checkpoint), self.config, res.device, DTYPES[res.dtype])
+        assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(self.config.talker_config.text_config, engine, res)
-        runner = TalkerRunner(assets, self.config, cache, engine.max_batch)
+        runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
@@ -305,9 +303,10 @@ class VocoderStage(StageBase):
 
     def __init__(self, model: ModelSource, stage: VocoderStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id)
-        checkpoint, config = _checkpoint(model)
+        files = resolve_model(model)
+        config = files.config
         res, streaming = stage.resources, stage.streaming
-        self.codec = Code2WavCodec(load_code2wav(Path(checkpoint), config, res.device, DTYPES[res.dtype]))
+        self.codec = Code2WavCodec(load_code2wav(files.weights, config, res.device, DTYPES[res.dtype]))
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
         self.start_reporting()
 

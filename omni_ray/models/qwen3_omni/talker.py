@@ -9,8 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
+from omni_ray.engine.fixed_shape import (
+    decode_forward, decode_inputs, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+)
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.engine.sampler import RequestSampler, SamplingParams, sample_batch
+from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, sample
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -104,13 +108,15 @@ class TalkerSequence:
     slot: int = -1
     num_cached: int = 0
     steps: int = 0  # decode steps done
-    group0_history: list[int] = field(default_factory=list)
     frames: int = 0
     feedback: torch.Tensor | None = None  # summed codec embedding of the last frame
-    last_hidden: torch.Tensor | None = None
     finish_reason: str | None = None
-    sampler: RequestSampler | None = None
-    mtp_sampler: RequestSampler | None = None
+    noise: NoiseSource | None = None  # group-0 draws
+    mtp_noise: NoiseSource | None = None  # code-predictor draws
+
+    @property
+    def mtp_sampling(self) -> SamplingParams:
+        return GREEDY if self.sampling.greedy else MTP_SAMPLING
 
     def frame_limit(self) -> int:
         if self.frames_per_text_token <= 0 or not self.thinker_done:
@@ -127,9 +133,19 @@ class TalkerStepOutput:
 
 
 class TalkerRunner:
-    """Batched Talker steps: prefill or decode → sample group 0 → MTP completes the frame in the same step."""
+    """Batched Talker steps: prefill or decode the backbone, then one frame pass that samples group 0 and lets the
+    MTP complete groups 1..G-1. Every pass runs at bucketed fixed shapes, replayed from CUDA graphs on a GPU: the
+    backbone decode per (rows, key range), the whole frame (group 0 + 15 completions) per row count."""
 
-    def __init__(self, assets: TalkerAssets, config: Any, cache: SlotKVCache, max_batch: int) -> None:
+    def __init__(
+        self,
+        assets: TalkerAssets,
+        config: Any,
+        cache: SlotKVCache,
+        max_batch: int,
+        cuda_graphs: bool = True,
+        max_prefill_tokens: int = 8192,
+    ) -> None:
         self.assets = assets
         self.model = assets.model
         self.config = config
@@ -138,21 +154,28 @@ class TalkerRunner:
         tc = config.talker_config
         self.num_groups = int(tc.num_code_groups)
         self.eos = int(tc.codec_eos_token_id)
-        vocab = int(tc.text_config.vocab_size)
-        self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.eos], device=self.device)
+        self.vocab = int(tc.text_config.vocab_size)
+        # the top 1024 ids are control codes, never sampled as audio, except EOS
+        self.banned = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
+        self.banned[self.vocab - 1024 :] = True
+        self.banned[self.eos] = False
+        self.seen = torch.zeros(cache.num_slots + 1, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
         cp = tc.code_predictor_config
+        self.mtp_vocab = int(cp.vocab_size)
         self.mtp_cache = SlotKVCache(
-            cp.num_hidden_layers, max_batch, self.num_groups + 1, cp.num_key_value_heads,
+            cp.num_hidden_layers, bucket_pow2(max_batch), self.num_groups + 1, cp.num_key_value_heads,
             getattr(cp, "head_dim", None) or cp.hidden_size // cp.num_attention_heads,
             self.assets.tts_pad.dtype, self.device,
         )
+        self.graphs = GraphCache(self.device, cuda_graphs)
+        self.max_prefill_tokens = max_prefill_tokens
 
     def admit(self, seq: TalkerSequence) -> None:
         seq.slot = self.cache.allocate()
-        seq.sampler = RequestSampler(seq.sampling)
-        mtp = SamplingParams(temperature=0.0) if seq.sampling.greedy else MTP_SAMPLING
+        seq.noise = NoiseSource(seq.sampling)
         seed = None if seq.sampling.seed is None else seq.sampling.seed + 1
-        seq.mtp_sampler = RequestSampler(mtp.model_copy(update={"seed": seed}))
+        seq.mtp_noise = NoiseSource(seq.mtp_sampling.model_copy(update={"seed": seed}))
+        self.seen[seq.slot] = False
 
     def release(self, seq: TalkerSequence) -> None:
         if seq.slot >= 0:
@@ -168,54 +191,42 @@ class TalkerRunner:
     @torch.inference_mode()
     def step(self, seqs: list[TalkerSequence]) -> list[TalkerStepOutput]:
         outputs: list[TalkerStepOutput] = []
-        stepping: list[TalkerSequence] = []
-        hiddens: list[torch.Tensor] = []
-        logits: list[torch.Tensor] = []
         for seq in seqs:
-            if seq.num_cached == 0:
-                if not seq.text_embeds:  # the Thinker finished after one token: nothing to speak
-                    seq.finish_reason = "stop"
-                    outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
-                    continue
-                h = self._prefill(seq)
-                stepping.append(seq)
-                hiddens.append(h)
-        decoding = [s for s in seqs if s.num_cached > 0 and s not in stepping and s.finish_reason is None]
+            if seq.num_cached == 0 and not seq.text_embeds:  # the Thinker finished after one token: nothing to speak
+                seq.finish_reason = "stop"
+                outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
+        prefilling = within_prefill_budget(
+            [s for s in seqs if s.num_cached == 0 and s.finish_reason is None], self._prompt_length, self.cache,
+            self.max_prefill_tokens,
+        )
+        decoding = [s for s in seqs if s.num_cached > 0 and s.finish_reason is None]
+        hiddens = []
+        if prefilling:
+            hiddens.append(self._prefill(prefilling))
         if decoding:
-            hiddens.extend(self._decode(decoding))
-            stepping.extend(decoding)
+            hiddens.append(self._decode(decoding))
+        stepping = prefilling + decoding
         if not stepping:
             return outputs
-        hidden = torch.stack(hiddens)
-        logits = self.model.codec_head(hidden)
-        no_eos = [i for i, s in enumerate(stepping) if s.ignore_eos]
-        if no_eos:
-            logits[no_eos, self.eos] = float("-inf")
-        histories = [torch.tensor(s.group0_history, dtype=torch.long) for s in stepping]
-        group0 = sample_batch(logits, [s.sampler for s in stepping], histories, self.suppress)  # type: ignore[misc]
-        for seq, token in zip(stepping, group0):
-            seq.group0_history.append(token)
-        speaking = [i for i, t in enumerate(group0) if t != self.eos]
-        codes = self._complete_frames(hidden[speaking], [group0[i] for i in speaking], [stepping[i] for i in speaking])
-        frames = dict(zip((stepping[i].request_id for i in speaking), codes.tolist()))
-        if speaking:
-            feedback = self.model.frame_embedding(codes)
-        for seq in stepping:
-            if seq.request_id not in frames:
+        frames, feedback = self._frames(stepping, torch.cat(hiddens))
+        for i, (seq, codes) in enumerate(zip(stepping, frames)):
+            if codes[0] == self.eos:
                 seq.finish_reason = "stop"
                 outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
                 continue
-            index = list(frames).index(seq.request_id)
-            seq.feedback = feedback[index]
+            seq.feedback = feedback[i]
             seq.frames += 1
-            if seq.frames >= seq.frame_limit():
+            if seq.frames >= seq.frame_limit() or seq.num_cached + 1 > self.cache.max_len:
                 seq.finish_reason = "length"
-            elif seq.num_cached + 1 > self.cache.max_len:
-                seq.finish_reason = "length"
-            outputs.append(TalkerStepOutput(seq.request_id, frames[seq.request_id], seq.finish_reason))
+            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason))
         return outputs
 
-    def _prefill(self, seq: TalkerSequence) -> torch.Tensor:
+    def _prompt_length(self, seq: TalkerSequence) -> int:
+        assert seq.prefix is not None
+        return int(seq.prefix["user_states"].shape[0]) + 9
+
+    def _prompt(self, seq: TalkerSequence) -> torch.Tensor:
+        """Talker prefill embeddings [T, h] from the Thinker's prefix states and first reply token."""
         assert seq.prefix is not None
         m, a = self.model, self.assets
         dtype = a.tts_pad.dtype
@@ -225,51 +236,94 @@ class TalkerRunner:
         assistant = m.text_projection(seq.prefix["assistant_prefix"].to(self.device, dtype))
         first = m.text_projection(seq.text_embeds[0].to(self.device, dtype))
         codec = m.model.codec_embedding(torch.tensor(codec_prefix_ids(self.config, seq.speaker_id), device=self.device))
-        prompt = assemble_talker_prompt(user, assistant, first, a.tts_bos, a.tts_pad, codec)
-        length = prompt.shape[0]
-        self.cache.check_fits(length + 1)
-        batch = AttentionBatch.build([seq.slot], [0], length, self.device)
-        positions = torch.arange(length, device=self.device)[None]
-        hidden, _ = m.model(prompt[None], positions, self.cache.layers, batch)
-        seq.num_cached = length
-        return hidden[0, -1]
+        return assemble_talker_prompt(user, assistant, first, a.tts_bos, a.tts_pad, codec)
 
-    def _trailing_text(self, seq: TalkerSequence) -> torch.Tensor:
-        """Text input for decode step `seq.steps`: reply token steps+2, then tts_eos once, then tts_pad."""
-        index = seq.steps + 1
-        if index < len(seq.text_embeds):
-            return self.model.text_projection(seq.text_embeds[index].to(self.device, self.assets.tts_pad.dtype))
-        return self.assets.tts_eos if index == len(seq.text_embeds) else self.assets.tts_pad
+    def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden": prefill_forward(self.model.model, self.cache, embeds, slots)[0]}
 
-    def _decode(self, seqs: list[TalkerSequence]) -> list[torch.Tensor]:
-        embeds = torch.stack([s.feedback + self._trailing_text(s) for s in seqs])[:, None]  # type: ignore[operator]
-        starts = [s.num_cached for s in seqs]
-        batch = AttentionBatch.build([s.slot for s in seqs], starts, 1, self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None]
-        hidden, _ = self.model.model(embeds, positions, self.cache.layers, batch)
+    def _prefill(self, seqs: list[TalkerSequence]) -> torch.Tensor:
+        """All new sequences in one padded batch → each one's last hidden state [N, h]."""
+        prompts = [self._prompt(s) for s in seqs]
+        for prompt in prompts:
+            self.cache.check_fits(prompt.shape[0] + 1)
+        embeds, slots = pad_prefill(prompts, [s.slot for s in seqs], self.cache)
+        out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        for seq, prompt in zip(seqs, prompts):
+            seq.num_cached = prompt.shape[0]
+        return last_positions(out["hidden"], list(range(len(seqs))), [p.shape[0] for p in prompts])
+
+    def _trailing_texts(self, seqs: list[TalkerSequence]) -> torch.Tensor:
+        """Text input of each row's decode step `steps`: reply token steps+2 (projected), then tts_eos once,
+        then tts_pad. [B, h]"""
+        index = [s.steps + 1 for s in seqs]
+        rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
+        pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
+        if pending:
+            raw = torch.stack([seqs[j].text_embeds[index[j]] for j in pending]).to(self.device, self.assets.tts_pad.dtype)
+            for j, projected in zip(pending, self.model.text_projection(raw)):
+                rows[j] = projected
+        return torch.stack(rows)
+
+    def _decode(self, seqs: list[TalkerSequence]) -> torch.Tensor:
+        positions, slots, kv_len = decode_inputs([s.num_cached for s in seqs], [s.slot for s in seqs], self.cache, self.device)
+        embeds = torch.zeros(positions.shape[0], 1, self.assets.tts_pad.shape[-1], dtype=self.assets.tts_pad.dtype, device=self.device)
+        embeds[: len(seqs), 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
+        out = self.graphs.run(
+            ("decode", positions.shape[0], kv_len),
+            lambda **inputs: {"hidden": decode_forward(self.model.model, self.cache, kv_len=kv_len, **inputs)},
+            {"embeds": embeds, "positions": positions, "slots": slots},
+        )
         for s in seqs:
             s.num_cached += 1
             s.steps += 1
-        return list(hidden[:, 0])
+        return out["hidden"][: len(seqs)]
 
-    def _complete_frames(self, hidden: torch.Tensor, group0: list[int], seqs: list[TalkerSequence]) -> torch.Tensor:
-        """The MTP loop: groups 1..G-1 for every row, with a per-frame static cache. Returns codes [B, G]."""
-        rows = len(seqs)
-        if rows == 0:
-            return torch.empty(0, self.num_groups, dtype=torch.long, device=self.device)
+    def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
+        count, rows = len(seqs), bucket_pow2(len(seqs))
+        padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        padded[:count] = hidden
+        slots = torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)).to(self.device)
+        banned = self.banned.expand(rows, -1).clone()
+        no_eos = [i for i, s in enumerate(seqs) if s.ignore_eos]
+        if no_eos:
+            banned[no_eos, self.eos] = True
+        inputs = {
+            "hidden": padded, "slots": slots, "banned": banned,
+            "noise": draw_noise([s.noise for s in seqs], (self.vocab,), self.device, rows),  # type: ignore[misc]
+            "mtp_noise": draw_noise([s.mtp_noise for s in seqs], (self.num_groups - 1, self.mtp_vocab), self.device, rows),  # type: ignore[misc]
+            **SamplingBatch.of([s.sampling for s in seqs], self.device, rows).as_dict("group0_"),
+            **SamplingBatch.of([s.mtp_sampling for s in seqs], self.device, rows).as_dict("mtp_"),
+        }
+        out = self.graphs.run(("frame", rows), self._frame_forward, inputs)
+        self.seen[slots, out["codes"][:, 0]] = True  # outside the graph: capture must not change what it reads
+        return out["codes"][:count].tolist(), out["feedback"][:count].clone()
+
+    def _frame_forward(
+        self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise: torch.Tensor, mtp_noise: torch.Tensor,
+        **params: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable)."""
+        logits = self.model.codec_head(hidden)
+        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned)
+        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise)
+        return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
+
+    def _complete_frames(
+        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor
+    ) -> torch.Tensor:
+        """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
+        rows = hidden.shape[0]
         cp = self.model.code_predictor
-        g0 = torch.tensor(group0, device=self.device)
-        embeds = torch.stack([hidden, self.model.model.codec_embedding(g0)], dim=1)  # [B, 2, h]
-        slots = list(range(rows))
-        codes = [g0]
-        samplers = [s.mtp_sampler for s in seqs]
+        slots = torch.arange(rows, device=hidden.device)
+        embeds = torch.stack([hidden, self.model.model.codec_embedding(group0)], dim=1)  # [B, 2, h]
+        codes = [group0]
         start, length = 0, 2
         for k in range(self.num_groups - 1):
-            batch = AttentionBatch.build(slots, [start] * rows, length, self.device)
-            positions = (start + torch.arange(length, device=self.device))[None].expand(rows, -1)
+            batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length)
+            positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
             out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
-            picked = sample_batch(cp.lm_head[k](out[:, -1]), samplers, [None] * rows)  # type: ignore[arg-type]
-            code = torch.tensor(picked, device=self.device)
+            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k])
             codes.append(code)
             if k + 1 < self.num_groups - 1:
                 embeds = cp.model.codec_embedding[k](code)[:, None]

@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_ray.engine.cuda_graphs import GraphCache
+from omni_ray.engine.fixed_shape import (
+    decode_forward, decode_inputs, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+)
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.engine.sampler import RequestSampler, SamplingParams
-from omni_ray.layers.attention import AttentionBatch
+from omni_ray.engine.sampler import NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
@@ -57,7 +60,7 @@ class ThinkerSequence:
     num_cached: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    sampler: RequestSampler | None = None
+    noise: NoiseSource | None = None
 
 
 @dataclass
@@ -74,9 +77,13 @@ class ThinkerStepOutput:
 
 
 class ThinkerRunner:
-    """Runs Thinker steps for a batch of sequences: prefill new ones, batched decode for the rest."""
+    """Runs Thinker steps for a batch of sequences: prefill new ones, batched decode for the rest, then one batched
+    sampling call for every row. Prefill and decode run at bucketed fixed shapes (padding rows use the cache's
+    scratch slot), replayed from CUDA graphs on a GPU."""
 
-    def __init__(self, model: ThinkerLM, config: Any, cache: SlotKVCache) -> None:
+    def __init__(
+        self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192
+    ) -> None:
         self.model = model
         self.config = config
         self.cache = cache
@@ -86,11 +93,17 @@ class ThinkerRunner:
         self.multimodal_ids = torch.tensor(
             [config.thinker_config.audio_token_id, config.thinker_config.image_token_id, config.thinker_config.video_token_id]
         )
+        self.graphs = GraphCache(self.device, cuda_graphs)
+        self.max_prefill_tokens = max_prefill_tokens
+        # tokens each slot has seen (prompt + reply), for the repetition penalty
+        self.seen = torch.zeros(cache.num_slots + 1, model.lm_head.out_features, dtype=torch.bool, device=self.device)
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)
         seq.slot = self.cache.allocate()
-        seq.sampler = RequestSampler(seq.sampling)
+        seq.noise = NoiseSource(seq.sampling)
+        self.seen[seq.slot] = False
+        self.seen[seq.slot, torch.tensor(seq.prompt_ids, device=self.device)] = True
 
     def release(self, seq: ThinkerSequence) -> None:
         if seq.slot >= 0:
@@ -100,88 +113,147 @@ class ThinkerRunner:
     @torch.inference_mode()
     def step(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
         # Partition first: a sequence prefilled in this step must not also decode in it.
-        prefilling = [s for s in seqs if s.num_cached == 0]
+        prefilling = within_prefill_budget(
+            [s for s in seqs if s.num_cached == 0], lambda s: len(s.prompt_ids), self.cache, self.max_prefill_tokens
+        )
         forced = [s for s in seqs if s.num_cached > 0 and s.forced_ids]
         decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
-        outputs = [self._prefill(s) for s in prefilling]
-        outputs.extend(self._advance_forced(s) for s in forced)
+        outputs: list[ThinkerStepOutput] = []
+        sampled: list[ThinkerSequence] = []
+        logits: list[torch.Tensor] = []
+        if prefilling:
+            prefill_logits, prefixes = self._prefill(prefilling)
+            for seq in prefilling:
+                outputs.append(ThinkerStepOutput(seq.request_id, -1, None, talker_prefix=prefixes.get(seq.request_id)))
+            sampled += [s for s in prefilling if not s.forced_ids]
+            logits.append(prefill_logits)
+        if forced:
+            outputs += self._advance_forced(forced)
         if decoding:
-            outputs.extend(self._decode(decoding))
+            decode_logits, talker_embeds = self._decode(decoding)
+            outputs += [ThinkerStepOutput(s.request_id, -1, None, talker_embed=talker_embeds.get(s.request_id)) for s in decoding]
+            sampled += decoding
+            logits.append(decode_logits)
+        tokens = dict(zip((s.request_id for s in sampled), self._sample(sampled, logits)))
+        by_id = {s.request_id: s for s in prefilling + decoding}
+        for out in outputs:
+            if out.request_id in by_id:
+                out.token = self._accept(by_id[out.request_id], tokens.get(out.request_id))
+                out.finish_reason = by_id[out.request_id].finish_reason
         return outputs
 
-    def _advance_forced(self, seq: ThinkerSequence) -> ThinkerStepOutput:
+    def _advance_forced(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
         """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0
         embeddings. No forward pass is needed for them (the Talker reads no hidden state at text positions)."""
-        embed = self.model.embed(torch.tensor([seq.output_ids[-1]], device=self.device))[0]
-        seq.num_cached += 1
-        token = self._accept(seq, None)
-        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=embed.float().cpu())
-
-    def _prefill(self, seq: ThinkerSequence) -> ThinkerStepOutput:
-        ids = torch.tensor([seq.prompt_ids], device=self.device)
-        embeds = self.model.embed(ids)
-        if seq.audio_embeds is not None:
-            audio_mask = ids[0] == self.audio_token_id
-            if int(audio_mask.sum()) != seq.audio_embeds.shape[0]:
-                raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
-            embeds[0, audio_mask] = seq.audio_embeds.to(embeds.device, embeds.dtype)
-        length = ids.shape[1]
-        mm_mask = torch.isin(ids[0], self.multimodal_ids.to(ids.device))
-        logits: torch.Tensor | None = None
-        captured: dict[int, torch.Tensor] = {}
-        if not seq.forced_ids or bool(mm_mask.any()):  # a forced text-only reply needs no forward pass
-            batch = AttentionBatch.build([seq.slot], [0], length, self.device)
-            positions = torch.arange(length, device=self.device)[None]
-            capture = (self.accept_layer,) if seq.for_talker else ()
-            hidden, captured = self.model.model(embeds, positions, self.cache.layers, batch, capture)
-            logits = self.model.lm_head(hidden[0, -1])
-        seq.num_cached = length
-        token = self._accept(seq, logits)
-        prefix = None
-        if seq.for_talker:
-            positions_for_talker, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
-            states = embeds[0]
-            if self.accept_layer in captured:
-                states = torch.where(mm_mask[:, None], captured[self.accept_layer][0], embeds[0])
-            prefix = {
-                "user_states": states[positions_for_talker].float().cpu(),
-                "user_multimodal": mm_mask[positions_for_talker].cpu(),
-                "assistant_prefix": embeds[0, assistant_start : assistant_start + 3].float().cpu(),
-            }
-        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_prefix=prefix)
-
-    def _decode(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        starts = [s.num_cached for s in seqs]
-        batch = AttentionBatch.build([s.slot for s in seqs], starts, 1, self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None]
-        embeds = self.model.embed(ids)
-        hidden, _ = self.model.model(embeds, positions, self.cache.layers, batch)
-        logits = self.model.lm_head(hidden[:, -1])
+        ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
+        embeds = self.model.embed(ids).float().cpu()
         outputs = []
-        for i, seq in enumerate(seqs):
+        for seq, embed in zip(seqs, embeds):
             seq.num_cached += 1
-            token = self._accept(seq, logits[i])
-            talker_embed = embeds[i, 0].float().cpu() if seq.for_talker else None
-            outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=talker_embed))
+            token = self._accept(seq, None)
+            outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=embed))
         return outputs
 
-    def _accept(self, seq: ThinkerSequence, logits: torch.Tensor | None) -> int:
-        """Sample (or take the forced) next token and update the finish state."""
+    def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, captured = prefill_forward(self.model.model, self.cache, embeds, slots, (self.accept_layer,))
+        return {"hidden": hidden, "accept": captured[self.accept_layer]}
+
+    def _prefill(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
+        """Prefill every sequence that needs a forward pass in one padded batch. Returns the last-position logits of
+        the sampled (non-forced) sequences, in order, and each Talker-bound sequence's prefix states."""
+        embeds_by_seq = [self._prompt_embeds(s) for s in seqs]
+        mm_masks = [torch.isin(torch.tensor(s.prompt_ids), self.multimodal_ids) for s in seqs]
+        # a forced text-only reply needs no forward pass
+        running = [i for i, s in enumerate(seqs) if not s.forced_ids or bool(mm_masks[i].any())]
+        out: dict[str, torch.Tensor] = {}
+        if running:
+            embeds, slots = pad_prefill([embeds_by_seq[i] for i in running], [seqs[i].slot for i in running], self.cache)
+            out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        row_of = {i: row for row, i in enumerate(running)}
+        sampled = [i for i, s in enumerate(seqs) if not s.forced_ids]
+        logits = torch.empty(0, self.model.lm_head.out_features, device=self.device)
+        if sampled:
+            last = last_positions(out["hidden"], [row_of[i] for i in sampled], [len(seqs[i].prompt_ids) for i in sampled])
+            logits = self.model.lm_head(last)
+        prefixes = {}
+        for i, seq in enumerate(seqs):
+            seq.num_cached = len(seq.prompt_ids)
+            if seq.for_talker:
+                accept = out["accept"][row_of[i], : seq.num_cached] if i in row_of else None
+                prefixes[seq.request_id] = self._talker_prefix(seq, embeds_by_seq[i], mm_masks[i], accept)
+        return logits, prefixes
+
+    def _prompt_embeds(self, seq: ThinkerSequence) -> torch.Tensor:
+        """[T, H] input embeddings, with audio embeddings spliced in at the audio placeholders."""
+        ids = torch.tensor(seq.prompt_ids, device=self.device)
+        embeds = self.model.embed(ids)
+        if seq.audio_embeds is not None:
+            audio_mask = ids == self.audio_token_id
+            if int(audio_mask.sum()) != seq.audio_embeds.shape[0]:
+                raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
+            embeds[audio_mask] = seq.audio_embeds.to(embeds.device, embeds.dtype)
+        return embeds
+
+    def _talker_prefix(
+        self, seq: ThinkerSequence, embeds: torch.Tensor, mm_mask: torch.Tensor, accept: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Layer-0 embeddings at the user turn's text positions, accept-layer hidden states at its multimodal ones."""
+        positions, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
+        states = embeds if accept is None else torch.where(mm_mask.to(self.device)[:, None], accept, embeds)
+        return {
+            "user_states": states[positions.to(self.device)].float().cpu(),
+            "user_multimodal": mm_mask[positions],
+            "assistant_prefix": embeds[assistant_start : assistant_start + 3].float().cpu(),
+        }
+
+    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+        embeds = self.model.embed(ids[:, None])
+        hidden = decode_forward(self.model.model, self.cache, embeds, positions, slots, kv_len)
+        return {"logits": self.model.lm_head(hidden), "embeds": embeds[:, 0]}
+
+    def _decode(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        positions, slots, kv_len = decode_inputs([s.num_cached for s in seqs], [s.slot for s in seqs], self.cache, self.device)
+        ids = torch.zeros_like(positions)
+        ids[: len(seqs)] = torch.tensor([s.output_ids[-1] for s in seqs])
+        out = self.graphs.run(
+            ("decode", ids.shape[0], kv_len),
+            lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
+            {"ids": ids, "positions": positions, "slots": slots},
+        )
+        talking = [i for i, s in enumerate(seqs) if s.for_talker]
+        talker_embeds: dict[str, torch.Tensor] = {}
+        if talking:
+            embeds = out["embeds"][talking].float().cpu()
+            talker_embeds = {seqs[i].request_id: embeds[j] for j, i in enumerate(talking)}
+        for seq in seqs:
+            seq.num_cached += 1
+        return out["logits"][: len(seqs)], talker_embeds
+
+    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> list[int]:
+        """One batched draw for every sampled row of the step; one host sync."""
+        if not seqs:
+            return []
+        rows = torch.cat(logits)
+        params = [s.sampling for s in seqs]
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        seen = self.seen[slots] if any(p.repetition_penalty != 1.0 for p in params) else None
+        noise = draw_noise([s.noise for s in seqs], (rows.shape[-1],), self.device)  # type: ignore[misc]
+        tokens = sample(rows, SamplingBatch.of(params, self.device), noise, seen, filtered=needs_filter(params))
+        self.seen[slots, tokens] = True
+        return tokens.tolist()
+
+    def _accept(self, seq: ThinkerSequence, sampled: int | None) -> int:
+        """Take the sampled (or the forced) next token and update the finish state."""
         if seq.forced_ids:
             token = seq.forced_ids[len(seq.output_ids)]
             seq.output_ids.append(token)
             if len(seq.output_ids) == len(seq.forced_ids):
                 seq.finish_reason = "stop"
             return token
-        assert seq.sampler is not None and logits is not None
-        history = None
-        if seq.sampling.repetition_penalty != 1.0:
-            history = torch.tensor(seq.prompt_ids + seq.output_ids, device=logits.device)
-        token = seq.sampler.pick(logits, history)
-        seq.output_ids.append(token)
-        if token in seq.stop_ids and not seq.ignore_eos:
+        assert sampled is not None
+        seq.output_ids.append(sampled)
+        if sampled in seq.stop_ids and not seq.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
-        return token
+        return sampled

@@ -1,0 +1,81 @@
+"""CUDA graphs of a runner's fixed-shape step functions: one per shape bucket, captured on first use, then replayed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+StepFunction = Callable[..., dict[str, torch.Tensor]]
+
+
+def bucket_pow2(n: int, minimum: int = 1, cap: int | None = None) -> int:
+    """The smallest power of two ≥ n (and ≥ minimum), clamped to `cap` when given."""
+    size = max(minimum, 1 << max(0, n - 1).bit_length())
+    return min(size, cap) if cap is not None else size
+
+
+def bucket_length(n: int, cap: int) -> int:
+    """Sequence-length bucket: powers of two up to 256, then multiples of 256; never above `cap`."""
+    size = bucket_pow2(n, 16) if n <= 256 else -(-n // 256) * 256
+    return min(size, cap)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+class GraphCache:
+    """Runs `fn(**inputs)` for a shape key: replayed from a CUDA graph when enabled, eagerly otherwise.
+
+    Inputs must have the key's exact shapes (callers pad to a bucket); they are copied into the graph's static
+    buffers. Outputs are the graph's own buffers, valid until the next `run` of any key (all graphs share one memory
+    pool), so callers consume or clone them first. `fn` must not sync with the host, and everything it writes must
+    be idempotent for the same inputs (capture runs it once eagerly, then replays it)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.enabled = enabled and device.type == "cuda"
+        self.device = device
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.capture_ms = 0.0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.enabled:
+            return fn(**inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, fn, inputs)
+        for name, buffer in entry.inputs.items():
+            buffer.copy_(inputs[name], non_blocking=True)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _capture(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> _Captured:
+        start = time.perf_counter()
+        static = {name: tensor.clone() for name, tensor in inputs.items()}
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up kernels (and their lazy library init) outside the capture
+            fn(**static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            outputs = fn(**static)
+        entry = _Captured(graph, static, outputs)
+        self._graphs[key] = entry
+        elapsed = (time.perf_counter() - start) * 1000
+        self.capture_ms += elapsed
+        log.info("captured CUDA graph %s in %.0f ms (%d graphs)", key, elapsed, len(self._graphs))
+        return entry

@@ -1,0 +1,72 @@
+"""Fixed-shape prefill and decode batches over a slot KV cache: padding to buckets, and the graph-capturable forwards."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+from omni_ray.engine.cuda_graphs import bucket_length, bucket_pow2
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderStack
+
+S = TypeVar("S")
+
+
+def within_prefill_budget(seqs: list[S], length: Callable[[S], int], cache: SlotKVCache, budget: int) -> list[S]:
+    """The longest prefix of `seqs` whose padded prefill batch holds at most `budget` tokens (always at least one
+    sequence); the rest prefill in a later step."""
+    for count in range(len(seqs), 1, -1):
+        longest = max(length(s) for s in seqs[:count])
+        if bucket_pow2(count) * bucket_length(longest, cache.max_len) <= budget:
+            return seqs[:count]
+    return seqs[:1]
+
+
+def pad_prefill(prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt embeddings [T_i, H] → [N_b, T_b, H] zero-padded to a bucket, and their slots [N_b]; padding rows
+    use the scratch slot. Padding positions past a row's length write cache entries that decode overwrites before
+    it ever attends to them."""
+    rows = bucket_pow2(len(prompts))
+    length = bucket_length(max(p.shape[0] for p in prompts), cache.max_len)
+    first = prompts[0]
+    padded = torch.zeros(rows, length, first.shape[-1], dtype=first.dtype, device=first.device)
+    for row, prompt in enumerate(prompts):
+        padded[row, : prompt.shape[0]] = prompt
+    slot_t = torch.tensor(slots + [cache.scratch_slot] * (rows - len(slots)), dtype=torch.long).to(first.device)
+    return padded, slot_t
+
+
+def decode_inputs(positions: list[int], slots: list[int], cache: SlotKVCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Positions and slots of a decode batch padded to a power-of-two row count (one host→device copy),
+    and the key-range bucket that covers every row."""
+    rows = bucket_pow2(len(slots))
+    pad = rows - len(slots)
+    host = torch.tensor([positions + [0] * pad, slots + [cache.scratch_slot] * pad], dtype=torch.long).to(device)
+    return host[0], host[1], bucket_length(max(positions) + 1, cache.max_len)
+
+
+def prefill_forward(
+    stack: DecoderStack, cache: SlotKVCache, embeds: torch.Tensor, slots: torch.Tensor, capture: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Rows [N, T] written from position 0 of their slots (graph-capturable)."""
+    rows, length = embeds.shape[:2]
+    batch = AttentionBatch.from_tensors(slots, torch.zeros_like(slots), length, length)
+    positions = torch.arange(length, device=embeds.device)[None].expand(rows, -1)
+    return stack(embeds, positions, cache.layers, batch, capture)
+
+
+def decode_forward(
+    stack: DecoderStack, cache: SlotKVCache, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """One token per row: embeds [B, 1, H] at positions [B] → normed hidden [B, H] (graph-capturable)."""
+    batch = AttentionBatch.from_tensors(slots, positions, 1, kv_len)
+    hidden, _ = stack(embeds, positions[:, None], cache.layers, batch)
+    return hidden[:, 0]
+
+
+def last_positions(hidden: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
+    """The state of row rows[i] at position lengths[i] - 1 of a padded [N_b, T_b, H] batch → [len(rows), H]."""
+    index = torch.tensor([[row, length - 1] for row, length in zip(rows, lengths)], device=hidden.device)
+    return hidden[index[:, 0], index[:, 1]]

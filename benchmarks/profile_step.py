@@ -1,38 +1,59 @@
-"""Profile one Thinker decode step (batch 1) of full-size Qwen3-Omni with random weights: where the time goes."""
+"""Profile graph-replayed Thinker and Talker(+MTP) steps of full-size Qwen3-Omni (random weights): GPU kernels by time."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import FULL_CONFIG
+from omni_ray.bench import FULL_CONFIG, _talker_seqs
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
-from transformers import Qwen3OmniMoeConfig
+from benchmarks.hf_baseline import prompt_ids
+
+
+def _profile(name: str, runner: Any, seqs: list[Any], graphs: bool) -> None:
+    for seq in seqs:
+        runner.admit(seq)
+    for _ in range(5):
+        runner.step(seqs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.step(seqs)
+        torch.cuda.synchronize()
+    for seq in seqs:
+        runner.release(seq)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels = sum(e.count for e in events) / 3
+    gpu_ms = sum(e.self_device_time_total for e in events) / 3 / 1000
+    print(f"## {name}, batch {len(seqs)}, {'graphs' if graphs else 'eager'}: {gpu_ms:.2f} ms GPU time and {kernels:.0f} kernels per step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+    sys.stdout.flush()
 
 
 def main() -> None:
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
-    runner = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
-                           SlotKVCache(text.num_hidden_layers, 1, 256, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"))
-    ids = [config.im_start_token_id, config.user_token_id] + list(range(10, 104)) + [config.im_end_token_id,
-           config.im_start_token_id, config.assistant_token_id, 198]
-    seq = ThinkerSequence("p", ids, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
-    runner.admit(seq)
-    for _ in range(5):
-        runner.step([seq])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            runner.step([seq])
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-    sys.stdout.flush()
+    thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
+                            SlotKVCache(text.num_hidden_layers, 32, 256, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"))
+    for batch in (1, 32):
+        seqs = [ThinkerSequence(f"p{i}", prompt_ids(config, 100), SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
+                for i in range(batch)]
+        _profile("thinker decode", thinker, seqs, True)
+    del thinker
+    torch.cuda.empty_cache()
+    talker_text = config.talker_config.text_config
+    talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
+                          SlotKVCache(talker_text.num_hidden_layers, 32, 256, talker_text.num_key_value_heads, talker_text.head_dim,
+                                      torch.bfloat16, "cuda"), 32)
+    for batch in (1, 32):
+        _profile("talker decode + frame", talker, _talker_seqs(config, batch, 100, 20), True)
 
 
 if __name__ == "__main__":

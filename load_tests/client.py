@@ -62,7 +62,7 @@ def load_audio_input(path: str) -> AudioInput:
 
 
 def chat_body(model: str, prompt: str, *, max_tokens: int, voice: str, temperature: float, seed: int | None,
-              audio: AudioInput | None = None) -> dict[str, Any]:
+              audio: AudioInput | None = None, ignore_eos: bool = False) -> dict[str, Any]:
     """A streaming text+audio chat-completions request."""
     content: str | list[dict[str, Any]] = prompt
     if audio is not None:
@@ -76,6 +76,8 @@ def chat_body(model: str, prompt: str, *, max_tokens: int, voice: str, temperatu
     }
     if seed is not None:
         body["seed"] = seed
+    if ignore_eos:  # omni-ray extension: fixed-length replies for benchmarks
+        body["ignore_eos"] = True
     return body
 
 

@@ -39,6 +39,7 @@ class LoadConfig:
     model: str | None = None
     voice: str = "ethan"
     temperature: float = 0.7
+    ignore_eos: bool = False
     progress: bool = True
     plots: bool = True
 
@@ -52,7 +53,8 @@ def build_bodies(cfg: LoadConfig, model: str, prompts: Sequence[str], audio: Aud
         prompt = order[i % len(order)]
         if cfg.scenario == "chat":
             bodies.append(chat_body(model, prompt, max_tokens=cfg.max_tokens, voice=cfg.voice,
-                                    temperature=cfg.temperature, seed=cfg.seed + i, audio=audio))
+                                    temperature=cfg.temperature, seed=cfg.seed + i, audio=audio,
+                                    ignore_eos=cfg.ignore_eos))
         else:
             bodies.append(speech_body(model, prompt, voice=cfg.voice))
     return bodies
@@ -116,6 +118,8 @@ def parse_args(argv: Sequence[str] | None) -> LoadConfig:
     ap.add_argument("--model", help="model id (default: first id from GET /v1/models)")
     ap.add_argument("--voice", default="ethan")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (chat)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="omni-ray extension (chat): replies run to max tokens and the Talker's frame cap")
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     a = ap.parse_args(argv)
@@ -128,7 +132,7 @@ def parse_args(argv: Sequence[str] | None) -> LoadConfig:
     return LoadConfig(url=a.url, scenario=a.scenario, concurrency=a.concurrency, requests=a.requests,
                       max_tokens=a.max_tokens, prompt_file=a.prompt_file, audio_in=a.audio_in, out_dir=a.out_dir,
                       seed=a.seed, timeout=a.timeout, model=a.model, voice=a.voice, temperature=a.temperature,
-                      progress=not a.no_progress, plots=not a.no_plots)
+                      ignore_eos=a.ignore_eos, progress=not a.no_progress, plots=not a.no_plots)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ class Finished:
     audio_finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     t: float = 0.0
-    timing: dict[str, float] = field(default_factory=dict)  # submitted, first/last token, first audio (epoch s)
+    timing: dict[str, float] = field(default_factory=dict)  # submitted, first/last token, first frame, first audio (epoch s)
     codes: torch.Tensor | None = None  # [num_code_groups, frames] when asked for with return_codes
     text: str = ""
 

@@ -150,7 +150,10 @@ def test_later_request_joins_running_batch_and_leaves_when_done(make: Callable[.
     assert h.failures == []
     assert h.loop.max_batch_seen == 2
     h.wait(lambda: h.loop.stats()["running"] == 0)
-    assert h.loop.stats() == {"running": 0, "waiting": 0, "steps": 6, "max_batch_seen": 2}
+    stats = h.loop.stats()
+    assert {k: stats[k] for k in ("running", "waiting", "steps", "max_batch_seen")} == {
+        "running": 0, "waiting": 0, "steps": 6, "max_batch_seen": 2}
+    assert stats["batch_mean"] == (1 + 1 + 1 + 2 + 2 + 1) / 6 and stats["step_ms_p50"] > 0
 
 
 def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Harness]) -> None:
@@ -160,7 +163,8 @@ def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Har
     assert h.loop.stats()["waiting"] == 5
     h.loop.start()
     h.runner.wait_batches(1)
-    assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "max_batch_seen": 2}
+    assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "max_batch_seen": 2, "step_ms_p50": 0.0,
+                              "batch_mean": 0.0}
     h.runner.allow(2)
     h.runner.wait_batches(3)
     assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1

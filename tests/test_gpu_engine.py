@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _reply(
-    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",)
+    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
+    lengths: tuple[int, ...] = (64,),
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
-    """Greedy 64-token replies and 64-frame speech for each prompt, all in one batch; plus how many graphs ran."""
+    """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch (shorter
+    ones leave early, so the cache compacts mid-run); plus how many graphs ran."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tc = config.thinker_config.text_config
@@ -31,19 +33,23 @@ def _reply(
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        seqs.append(ThinkerSequence(f"r{i}", ids, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True))
+        seqs.append(ThinkerSequence(f"r{i}", ids, SamplingParams(temperature=0.0), lengths[i], frozenset(), for_talker=True))
         thinker.admit(seqs[-1])
     outputs: dict[str, list[Any]] = {s.request_id: [] for s in seqs}
     while any(s.finish_reason is None for s in seqs):
         for out in thinker.step([s for s in seqs if s.finish_reason is None]):
             outputs[out.request_id].append(out)
+        for seq in seqs:  # as the engine loop does: a finished request frees its slot
+            if seq.finish_reason is not None and seq.slot >= 0:
+                thinker.release(seq)
     kc = config.talker_config.text_config
     talker = TalkerRunner(load_talker(checkpoint, config, device, dtype), config,
                           SlotKVCache(kc.num_hidden_layers, 4, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 4,
                           cuda_graphs=cuda_graphs)
     speeches = []
-    for seq in seqs:
-        speech = TalkerSequence(seq.request_id, SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=64)
+    for i, seq in enumerate(seqs):
+        speech = TalkerSequence(seq.request_id, SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302,
+                                max_frames=lengths[i])
         talker.admit(speech)
         for out in outputs[seq.request_id]:
             speech.prefix = out.talker_prefix or speech.prefix
@@ -56,6 +62,9 @@ def _reply(
         for out in talker.step([s for s in speeches if s.finish_reason is None]):
             if out.codes is not None:
                 frames[out.request_id].append(out.codes)
+        for speech in speeches:
+            if speech.finish_reason is not None and speech.slot >= 0:
+                talker.release(speech)
     graphs = {"thinker": len(thinker.graphs), "talker": len(talker.graphs)}
     return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
 
@@ -72,14 +81,15 @@ def test_cuda_graph_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path) -> No
 
 
 def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Path) -> None:
-    """bf16, four requests of different lengths in one batch: graph replay gives eager's tokens (Thinker), group-0
-    codes (Talker) and MTP codes (groups 1-15) for all 64 steps."""
+    """bf16, four requests of different prompt and reply lengths in one batch: graph replay gives eager's tokens
+    (Thinker), group-0 codes (Talker) and MTP codes (groups 1-15), for up to 64 steps, as requests leave."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
-    eager_tokens, eager_frames, eager_graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts)
-    graph_tokens, graph_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts)
+    lengths = (64, 40, 64, 17)
+    eager_tokens, eager_frames, eager_graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths)
+    graph_tokens, graph_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths)
     assert eager_graphs == {"thinker": 0, "talker": 0}
-    assert graphs["thinker"] >= 2 and graphs["talker"] >= 3  # prefill + decode; prefill + decode + frame
-    assert all(len(t) == 64 for t in eager_tokens) and all(len(f) == 64 for f in eager_frames)
+    assert graphs["thinker"] >= 3 and graphs["talker"] >= 4  # prefill + decode buckets; + the frame graphs
+    assert [len(t) for t in eager_tokens] == list(lengths) and [len(f) for f in eager_frames] == list(lengths)
     assert graph_tokens == eager_tokens
     assert [[f[0] for f in frames] for frames in graph_frames] == [[f[0] for f in frames] for frames in eager_frames]
     assert graph_frames == eager_frames

@@ -36,18 +36,30 @@ def test_cache_allocate_release_full() -> None:
     cache = _cache(num_slots=3)
     assert (cache.free_slots, cache.used_slots) == (3, 0)
     slots = [cache.allocate() for _ in range(3)]
-    assert sorted(slots) == [0, 1, 2]
+    assert slots == [0, 1, 2]  # always the lowest free slot
     assert (cache.free_slots, cache.used_slots) == (0, 3)
     with pytest.raises(KVCacheFull):
         cache.allocate()
-    cache.release(slots[1])
-    assert (cache.free_slots, cache.used_slots) == (1, 2)
-    assert cache.allocate() == slots[1]  # the freed slot is handed out again
-    with pytest.raises(KVCacheFull):
-        cache.allocate()
-    for s in slots:
+    assert cache.release(2) is None  # the highest slot: nothing moves
+    assert cache.allocate() == 2
+    for s in (2, 1, 0):
         cache.release(s)
     assert cache.free_slots == 3
+
+
+def test_cache_release_keeps_used_slots_compact() -> None:
+    """Releasing a middle slot moves the highest used slot's keys and values into it."""
+    cache = _cache(num_slots=3, max_len=4, layers=2)
+    for slot in (cache.allocate(), cache.allocate(), cache.allocate()):
+        for k, v in cache.layers:
+            k[slot].fill_(slot + 1)
+            v[slot].fill_(-(slot + 1))
+    assert cache.release(0) == 2  # slot 2's owner now lives in slot 0
+    assert cache.used_slots == 2
+    for k, v in cache.layers:
+        assert bool((k[0] == 3).all()) and bool((v[0] == -3).all())
+        assert bool((k[1] == 2).all())
+    assert cache.allocate() == 2
 
 
 def test_cache_double_release_and_bad_slot_raise() -> None:
@@ -146,6 +158,25 @@ def test_attention_batch_build() -> None:
     assert batch.mask.shape == (2, 1, 2, 5)
     assert batch.mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
     assert batch.mask[1, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+
+
+def test_rows_as_slots_view_equals_the_gathered_path() -> None:
+    """Decode rows that are slots 0..B-1 read keys as a cache view; same output as gathering those slots,
+    including a dummy row that writes past the key range."""
+    torch.manual_seed(0)
+    stack = _stack(True, False)
+    out = []
+    embeds = torch.randn(3, 1, 32)
+    for view in (False, True):
+        cache = _garbage_cache(num_slots=4, max_len=32)
+        positions = torch.tensor([5, 2, 31])  # the last row is a dummy at the last cache position
+        batch = AttentionBatch.from_tensors(torch.arange(3), positions, 1, 8, rows_are_slots=view)
+        with torch.no_grad():
+            hidden, _ = stack(embeds, positions[:, None], cache.layers, batch)
+        out.append((hidden[:2], [k[:2, :8].clone() for k, _ in cache.layers]))
+    torch.testing.assert_close(out[0][0], out[1][0])
+    for a, b in zip(out[0][1], out[1][1]):
+        assert torch.equal(a, b)
 
 
 CASES = [(False, False), (False, True), (True, False), (True, True)]

@@ -38,13 +38,17 @@ def pad_prefill(prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCach
     return padded, slot_t
 
 
-def decode_inputs(positions: list[int], slots: list[int], cache: SlotKVCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Positions and slots of a decode batch padded to a power-of-two row count (one host→device copy),
-    and the key-range bucket that covers every row."""
-    rows = bucket_pow2(len(slots))
-    pad = rows - len(slots)
-    host = torch.tensor([positions + [0] * pad, slots + [cache.scratch_slot] * pad], dtype=torch.long).to(device)
-    return host[0], host[1], bucket_length(max(positions) + 1, cache.max_len)
+def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A decode batch over slots 0..R-1 (R: the power-of-two bucket of the slots in use), row r being slot r:
+    seqs holds (slot, position) of the rows that decode; every other row is a dummy writing at the last cache
+    position, which a sequence always overwrites before reading. Returns positions [R] (one host→device copy)
+    and the key-range bucket covering every real row."""
+    rows = bucket_pow2(cache.used_slots)
+    positions = [cache.max_len - 1] * rows
+    for slot, position in seqs:
+        positions[slot] = position
+    kv_len = bucket_length(max(p for _, p in seqs) + 1, cache.max_len)
+    return torch.tensor(positions, dtype=torch.long).to(device), kv_len
 
 
 def prefill_forward(
@@ -58,10 +62,12 @@ def prefill_forward(
 
 
 def decode_forward(
-    stack: DecoderStack, cache: SlotKVCache, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int
+    stack: DecoderStack, cache: SlotKVCache, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int
 ) -> torch.Tensor:
-    """One token per row: embeds [B, 1, H] at positions [B] → normed hidden [B, H] (graph-capturable)."""
-    batch = AttentionBatch.from_tensors(slots, positions, 1, kv_len)
+    """One token per row, row r in slot r: embeds [R, 1, H] at positions [R] → normed hidden [R, H]
+    (graph-capturable; keys are a view of the cache, no gather)."""
+    slots = torch.arange(positions.shape[0], device=positions.device)
+    batch = AttentionBatch.from_tensors(slots, positions, 1, kv_len, rows_are_slots=True)
     hidden, _ = stack(embeds, positions[:, None], cache.layers, batch)
     return hidden[:, 0]
 

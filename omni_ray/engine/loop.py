@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class EngineLoop(Generic[S, O]):
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self.steps = 0
         self.max_batch_seen = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
 
     def start(self) -> None:
         self._thread.start()
@@ -79,13 +82,16 @@ class EngineLoop(Generic[S, O]):
         with self._cond:
             self._cond.notify()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self._cond:
+            recent = list(self._recent)
             return {
                 "running": len(self._running),
                 "waiting": len(self._waiting),
                 "steps": self.steps,
                 "max_batch_seen": self.max_batch_seen,
+                "step_ms_p50": statistics.median(ms for ms, _ in recent) if recent else 0.0,
+                "batch_mean": statistics.fmean(b for _, b in recent) if recent else 0.0,
             }
 
     def _ready(self, seq: S) -> bool:
@@ -124,6 +130,7 @@ class EngineLoop(Generic[S, O]):
                     self._cond.wait(timeout=0.1)
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
+            started = time.perf_counter()
             try:
                 outputs = self.runner.step(batch)
             except Exception as exc:
@@ -138,6 +145,7 @@ class EngineLoop(Generic[S, O]):
                 continue
             self.steps += 1
             with self._cond:
+                self._recent.append(((time.perf_counter() - started) * 1000, len(batch)))
                 for seq in batch:
                     if seq.finish_reason is not None and seq in self._running:
                         self._running.remove(seq)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,14 @@ class AttentionBatch:
     kv_len: int
     mask: torch.Tensor  # [B, 1, T, kv_len] bool, True = attend
     write_index: torch.Tensor  # [B, T] long cache positions
+    rows_are_slots: bool = False  # row b is slot b: keys are read as a view of the cache's first B slots
+    _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """The mask for queries folded as [B, kv_heads, group*T, D] (query row g*T + t uses row t); built once."""
+        if group not in self._grouped_masks:
+            self._grouped_masks[group] = self.mask.repeat(1, 1, group, 1) if group > 1 else self.mask
+        return self._grouped_masks[group]
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_tokens: int, device: torch.device) -> "AttentionBatch":
@@ -40,13 +48,16 @@ class AttentionBatch:
         return cls.from_tensors(slot_t, start_t, num_tokens, max(starts) + num_tokens)
 
     @classmethod
-    def from_tensors(cls, slots: torch.Tensor, starts: torch.Tensor, num_tokens: int, kv_len: int) -> "AttentionBatch":
-        """From device tensors, with no host sync (graph-capturable). kv_len must cover max(starts) + num_tokens."""
+    def from_tensors(
+        cls, slots: torch.Tensor, starts: torch.Tensor, num_tokens: int, kv_len: int, rows_are_slots: bool = False
+    ) -> "AttentionBatch":
+        """From device tensors, with no host sync (graph-capturable). kv_len must cover max(starts) + num_tokens,
+        except for rows writing past it (their keys are garbage nobody reads). `rows_are_slots`: slots == arange(B)."""
         offsets = torch.arange(num_tokens, device=starts.device)
         write_index = starts[:, None] + offsets[None, :]
         key_pos = torch.arange(kv_len, device=starts.device)
         mask = key_pos[None, None, :] <= write_index[:, :, None]
-        return cls(slots, num_tokens, kv_len, mask[:, None], write_index)
+        return cls(slots, num_tokens, kv_len, mask[:, None], write_index, rows_are_slots)
 
 
 class Attention(nn.Module):
@@ -81,13 +92,24 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache  # [slots, max_len, kv_heads, head_dim]
-        rows = batch.slots[:, None]
+        if batch.rows_are_slots:  # a view of the first B slots: no gather
+            k_cache, v_cache = k_cache[:bsz], v_cache[:bsz]
+            rows = torch.arange(bsz, device=x.device)[:, None]
+        else:
+            rows = batch.slots[:, None]
         k_cache[rows, batch.write_index] = k.to(k_cache.dtype)
         v_cache[rows, batch.write_index] = v.to(v_cache.dtype)
-        keys = k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-        values = v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+        if batch.rows_are_slots:
+            keys, values = k_cache[:, : batch.kv_len], v_cache[:, : batch.kv_len]
+        else:
+            keys, values = k_cache[batch.slots, : batch.kv_len], v_cache[batch.slots, : batch.kv_len]
+        # Grouped-query attention without repeating K/V: each KV head's query heads are folded into its query rows.
+        group = self.num_heads // self.num_kv_heads
+        folded = q.transpose(1, 2).reshape(bsz, self.num_kv_heads, group * seq, self.head_dim)
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=batch.mask, enable_gqa=True
+                folded, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+                attn_mask=batch.grouped_mask(group),
             )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+        out = out.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(bsz, seq, self.num_heads * self.head_dim))

@@ -13,6 +13,8 @@ STAGE_GAUGES = {
     "waiting": "sequences waiting for admission (queue depth)",
     "streams": "requests with an open stream on the replica",
     "kv_used": "KV cache slots in use",
+    "step_ms_p50": "median engine step time over the last 256 steps (ms)",
+    "batch_mean": "mean sequences per engine step over the last 256 steps",
 }
 
 
@@ -26,6 +28,8 @@ class ServiceMetrics:
         self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
         self.in_flight = Gauge("omni_requests_in_flight", "requests being served by this ingress", registry=r)
         self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("omni_time_to_first_audio_seconds", "time to first audio chunk", buckets=LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram("omni_real_time_factor", "wall time / audio seconds of a reply", buckets=RTF_BUCKETS, registry=r)
         self.audio_seconds = Counter("omni_audio_seconds", "seconds of audio produced", registry=r)
@@ -41,6 +45,8 @@ class ServiceMetrics:
             return
         if "first_token" in timing:
             self.ttft.observe(timing["first_token"] - submitted)
+        if "first_frame" in timing:
+            self.ttff.observe(timing["first_frame"] - submitted)
         if "first_audio" in timing:
             self.ttfa.observe(timing["first_audio"] - submitted)
         if audio_seconds > 0:

@@ -165,6 +165,8 @@ class Orchestrator:
                     raise StageError(f"{name}: {event['message']}")
                 if kind == "final":
                     done[name] = event
+                    if event.get("first_frame_t") is not None:
+                        timing["first_frame"] = event["first_frame_t"]
                 elif kind == "token":
                     timing.setdefault("first_token", event["t"])
                     timing["last_token"] = event["t"]

@@ -220,6 +220,7 @@ class TalkerStage(StageBase):
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
         self._sequences: dict[str, TalkerSequence] = {}
+        self._first_frame: dict[str, float] = {}  # when each request's first frame was made (epoch s)
         self.start_reporting()
 
     async def speak(self, request: TalkerRequest) -> AsyncIterator[dict[str, Any]]:
@@ -247,6 +248,7 @@ class TalkerStage(StageBase):
         finally:
             self.endpoint.release(rid)
             self._sequences.pop(rid, None)
+            self._first_frame.pop(rid, None)
             if not finished or seq.finish_reason is None:
                 self.engine.abort(rid)
                 self.send_end(self._vocoders.get(rid), rid, kind="error", message="aborted")
@@ -274,11 +276,15 @@ class TalkerStage(StageBase):
     def _on_outputs(self, outputs: list[TalkerStepOutput]) -> None:
         # Relay first: once the final event is out, the request's stream may close and forget its vocoder peer.
         self.relay_step_threadsafe([item for out in outputs for item in self._vocoder_items(out)])
+        now = time.time()
         for out in outputs:
+            if out.codes is not None:
+                self._first_frame.setdefault(out.request_id, now)
             if out.finish_reason is not None:
                 seq = self._sequences.get(out.request_id)
                 frames = seq.frames if seq is not None else 0
-                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames})
+                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames,
+                                           "first_frame_t": self._first_frame.pop(out.request_id, None)})
 
     def _vocoder_items(self, out: TalkerStepOutput) -> list[tuple[RelayPeer, RelayItem]]:
         """The step's frame (all code groups) and, when the request ended, the end marker."""

@@ -11,9 +11,9 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_inputs, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+    decode_forward, decode_positions, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
 )
-from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, sample
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
@@ -159,7 +159,8 @@ class TalkerRunner:
         self.banned = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
         self.banned[self.vocab - 1024 :] = True
         self.banned[self.eos] = False
-        self.seen = torch.zeros(cache.num_slots + 1, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
+        self.seen = torch.zeros(cache.rows, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
+        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen,))
         cp = tc.code_predictor_config
         self.mtp_vocab = int(cp.vocab_size)
         self.mtp_cache = SlotKVCache(
@@ -171,16 +172,14 @@ class TalkerRunner:
         self.max_prefill_tokens = max_prefill_tokens
 
     def admit(self, seq: TalkerSequence) -> None:
-        seq.slot = self.cache.allocate()
+        self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)
         seed = None if seq.sampling.seed is None else seq.sampling.seed + 1
         seq.mtp_noise = NoiseSource(seq.mtp_sampling.model_copy(update={"seed": seed}))
         self.seen[seq.slot] = False
 
     def release(self, seq: TalkerSequence) -> None:
-        if seq.slot >= 0:
-            self.cache.release(seq.slot)
-            seq.slot = -1
+        self.slots.release(seq)
 
     def ready(self, seq: TalkerSequence) -> bool:
         """Can this sequence take a step now, or is it waiting on Thinker text?"""
@@ -265,18 +264,20 @@ class TalkerRunner:
         return torch.stack(rows)
 
     def _decode(self, seqs: list[TalkerSequence]) -> torch.Tensor:
-        positions, slots, kv_len = decode_inputs([s.num_cached for s in seqs], [s.slot for s in seqs], self.cache, self.device)
+        """Decode over the first slots of the cache (row r = slot r); returns the hidden states of `seqs` in order."""
+        positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache, self.device)
         embeds = torch.zeros(positions.shape[0], 1, self.assets.tts_pad.shape[-1], dtype=self.assets.tts_pad.dtype, device=self.device)
-        embeds[: len(seqs), 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
+        rows = torch.tensor([s.slot for s in seqs], device=self.device)
+        embeds[rows, 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
         out = self.graphs.run(
             ("decode", positions.shape[0], kv_len),
             lambda **inputs: {"hidden": decode_forward(self.model.model, self.cache, kv_len=kv_len, **inputs)},
-            {"embeds": embeds, "positions": positions, "slots": slots},
+            {"embeds": embeds, "positions": positions},
         )
         for s in seqs:
             s.num_cached += 1
             s.steps += 1
-        return out["hidden"][: len(seqs)]
+        return out["hidden"][rows]
 
     def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
         """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
@@ -320,7 +321,7 @@ class TalkerRunner:
         codes = [group0]
         start, length = 0, 2
         for k in range(self.num_groups - 1):
-            batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length)
+            batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length, rows_are_slots=True)
             positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
             out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
             code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k])

@@ -11,9 +11,9 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_inputs, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+    decode_forward, decode_positions, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
 )
-from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
@@ -96,19 +96,18 @@ class ThinkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         # tokens each slot has seen (prompt + reply), for the repetition penalty
-        self.seen = torch.zeros(cache.num_slots + 1, model.lm_head.out_features, dtype=torch.bool, device=self.device)
+        self.seen = torch.zeros(cache.rows, model.lm_head.out_features, dtype=torch.bool, device=self.device)
+        self.slots: SlotTable[ThinkerSequence] = SlotTable(cache, (self.seen,))
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)
-        seq.slot = self.cache.allocate()
+        self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)
         self.seen[seq.slot] = False
         self.seen[seq.slot, torch.tensor(seq.prompt_ids, device=self.device)] = True
 
     def release(self, seq: ThinkerSequence) -> None:
-        if seq.slot >= 0:
-            self.cache.release(seq.slot)
-            seq.slot = -1
+        self.slots.release(seq)
 
     @torch.inference_mode()
     def step(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
@@ -206,28 +205,30 @@ class ThinkerRunner:
             "assistant_prefix": embeds[assistant_start : assistant_start + 3].float().cpu(),
         }
 
-    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
         embeds = self.model.embed(ids[:, None])
-        hidden = decode_forward(self.model.model, self.cache, embeds, positions, slots, kv_len)
+        hidden = decode_forward(self.model.model, self.cache, embeds, positions, kv_len)
         return {"logits": self.model.lm_head(hidden), "embeds": embeds[:, 0]}
 
     def _decode(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        positions, slots, kv_len = decode_inputs([s.num_cached for s in seqs], [s.slot for s in seqs], self.cache, self.device)
-        ids = torch.zeros_like(positions)
-        ids[: len(seqs)] = torch.tensor([s.output_ids[-1] for s in seqs])
+        """Decode over the first slots of the cache (row r = slot r); returns the logits of `seqs` in order."""
+        positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache, self.device)
+        ids = [0] * positions.shape[0]
+        for seq in seqs:
+            ids[seq.slot] = seq.output_ids[-1]
         out = self.graphs.run(
-            ("decode", ids.shape[0], kv_len),
+            ("decode", positions.shape[0], kv_len),
             lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
-            {"ids": ids, "positions": positions, "slots": slots},
+            {"ids": torch.tensor(ids).to(self.device), "positions": positions},
         )
-        talking = [i for i, s in enumerate(seqs) if s.for_talker]
+        talking = [s for s in seqs if s.for_talker]
         talker_embeds: dict[str, torch.Tensor] = {}
         if talking:
-            embeds = out["embeds"][talking].float().cpu()
-            talker_embeds = {seqs[i].request_id: embeds[j] for j, i in enumerate(talking)}
+            embeds = out["embeds"][[s.slot for s in talking]].float().cpu()
+            talker_embeds = {s.request_id: embeds[j] for j, s in enumerate(talking)}
         for seq in seqs:
             seq.num_cached += 1
-        return out["logits"][: len(seqs)], talker_embeds
+        return out["logits"][[s.slot for s in seqs]], talker_embeds
 
     def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> list[int]:
         """One batched draw for every sampled row of the step; one host sync."""

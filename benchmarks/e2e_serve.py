@@ -1,0 +1,173 @@
+"""End to end through HTTP: full-size random-weight Qwen3-Omni served by Ray Serve, workload W at several
+concurrencies (load_tests), per-stage timings from /metrics, and transformers' generate() in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from load_tests.loadgen import LoadConfig, run_load
+from load_tests.metrics import aggregate
+
+HERE = Path(__file__).resolve().parent
+PROMPT_FILE = HERE / "prompt_100_tokens.txt"
+URL = "http://127.0.0.1:8000"
+# time-to-X histograms (seconds) and stage gauges read from /metrics
+HISTOGRAMS = {"first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
+              "first_audio": "omni_time_to_first_audio_seconds"}
+GAUGES = ("omni_stage_step_ms_p50", "omni_stage_batch_mean")
+
+
+def scrape() -> dict[str, float]:
+    """Histogram sums/counts and stage gauges from GET /metrics."""
+    text = urllib.request.urlopen(f"{URL}/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match:
+            values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return values
+
+
+def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Mean submit→first token / first Talker frame / first audio (server side) over the level, and each stage's
+    median step time and mean batch at the end of the level."""
+    out: dict[str, Any] = {}
+    for key, name in HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        total = after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)
+        out[f"mean_{key}_ms"] = 1000 * total / count if count else None
+    for gauge in GAUGES:
+        for key, value in after.items():
+            if key.startswith(gauge + "{"):
+                stage = re.search(r'stage="(\w+)"', key)
+                out[f"{stage.group(1) if stage else '?'}_{gauge.removeprefix('omni_stage_')}"] = value
+    return out
+
+
+def wait_ready(timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{URL}/ready", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError("the service did not become ready")
+
+
+def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None) -> tuple[dict[str, Any], float]:
+    cfg = LoadConfig(url=URL, scenario="chat", concurrency=concurrency, requests=requests, max_tokens=max_tokens,
+                     prompt_file=str(PROMPT_FILE), ignore_eos=True, progress=False, plots=False, timeout=600,
+                     out_dir=str(out_dir) if out_dir else None)
+    _, records, wall = asyncio.run(run_load(cfg))
+    return aggregate(records, wall), wall
+
+
+def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path) -> list[dict[str, Any]]:
+    import ray
+    from ray import serve
+
+    from omni_ray.serve.app import app_from_serve_config
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    app, spec = app_from_serve_config(serve_config)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    started = time.time()
+    serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
+    wait_ready(900)
+    rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started}]
+    # warm-up: one request alone, then the largest level once (captures the CUDA graphs those batches use)
+    for concurrency in (1, max(levels)):
+        summary, wall = load(concurrency, concurrency, max_tokens, None)
+        rows.append({"phase": "warmup", "concurrency": concurrency, "ok": summary["ok"], "wall_s": wall})
+    for concurrency in levels:
+        before = scrape()
+        summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}")
+        rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
+                     "errors": summary["errors"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
+                     "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
+                     "server": breakdown(before, scrape())})
+        print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return rows
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> str:
+    lines = [f"# End to end through HTTP ({meta['gpu']}, {meta['date']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`", "",
+             f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
+             "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
+             "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
+             "the level's requests; server-side ones are means from `/metrics`.", "",
+             "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
+             "server: first token / first frame / first audio, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["phase"] != "measure":
+            continue
+        s, srv = r["stats"], r["server"]
+
+        def ms(v: float | None) -> str:
+            return "–" if v is None else f"{v * 1000:.0f}"
+
+        def num(v: float | None, fmt: str = "{:.0f}") -> str:
+            return "–" if v is None else fmt.format(v)
+
+        lines.append(
+            f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
+            f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
+            f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} | "
+            f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "
+            f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} |")
+    if baseline:
+        lines += ["", f"transformers `generate()` on the same GPU in the same run (batch 1, not streaming): "
+                      f"{baseline['total_s']:.1f} s for {baseline['audio_s']:.1f} s of audio, RTF {baseline['rtf']:.2f}; "
+                      "time to first audio = the whole run."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_serve", description=__doc__)
+    parser.add_argument("--serve-config", default=str(HERE / "serve_30b_random_2gpu.yaml"))
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--baseline", action="store_true", help="also run transformers' generate() (batch 1)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = serve_and_measure(args.serve_config, levels, args.rounds, args.max_tokens, out)
+    baseline = None
+    if args.baseline:  # a fresh process, after Serve released the GPUs
+        subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
+        baseline = json.loads((out / "hf_baseline.json").read_text())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "serve_config": Path(args.serve_config).name,
+            "max_tokens": args.max_tokens,
+            "gpu": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu",
+            "command": "python -m benchmarks.e2e_serve " + " ".join(argv if argv is not None else sys.argv[1:])}
+    (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows, "hf_baseline": baseline}, indent=2) + "\n")
+    (out / "e2e.md").write_text(markdown(meta, rows, baseline))
+    print(markdown(meta, rows, baseline))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

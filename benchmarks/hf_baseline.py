@@ -1,0 +1,56 @@
+"""transformers' generate() on full-size random-weight Qwen3-Omni: the baseline of workload W (not streaming)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+from omni_ray.bench import FULL_CONFIG
+
+
+def prompt_ids(config: Qwen3OmniMoeConfig, length: int) -> list[int]:
+    """A `length`-token user turn ending in `<|im_start|>assistant\\n` (the shape omni-ray's engine bench uses)."""
+    body = [10 + i % 900 for i in range(length - 6)]
+    return [config.im_start_token_id, config.user_token_id, *body, config.im_end_token_id,
+            config.im_start_token_id, config.assistant_token_id, 198]
+
+
+def run(batch: int, prompt: int, text_tokens: int, frames: int) -> dict[str, float]:
+    config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
+    with torch.device("cuda"):
+        model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt_ids(config, prompt)] * batch, device="cuda")
+    kwargs = dict(thinker_max_new_tokens=text_tokens, thinker_eos_token_id=-1, talker_max_new_tokens=frames,
+                  speaker="ethan", return_audio=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        _, audio = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    audio_s = audio.shape[-1] / 24000
+    return {"batch": batch, "total_s": seconds, "audio_s": audio_s, "rtf": seconds / audio_s,
+            "time_to_first_audio_s": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_baseline", description=__doc__)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=100)
+    parser.add_argument("--text-tokens", type=int, default=128)
+    parser.add_argument("--frames", type=int, default=400)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = run(args.batch, args.prompt, args.text_tokens, args.frames)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from load_tests.loadgen import LoadConfig, run_load
+from omni_ray.bench import source_commit
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = source_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "serve_config": Path(args.serve_config).name,
             "max_tokens": args.max_tokens,
             "gpu": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -23,6 +24,12 @@ FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json
 # Memory-bandwidth floors at batch 1 on an H200 (~4.3 TB/s copy bandwidth), from the issue.
 FLOOR_MS = {"thinker": 1.6, "talker": 0.6}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def source_commit() -> str:
+    """The commit of the code that ran: $OMNI_RAY_COMMIT when set (a copied work tree may carry a stale .git)."""
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return os.environ.get("OMNI_RAY_COMMIT") or found or "unknown"
 
 
 def _timed(fn: Callable[[], Any], device: str) -> float:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = source_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "dtype": args.dtype,
             "mode": "eager (no CUDA graphs)" if args.eager else "CUDA graphs",
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

@@ -111,5 +111,5 @@ class Attention(nn.Module):
                 folded, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
                 attn_mask=batch.grouped_mask(group),
             )
-        out = out.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)
+        out = out.reshape(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)  # CUDA kernels may return a strided view
         return self.o_proj(out.reshape(bsz, seq, self.num_heads * self.head_dim))

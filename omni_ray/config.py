@@ -43,6 +43,8 @@ class VocoderSettings(_Strict):
     chunk_ramp: tuple[int, ...] = (1, 2, 4)
     steady_chunk: int = Field(default=8, ge=1)
     left_context: int = Field(default=25, ge=0)
+    max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
+    cuda_graphs: bool = Field(default=True, description="replay each (batch, window length) from a CUDA graph")
 
 
 class TalkerSettings(EngineSettings):

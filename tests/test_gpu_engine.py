@@ -29,6 +29,7 @@ def _reply(
     thinker = ThinkerRunner(load_thinker(checkpoint, config, device, dtype), config,
                             SlotKVCache(tc.num_hidden_layers, 4, 256, tc.num_key_value_heads, tc.head_dim, dtype, device),
                             cuda_graphs=cuda_graphs)
+    thinker.warmup(4)  # captures every bucket up front, writing garbage into free slots that must not leak
     seqs = []
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -46,6 +47,7 @@ def _reply(
     talker = TalkerRunner(load_talker(checkpoint, config, device, dtype), config,
                           SlotKVCache(kc.num_hidden_layers, 4, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 4,
                           cuda_graphs=cuda_graphs)
+    talker.warmup(4)
     speeches = []
     for i, seq in enumerate(seqs):
         speech = TalkerSequence(seq.request_id, SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302,

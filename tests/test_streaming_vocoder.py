@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from omni_ray.vocoder import (
     StreamingDecoder,
     decode_window_lengths,
 )
+from omni_ray.vocoder.batching import BatchingCodec
 
 Q = 16
 SPF = 1920  # 8*5*4*3 * 2*2
@@ -227,3 +231,58 @@ def test_invalid_codes(codec: Code2WavCodec) -> None:
     assert decoder.finish() is None
     with pytest.raises(RuntimeError):
         decoder.push(torch.zeros(Q, 1, dtype=torch.long))
+
+
+# ---- batching concurrent streams' windows ----------------------------------------------------------------------
+class _RecordingDecoder:
+    """A fake BatchDecoder: sample i of a window = sum of its codes * (i + 1); records batch shapes; can fail once."""
+
+    num_quantizers, samples_per_frame, sample_rate, trim = 2, 4, 16, 1
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self.fail_length: int | None = None
+        self.gate = threading.Event()
+
+    def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
+        self.gate.wait()
+        self.shapes.append(tuple(codes.shape))
+        if codes.shape[-1] == self.fail_length:
+            self.fail_length = None
+            raise RuntimeError("boom")
+        length = codes.shape[-1] * self.samples_per_frame - self.trim
+        return codes.sum(dim=(1, 2), dtype=torch.float32)[:, None] * torch.arange(1, length + 1)
+
+
+def test_batching_codec_groups_concurrent_windows_by_length() -> None:
+    fake = _RecordingDecoder()
+    codec = BatchingCodec(fake, max_batch=3)
+    windows = [torch.full((2, 1 + i % 2), i) for i in range(8)]  # lengths 1 and 2, four each
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(codec.decode, w) for w in windows]
+        time.sleep(0.2)  # every stream is now waiting on the worker
+        fake.gate.set()
+        results = [f.result(timeout=10) for f in futures]
+    for window, samples in zip(windows, results):
+        length = window.shape[1] * 4 - 1
+        assert torch.equal(samples, window.sum().float() * torch.arange(1, length + 1))
+    assert codec.windows == 8 and codec.batches < 8  # batched, never more than max_batch per call
+    assert all(shape[0] <= 3 for shape in fake.shapes)
+
+
+def test_batching_codec_failure_reaches_only_that_batch_and_it_keeps_serving() -> None:
+    fake = _RecordingDecoder()
+    fake.gate.set()
+    fake.fail_length = 2
+    codec = BatchingCodec(fake)
+    with pytest.raises(RuntimeError, match="boom"):
+        codec.decode(torch.ones(2, 2, dtype=torch.long))
+    assert codec.decode(torch.ones(2, 2, dtype=torch.long)).shape == (7,)
+
+
+def test_batched_code2wav_equals_one_window_at_a_time(codec: Code2WavCodec) -> None:
+    """The real (tiny) Code2Wav: a batch of windows decodes each window as it decodes alone."""
+    codes = torch.stack([_codes(5, seed) for seed in range(3)])
+    batched = codec.decode_batch(codes)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], codec.decode(codes[i]), rtol=1e-5, atol=1e-6)

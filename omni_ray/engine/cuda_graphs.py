@@ -21,9 +21,16 @@ def bucket_pow2(n: int, minimum: int = 1, cap: int | None = None) -> int:
 
 
 def bucket_length(n: int, cap: int) -> int:
-    """Sequence-length bucket: powers of two up to 256, then multiples of 256; never above `cap`."""
-    size = bucket_pow2(n, 16) if n <= 256 else -(-n // 256) * 256
-    return min(size, cap)
+    """Sequence-length bucket: a power of two ≥ 16, never above `cap`."""
+    return min(bucket_pow2(n, 16), cap)
+
+
+def all_buckets(largest: int, minimum: int = 1) -> list[int]:
+    """Every bucket_pow2 value up to the one that covers `largest`."""
+    sizes = [minimum]
+    while sizes[-1] < largest:
+        sizes.append(sizes[-1] * 2)
+    return sizes
 
 
 @dataclass
@@ -45,6 +52,7 @@ class GraphCache:
         self.enabled = enabled and device.type == "cuda"
         self.device = device
         self._graphs: dict[Hashable, _Captured] = {}
+        self._uncapturable: set[Hashable] = set()  # keys whose capture failed: they run eagerly
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.capture_ms = 0.0
 
@@ -52,11 +60,17 @@ class GraphCache:
         return len(self._graphs)
 
     def run(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not self.enabled:
+        if not self.enabled or key in self._uncapturable:
             return fn(**inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(key, fn, inputs)
+            try:
+                entry = self._capture(key, fn, inputs)
+            except Exception:  # e.g. a module that syncs with the host: still correct, just eager
+                log.warning("CUDA graph capture of %s failed; running it eagerly", key, exc_info=True)
+                self._uncapturable.add(key)
+                torch.cuda.synchronize(self.device)
+                return fn(**inputs)
         for name, buffer in entry.inputs.items():
             buffer.copy_(inputs[name], non_blocking=True)
         entry.graph.replay()

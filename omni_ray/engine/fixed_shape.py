@@ -6,7 +6,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from omni_ray.engine.cuda_graphs import bucket_length, bucket_pow2
+from omni_ray.engine.cuda_graphs import all_buckets, bucket_length, bucket_pow2
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
@@ -49,6 +49,19 @@ def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache, device: to
         positions[slot] = position
     kv_len = bucket_length(max(p for _, p in seqs) + 1, cache.max_len)
     return torch.tensor(positions, dtype=torch.long).to(device), kv_len
+
+
+def warmup_shapes(cache: SlotKVCache, max_batch: int, prefill_len: int = 256) -> tuple[list[tuple[int, int]], list[int]]:
+    """What a runner captures before serving: every (rows, key range) decode bucket, and batch-1 prefill lengths
+    up to `prefill_len` (larger prefills capture on first use)."""
+    decode = [(rows, min(kv, cache.max_len)) for rows in all_buckets(max_batch) for kv in all_buckets(cache.max_len, 16)]
+    prefill = [length for length in all_buckets(min(prefill_len, cache.max_len), 16)]
+    return sorted(set(decode)), sorted(set(prefill))
+
+
+def dummy_decode_positions(rows: int, cache: SlotKVCache, device: torch.device) -> torch.Tensor:
+    """Positions for a warm-up decode: every row a dummy at the last cache position (free slots only)."""
+    return torch.full((rows,), cache.max_len - 1, dtype=torch.long, device=device)
 
 
 def prefill_forward(

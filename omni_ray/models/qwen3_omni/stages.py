@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -29,7 +30,8 @@ from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, Talk
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
 from omni_ray.stages.base import StageBase
-from omni_ray.vocoder import ChunkSchedule, StreamingDecoder
+from omni_ray.vocoder import ChunkSchedule, StreamingDecoder, decode_window_lengths
+from omni_ray.vocoder.batching import BatchingCodec
 from omni_ray.vocoder.code2wav import Code2WavCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,6 +128,7 @@ class ThinkerStage(StageBase):
         thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(config.thinker_config.text_config, engine, res)
         runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens)
+        runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
         self._talkers: dict[str, RelayPeer] = {}
@@ -216,6 +219,7 @@ class TalkerStage(StageBase):
         assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(self.config.talker_config.text_config, engine, res)
         runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens)
+        runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
@@ -312,8 +316,13 @@ class VocoderStage(StageBase):
         files = resolve_model(model)
         config = files.config
         res, streaming = stage.resources, stage.streaming
-        self.codec = Code2WavCodec(load_code2wav(files.weights, config, res.device, DTYPES[res.dtype]))
+        module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
+        codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs)
+        codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
+        self.codec = BatchingCodec(codec, streaming.max_batch)
+        # a stream's thread waits while its window is batched with other streams': one thread per open stream
+        self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         self.start_reporting()
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -332,9 +341,10 @@ class VocoderStage(StageBase):
                     return
                 if item.tensors and return_codes:
                     received.append(item.tensors["codes"])
-                chunks = await asyncio.to_thread(decoder.push, item.tensors["codes"]) if item.tensors else []
+                loop = asyncio.get_running_loop()
+                chunks = await loop.run_in_executor(self._decode_threads, decoder.push, item.tensors["codes"]) if item.tensors else []
                 if item.kind == "end":
-                    last = await asyncio.to_thread(decoder.finish)
+                    last = await loop.run_in_executor(self._decode_threads, decoder.finish)
                     chunks = [*chunks, *([last] if last is not None else [])]
                 for chunk in chunks:
                     yield {

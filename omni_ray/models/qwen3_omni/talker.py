@@ -11,7 +11,7 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_positions, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+    decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, sample
@@ -171,6 +171,29 @@ class TalkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
 
+    @torch.inference_mode()
+    def warmup(self, max_batch: int) -> None:
+        """Capture every decode and frame graph bucket, and short batch-1 prefills, before serving. Writes only to
+        free slots and the scratch slot. No-op without CUDA graphs."""
+        if not self.graphs.enabled:
+            return
+        decode, prefill = warmup_shapes(self.cache, max_batch)
+        dtype, width = self.assets.tts_pad.dtype, self.assets.tts_pad.shape[-1]
+        for rows, kv_len in decode:
+            positions = dummy_decode_positions(rows, self.cache, self.device)
+            embeds = torch.zeros(rows, 1, width, dtype=dtype, device=self.device)
+            self.graphs.run(
+                ("decode", rows, kv_len),
+                lambda **inputs: {"hidden": decode_forward(self.model.model, self.cache, kv_len=kv_len, **inputs)},
+                {"embeds": embeds, "positions": positions},
+            )
+        for rows in sorted({r for r, _ in decode}):
+            self.graphs.run(("frame", rows), self._frame_forward, self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows))
+        for length in prefill:
+            embeds = torch.zeros(1, length, width, dtype=dtype, device=self.device)
+            slots = torch.full((1,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+            self.graphs.run(("prefill", 1, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
+
     def admit(self, seq: TalkerSequence) -> None:
         self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)
@@ -282,6 +305,15 @@ class TalkerRunner:
     def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
         """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
+        inputs = self._frame_inputs(seqs, hidden, rows)
+        out = self.graphs.run(("frame", rows), self._frame_forward, inputs)
+        # outside the graph: capture must not change what it reads
+        self.seen[inputs["slots"], out["codes"][:, 0]] = True
+        return out["codes"][:count].tolist(), out["feedback"][:count].clone()
+
+    def _frame_inputs(self, seqs: list[TalkerSequence], hidden: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
+        """The frame graph's inputs for `seqs` padded to `rows` (padding rows: scratch slot, greedy)."""
+        count = len(seqs)
         padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
         padded[:count] = hidden
         slots = torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)).to(self.device)
@@ -289,16 +321,13 @@ class TalkerRunner:
         no_eos = [i for i, s in enumerate(seqs) if s.ignore_eos]
         if no_eos:
             banned[no_eos, self.eos] = True
-        inputs = {
+        return {
             "hidden": padded, "slots": slots, "banned": banned,
             "noise": draw_noise([s.noise for s in seqs], (self.vocab,), self.device, rows),  # type: ignore[misc]
             "mtp_noise": draw_noise([s.mtp_noise for s in seqs], (self.num_groups - 1, self.mtp_vocab), self.device, rows),  # type: ignore[misc]
             **SamplingBatch.of([s.sampling for s in seqs], self.device, rows).as_dict("group0_"),
             **SamplingBatch.of([s.mtp_sampling for s in seqs], self.device, rows).as_dict("mtp_"),
         }
-        out = self.graphs.run(("frame", rows), self._frame_forward, inputs)
-        self.seen[slots, out["codes"][:, 0]] = True  # outside the graph: capture must not change what it reads
-        return out["codes"][:count].tolist(), out["feedback"][:count].clone()
 
     def _frame_forward(
         self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise: torch.Tensor, mtp_noise: torch.Tensor,

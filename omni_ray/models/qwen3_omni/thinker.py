@@ -11,7 +11,7 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_positions, last_positions, pad_prefill, prefill_forward, within_prefill_budget,
+    decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
@@ -98,6 +98,23 @@ class ThinkerRunner:
         # tokens each slot has seen (prompt + reply), for the repetition penalty
         self.seen = torch.zeros(cache.rows, model.lm_head.out_features, dtype=torch.bool, device=self.device)
         self.slots: SlotTable[ThinkerSequence] = SlotTable(cache, (self.seen,))
+
+    @torch.inference_mode()
+    def warmup(self, max_batch: int) -> None:
+        """Capture the decode graphs of every batch and key-range bucket, and short batch-1 prefills, before
+        serving (so no request waits on a capture). Writes only to free slots. No-op without CUDA graphs."""
+        if not self.graphs.enabled:
+            return
+        decode, prefill = warmup_shapes(self.cache, max_batch)
+        for rows, kv_len in decode:
+            positions = dummy_decode_positions(rows, self.cache, self.device)
+            self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
+                            {"ids": torch.zeros_like(positions), "positions": positions})
+        hidden = self.model.lm_head.in_features
+        for length in prefill:
+            embeds = torch.zeros(1, length, hidden, dtype=self.model.lm_head.weight.dtype, device=self.device)
+            slots = torch.full((1,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+            self.graphs.run(("prefill", 1, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)

@@ -14,7 +14,7 @@ from omni_ray.engine.fixed_shape import (
     decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, sample
+from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -188,7 +188,9 @@ class TalkerRunner:
                 {"embeds": embeds, "positions": positions},
             )
         for rows in sorted({r for r, _ in decode}):
-            self.graphs.run(("frame", rows), self._frame_forward, self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows))
+            inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
+            for filtered in (False, True):
+                self.graphs.run(("frame", rows, filtered), lambda **x: self._frame_forward(filtered=filtered, **x), inputs)
         for length in prefill:
             embeds = torch.zeros(1, length, width, dtype=dtype, device=self.device)
             slots = torch.full((1,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
@@ -306,7 +308,8 @@ class TalkerRunner:
         """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
         inputs = self._frame_inputs(seqs, hidden, rows)
-        out = self.graphs.run(("frame", rows), self._frame_forward, inputs)
+        filtered = needs_filter([s.sampling for s in seqs] + [s.mtp_sampling for s in seqs])
+        out = self.graphs.run(("frame", rows, filtered), lambda **x: self._frame_forward(filtered=filtered, **x), inputs)
         # outside the graph: capture must not change what it reads
         self.seen[inputs["slots"], out["codes"][:, 0]] = True
         return out["codes"][:count].tolist(), out["feedback"][:count].clone()
@@ -331,16 +334,17 @@ class TalkerRunner:
 
     def _frame_forward(
         self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise: torch.Tensor, mtp_noise: torch.Tensor,
-        **params: torch.Tensor,
+        filtered: bool = True, **params: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable)."""
+        """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
+        `filtered=False` (every row greedy or without top-k/top-p) skips the sorts of top-k/top-p filtering."""
         logits = self.model.codec_head(hidden)
-        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned)
-        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise)
+        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned, filtered)
+        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise, filtered)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
 
     def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor
+        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, filtered: bool = True
     ) -> torch.Tensor:
         """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
         rows = hidden.shape[0]
@@ -353,7 +357,7 @@ class TalkerRunner:
             batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length, rows_are_slots=True)
             positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
             out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
-            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k])
+            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k], filtered=filtered)
             codes.append(code)
             if k + 1 < self.num_groups - 1:
                 embeds = cp.model.codec_embedding[k](code)[:, None]

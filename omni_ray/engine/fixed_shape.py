@@ -51,12 +51,17 @@ def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache, device: to
     return torch.tensor(positions, dtype=torch.long).to(device), kv_len
 
 
-def warmup_shapes(cache: SlotKVCache, max_batch: int, prefill_len: int = 256) -> tuple[list[tuple[int, int]], list[int]]:
-    """What a runner captures before serving: every (rows, key range) decode bucket, and batch-1 prefill lengths
-    up to `prefill_len` (larger prefills capture on first use)."""
-    decode = [(rows, min(kv, cache.max_len)) for rows in all_buckets(max_batch) for kv in all_buckets(cache.max_len, 16)]
-    prefill = [length for length in all_buckets(min(prefill_len, cache.max_len), 16)]
-    return sorted(set(decode)), sorted(set(prefill))
+def warmup_shapes(
+    cache: SlotKVCache, max_batch: int, max_prefill_tokens: int, prefill_len: int = 256
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """What a runner captures before serving: every (rows, key range) decode bucket, and every (rows, length)
+    prefill bucket with length up to `prefill_len` within the prefill token budget (longer prompts capture on
+    first use)."""
+    rows = all_buckets(max_batch)
+    decode = {(r, min(kv, cache.max_len)) for r in rows for kv in all_buckets(cache.max_len, 16)}
+    lengths = all_buckets(min(prefill_len, cache.max_len), 16)
+    prefill = {(r, min(n, cache.max_len)) for r in rows for n in lengths if r * n <= max_prefill_tokens}
+    return sorted(decode), sorted(prefill)
 
 
 def dummy_decode_positions(rows: int, cache: SlotKVCache, device: torch.device) -> torch.Tensor:

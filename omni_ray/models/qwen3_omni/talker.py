@@ -173,11 +173,11 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
-        """Capture every decode and frame graph bucket, and short batch-1 prefills, before serving. Writes only to
-        free slots and the scratch slot. No-op without CUDA graphs."""
+        """Capture every decode and frame graph bucket, and short prefills, before serving. Writes only to free
+        slots and the scratch slot. No-op without CUDA graphs."""
         if not self.graphs.enabled:
             return
-        decode, prefill = warmup_shapes(self.cache, max_batch)
+        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens)
         dtype, width = self.assets.tts_pad.dtype, self.assets.tts_pad.shape[-1]
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
@@ -191,10 +191,10 @@ class TalkerRunner:
             inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
             for filtered in (False, True):
                 self.graphs.run(("frame", rows, filtered), lambda **x: self._frame_forward(filtered=filtered, **x), inputs)
-        for length in prefill:
-            embeds = torch.zeros(1, length, width, dtype=dtype, device=self.device)
-            slots = torch.full((1,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
-            self.graphs.run(("prefill", 1, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        for rows, length in prefill:
+            embeds = torch.zeros(rows, length, width, dtype=dtype, device=self.device)
+            slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+            self.graphs.run(("prefill", rows, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
 
     def admit(self, seq: TalkerSequence) -> None:
         self.slots.allocate(seq)

@@ -101,20 +101,20 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
-        """Capture the decode graphs of every batch and key-range bucket, and short batch-1 prefills, before
-        serving (so no request waits on a capture). Writes only to free slots. No-op without CUDA graphs."""
+        """Capture the decode graphs of every batch and key-range bucket, and short prefills, before serving (so no
+        request waits on a capture). Writes only to free slots and the scratch slot. No-op without CUDA graphs."""
         if not self.graphs.enabled:
             return
-        decode, prefill = warmup_shapes(self.cache, max_batch)
+        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens)
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
                             {"ids": torch.zeros_like(positions), "positions": positions})
         hidden = self.model.lm_head.in_features
-        for length in prefill:
-            embeds = torch.zeros(1, length, hidden, dtype=self.model.lm_head.weight.dtype, device=self.device)
-            slots = torch.full((1,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
-            self.graphs.run(("prefill", 1, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        for rows, length in prefill:
+            embeds = torch.zeros(rows, length, hidden, dtype=self.model.lm_head.weight.dtype, device=self.device)
+            slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+            self.graphs.run(("prefill", rows, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)

@@ -1,0 +1,76 @@
+"""Unit tests of the fixed-shape batching that CUDA graphs replay: buckets, padding, dummy rows, warm-up shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_length, bucket_pow2
+from omni_ray.engine.fixed_shape import (
+    decode_positions,
+    last_positions,
+    pad_prefill,
+    warmup_shapes,
+    within_prefill_budget,
+)
+from omni_ray.engine.kv_cache import SlotKVCache
+
+CPU = torch.device("cpu")
+
+
+def _cache(num_slots: int = 5, max_len: int = 100) -> SlotKVCache:
+    return SlotKVCache(1, num_slots, max_len, 1, 4, torch.float32, "cpu")
+
+
+def test_buckets() -> None:
+    assert [bucket_pow2(n) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
+    assert [bucket_length(n, 100) for n in (1, 16, 17, 64, 65, 99)] == [16, 16, 32, 64, 100, 100]
+    assert all_buckets(20) == [1, 2, 4, 8, 16, 32] and all_buckets(100, 16) == [16, 32, 64, 128]
+
+
+def test_cache_rows_cover_every_decode_bucket_plus_scratch() -> None:
+    cache = _cache(num_slots=5)
+    assert cache.rows == 8 and cache.scratch_slot == 7  # bucket 8 covers 5 live slots; scratch never allocated
+    assert _cache(num_slots=8).rows == 9
+
+
+def test_decode_positions_put_dummy_rows_at_the_last_position() -> None:
+    cache = _cache(num_slots=5, max_len=100)
+    for _ in range(3):
+        cache.allocate()
+    positions, kv_len = decode_positions([(0, 7), (2, 20)], cache, CPU)  # slot 1 does not decode this step
+    assert positions.tolist() == [7, 99, 20, 99]  # 3 slots in use → 4 rows
+    assert kv_len == 32
+
+
+def test_pad_prefill_uses_the_scratch_slot_for_padding_rows() -> None:
+    cache = _cache(num_slots=5, max_len=100)
+    prompts = [torch.ones(5, 3), 2 * torch.ones(20, 3), 3 * torch.ones(9, 3)]
+    embeds, slots = pad_prefill(prompts, [0, 1, 2], cache)
+    assert embeds.shape == (4, 32, 3)
+    assert slots.tolist() == [0, 1, 2, cache.scratch_slot]
+    assert bool((embeds[0, :5] == 1).all()) and bool((embeds[0, 5:] == 0).all()) and bool((embeds[3] == 0).all())
+    last = last_positions(torch.arange(4 * 32).reshape(4, 32, 1).float(), [1, 2], [20, 9])
+    assert last.flatten().tolist() == [32 + 19, 64 + 8]
+
+
+def test_prefill_budget_takes_the_longest_fitting_prefix() -> None:
+    cache = _cache(num_slots=8, max_len=512)
+    lengths = [100, 100, 100, 300]
+    assert within_prefill_budget(lengths, lambda n: n, cache, 512) == [100, 100, 100]  # 4 rows x 128
+    assert within_prefill_budget(lengths, lambda n: n, cache, 2048) == lengths  # 4 rows x 512
+    assert within_prefill_budget([400, 10], lambda n: n, cache, 64) == [400]  # always at least one
+
+
+def test_warmup_shapes_cover_every_decode_bucket_within_the_prefill_budget() -> None:
+    cache = _cache(num_slots=5, max_len=100)
+    decode, prefill = warmup_shapes(cache, max_batch=5, max_prefill_tokens=128)
+    assert decode == [(rows, kv) for rows in (1, 2, 4, 8) for kv in (16, 32, 64, 100)]
+    assert all(rows * length <= 128 for rows, length in prefill)
+    assert (1, 100) in prefill and (8, 16) in prefill and (8, 32) not in prefill
+
+
+def test_graph_cache_runs_eagerly_off_cuda() -> None:
+    graphs = GraphCache(CPU, enabled=True)
+    assert not graphs.enabled
+    out = graphs.run(("k",), lambda x: {"y": x + 1}, {"x": torch.ones(2)})
+    assert out["y"].tolist() == [2.0, 2.0] and len(graphs) == 0

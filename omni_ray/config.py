@@ -55,8 +55,16 @@ class TalkerSettings(EngineSettings):
     frame_budget_base: int = Field(default=25, ge=0)
 
 
+RelayMode = Literal["auto", "host", "collective"]
+
+
 class StageConfig(_Strict):
     resources: StageResources = StageResources()
+    relay: RelayMode = Field(
+        default="auto",
+        description="how this stage sends to the next one: auto (pairwise NCCL between different GPUs, else the "
+        "host path), host (TCP), collective (pairwise NCCL / gloo)",
+    )
 
 
 class ThinkerStageConfig(StageConfig):

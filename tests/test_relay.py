@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -326,3 +326,28 @@ def test_endpoint_drops_items_nobody_claims_after_the_ttl() -> None:
     got: list[RelayItem] = []
     endpoint.claim("orphan", got.append)
     assert got == []
+
+
+def test_a_lost_peer_fails_exactly_its_open_requests() -> None:
+    class StuckTransport:
+        """Never completes a send: what happens on loss must not depend on sends finishing."""
+
+        on_peer_lost: Any = None
+
+        async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        failed, on_failure = _failures()
+        transport = StuckTransport()
+        sender = RelaySender("producer", transport, on_failure)
+        gone, other = RelayPeer("gone", "tcp://127.0.0.1:1"), RelayPeer("other", "tcp://127.0.0.1:1")
+        sender.send(gone, [RelayItem("r1"), RelayItem("r2")])
+        sender.send(gone, [RelayItem("r2", kind="end")])  # r2 is complete there
+        sender.send(other, [RelayItem("r3")])
+        transport.on_peer_lost(gone, ConnectionError("went away"))
+        assert [(sorted(ids), str(exc)) for ids, exc in failed] == [(["r1"], "went away")]
+        transport.on_peer_lost(gone, ConnectionError("went away"))  # nothing is open there any more
+        assert len(failed) == 1
+
+    asyncio.run(main())

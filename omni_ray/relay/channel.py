@@ -27,22 +27,30 @@ class RelayItem:
 
 @dataclass
 class RelayMessage:
-    """Everything one producer step sends to one consumer replica."""
+    """Everything one producer step sends to one consumer replica. A message with `control` set carries transport
+    signalling (e.g. a collective rendezvous or payload header) instead of items."""
 
     sender: str
     items: list[RelayItem]
+    control: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class RelayPeer:
-    """Address of a consumer replica: its id and where a transport reaches it (e.g. tcp://10.0.0.3:41234)."""
+    """Address of a consumer replica: its id, where the host path reaches it (e.g. tcp://10.0.0.3:41234), and its
+    placement (device, and the GPU's UUID on CUDA), from which the producer picks a transport."""
 
     replica_id: str
     address: str
+    device: str = "cpu"
+    gpu_uuid: str = ""
 
 
 class RelaySender:
-    """Per-peer ordered queues: `send` never blocks the caller; one task per peer ships messages in order."""
+    """Per-peer ordered queues: `send` never blocks the caller; one task per peer ships messages in order.
+
+    It also knows which requests are open on each peer (data sent, no end yet): when the transport reports a peer
+    gone (`peer_lost`), exactly those requests fail, including any whose last message was sent into the void."""
 
     def __init__(self, sender_id: str, transport: "Any", on_failure: Callable[[list[str], Exception], None]) -> None:
         self.sender_id = sender_id
@@ -51,14 +59,28 @@ class RelaySender:
         self._queues: dict[str, asyncio.Queue[RelayMessage]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._next_seq: dict[str, int] = {}
+        self._open: dict[str, set[str]] = {}  # peer replica id -> requests with data sent and no end yet
+        if hasattr(transport, "on_peer_lost"):
+            transport.on_peer_lost = self.peer_lost
+
+    def peer_lost(self, peer: RelayPeer, error: Exception) -> None:
+        """The peer's process is gone: fail every request still open on it."""
+        open_requests = sorted(self._open.pop(peer.replica_id, set()))
+        if open_requests:
+            log.warning("relay peer %s lost with %d open requests", peer.replica_id, len(open_requests))
+            self.on_failure(open_requests, error)
 
     def send(self, peer: RelayPeer, items: list[RelayItem]) -> None:
         """Call on the event loop thread. Items of one request keep their order."""
+        open_here = self._open.setdefault(peer.replica_id, set())
         for item in items:
             item.seq = self._next_seq.get(item.request_id, 0)
             self._next_seq[item.request_id] = item.seq + 1
             if item.kind != "data":
                 self._next_seq.pop(item.request_id, None)
+                open_here.discard(item.request_id)
+            else:
+                open_here.add(item.request_id)
         queue = self._queues.get(peer.replica_id)
         if queue is None:
             queue = self._queues[peer.replica_id] = asyncio.Queue()
@@ -67,6 +89,8 @@ class RelaySender:
 
     def forget(self, request_id: str) -> None:
         self._next_seq.pop(request_id, None)
+        for open_here in self._open.values():
+            open_here.discard(request_id)
 
     async def _pump(self, peer: RelayPeer, queue: asyncio.Queue[RelayMessage]) -> None:
         while True:
@@ -89,8 +113,15 @@ class RelayEndpoint:
         self._expected_seq: dict[str, int] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # released requests: late items are dropped
         self._remember_closed = remember_closed
+        self.on_control: Callable[[RelayMessage], None] | None = None  # set by a transport's receiving side
 
     def deliver(self, message: RelayMessage) -> None:
+        if message.control is not None:
+            if self.on_control is None:
+                log.warning("dropping a relay control message: no transport handles it here")
+            else:
+                self.on_control(message)
+            return
         for item in message.items:
             if item.request_id in self._closed:
                 continue

@@ -6,11 +6,24 @@ import asyncio
 import logging
 import pickle
 import struct
+from typing import Callable
 
 from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!Q")
+
+
+def node_ip() -> str:
+    """This node's address as Ray sees it (127.0.0.1 without Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:  # no Ray here: a local test
+        pass
+    return "127.0.0.1"
 
 
 class RelayServer:
@@ -48,25 +61,45 @@ class RelayServer:
 
 
 class TcpTransport:
-    """One persistent connection per peer address; sends on a connection are serialised, so order is kept."""
+    """One persistent connection per peer address; sends on a connection are serialised, so order is kept.
 
-    def __init__(self) -> None:
-        self._connections: dict[str, asyncio.StreamWriter] = {}
+    The receiving side never writes back, so end-of-stream on a connection means the peer process is gone: the
+    connection is dropped at once (the next send then fails fast) and `on_lost(peer)` is called."""
+
+    def __init__(self, on_lost: Callable[[RelayPeer], None] | None = None) -> None:
+        self.connections: dict[str, asyncio.StreamWriter] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self.on_lost = on_lost
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         lock = self._locks.setdefault(peer.address, asyncio.Lock())
         async with lock:
-            writer = self._connections.get(peer.address)
+            writer = self.connections.get(peer.address)
             if writer is None or writer.is_closing():
                 host, port = peer.address.removeprefix("tcp://").rsplit(":", 1)
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout=10)
-                self._connections[peer.address] = writer
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout=10)
+                self.connections[peer.address] = writer
+                watcher = asyncio.get_running_loop().create_task(self._watch(peer, reader, writer))
+                self._watchers.add(watcher)
+                watcher.add_done_callback(self._watchers.discard)
             try:
                 writer.write(_HEADER.pack(len(payload)) + payload)
                 await writer.drain()
             except Exception:
-                self._connections.pop(peer.address, None)
+                self.connections.pop(peer.address, None)
                 writer.close()
                 raise
+
+    async def _watch(self, peer: RelayPeer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # returns at end of stream: the peer closed or died
+        except Exception:  # a reset is the same news
+            pass
+        if self.connections.get(peer.address) is writer:
+            del self.connections[peer.address]
+        writer.close()
+        log.info("relay peer %s closed its connection", peer.replica_id)
+        if self.on_lost is not None:
+            self.on_lost(peer)

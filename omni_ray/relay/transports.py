@@ -1,10 +1,14 @@
-"""Transport selection by placement: direct hand-off inside one process, otherwise the TCP host path."""
+"""Transport selection by placement: in-process hand-off, pairwise collectives between GPUs, else the host path."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
+import torch
+
+from omni_ray.config import RelayMode
 from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
+from omni_ray.relay.collective import CollectiveTransport
 from omni_ray.relay.tcp import TcpTransport
 
 # Endpoints of replicas living in this process, by replica id: peers found here get a direct hand-off.
@@ -22,15 +26,49 @@ class LocalTransport:
         LOCAL_ENDPOINTS[peer.replica_id].deliver(message)
 
 
-class PlacementTransport:
-    """Picks the transport per peer: in-process endpoint → LocalTransport, anything else → TCP."""
+def gpu_uuid(device: torch.device) -> str:
+    """A GPU's identity across processes (CUDA_VISIBLE_DEVICES renumbers devices); '' off CUDA."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
-    def __init__(self) -> None:
+
+class PlacementTransport:
+    """Picks the transport per peer. Same process → direct hand-off. Otherwise by `mode`: `host` → the TCP host
+    path; `collective` → a pairwise group (NCCL on GPUs, gloo on CPUs); `auto` → collective when both replicas are
+    on different GPUs, the host path otherwise (CPU, or two processes sharing one GPU)."""
+
+    def __init__(self, device: torch.device | str = "cpu", mode: RelayMode = "auto") -> None:
+        self.device = torch.device(device)
+        self.mode = mode
+        self.gpu_uuid = gpu_uuid(self.device)
         self.local = LocalTransport()
-        self.tcp = TcpTransport()
+        self.tcp = TcpTransport(on_lost=self._lost)
+        self.collective = CollectiveTransport(self.device, control=self.tcp)
+        self.on_peer_lost: Callable[[RelayPeer, Exception], None] | None = None  # set by the RelaySender
 
     def select(self, peer: RelayPeer) -> Transport:
-        return self.local if peer.replica_id in LOCAL_ENDPOINTS else self.tcp
+        if peer.replica_id in LOCAL_ENDPOINTS:
+            return self.local
+        if self.mode == "collective":
+            return self.collective
+        if self.mode == "auto" and self.gpu_uuid and peer.gpu_uuid and peer.gpu_uuid != self.gpu_uuid:
+            return self.collective
+        return self.tcp
+
+    def needs_host_tensors(self, peer: RelayPeer) -> bool:
+        """Does this peer's transport pickle tensors (so they must be on the CPU first)?"""
+        return self.select(peer) is self.tcp
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         await self.select(peer).send(peer, message)
+
+    def _lost(self, peer: RelayPeer) -> None:
+        """The host path saw the peer's process go: tear down its collective pair (NCCL would not notice), and
+        fail what was in flight to it."""
+        self.collective.drop(peer.replica_id)
+        if self.on_peer_lost is not None:
+            self.on_peer_lost(peer, ConnectionError(f"relay peer {peer.replica_id} went away"))
+
+    def close(self) -> None:
+        self.collective.close()

@@ -7,7 +7,12 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import torch
+
 from omni_ray.relay import LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender, RelayServer
+from omni_ray.relay.collective import CollectiveReceiver
+from omni_ray.relay.tcp import node_ip
+from omni_ray.relay.transports import RelayMode, gpu_uuid
 
 FINAL_TYPES = frozenset({"final", "error"})
 
@@ -17,9 +22,12 @@ class StageBase:
 
     stage_name = "stage"
 
-    def __init__(self, replica_id: str | None = None) -> None:
+    def __init__(self, replica_id: str | None = None, device: str = "cpu", relay_mode: RelayMode = "auto") -> None:
         self.replica_id = replica_id or _serve_replica_id() or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
+        self.device = torch.device(device)
+        self.relay_mode: RelayMode = relay_mode
         self.endpoint = RelayEndpoint()
+        self._receiver: CollectiveReceiver | None = None
         self._server: RelayServer | None = None
         self._peer_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
@@ -60,9 +68,10 @@ class StageBase:
         async with self._peer_lock:
             if self._self_peer is None:
                 self._server = RelayServer(self.endpoint)
-                address = await self._server.start(_node_ip())
+                address = await self._server.start(node_ip())
+                self._receiver = CollectiveReceiver(self.endpoint, self.device)
                 LOCAL_ENDPOINTS[self.replica_id] = self.endpoint
-                self._self_peer = RelayPeer(self.replica_id, address)
+                self._self_peer = RelayPeer(self.replica_id, address, str(self.device), gpu_uuid(self.device))
         return self._self_peer
 
     async def ready_event(self) -> dict[str, Any]:
@@ -72,7 +81,7 @@ class StageBase:
     @property
     def sender(self) -> RelaySender:
         if self._sender is None:
-            self._sender = RelaySender(self.replica_id, PlacementTransport(), self._relay_failed)
+            self._sender = RelaySender(self.replica_id, PlacementTransport(self.device, self.relay_mode), self._relay_failed)
         return self._sender
 
     def _relay_failed(self, request_ids: list[str], error: Exception) -> None:
@@ -129,6 +138,15 @@ class StageBase:
     async def describe(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": await self.relay_peer()}
 
+    async def relay_stats(self) -> dict[str, int]:
+        """Open relay channels: pairwise groups this replica sends on and receives on, and host-path connections."""
+        transport = self._sender.transport if self._sender is not None else None
+        return {
+            "collective_pairs": len(transport.collective.pairs) if transport is not None else 0,
+            "collective_pairs_in": len(self._receiver.pairs) if self._receiver is not None else 0,
+            "host_connections": len(transport.tcp.connections) if transport is not None else 0,
+        }
+
     def relay_step(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
         """Ship one engine step's relay items: one message per consumer replica, with every request bound there.
         Call on the event loop thread."""
@@ -139,13 +157,23 @@ class StageBase:
             self.sender.send(peer, group)
 
     def relay_step_threadsafe(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
-        """relay_step from an engine thread."""
-        if self._event_loop is not None and items:
-            self._event_loop.call_soon_threadsafe(self.relay_step, items)
+        """relay_step from an engine thread. Tensors bound for a host-path peer are copied to the CPU here, in the
+        engine thread, so the event loop never waits on the device; a collective peer gets them as they are."""
+        if self._event_loop is None or not items:
+            return
+        transport = self.sender.transport
+        items = [(peer, host_copy(item) if transport.needs_host_tensors(peer) else item) for peer, item in items]
+        self._event_loop.call_soon_threadsafe(self.relay_step, items)
 
     def send_end(self, peer: RelayPeer | None, request_id: str, kind: str = "end", **meta: Any) -> None:
         if peer is not None:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])
+
+
+def host_copy(item: RelayItem) -> RelayItem:
+    if all(t.device.type == "cpu" for t in item.tensors.values()):
+        return item
+    return RelayItem(item.request_id, item.kind, {k: t.cpu() for k, t in item.tensors.items()}, item.meta, item.seq)
 
 
 def _serve_replica_id() -> str | None:
@@ -155,14 +183,3 @@ def _serve_replica_id() -> str | None:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # not a Serve replica
         return None
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
-    except Exception:
-        pass
-    return "127.0.0.1"

@@ -83,7 +83,7 @@ class EncoderStage(StageBase):
     stage_name = "encoder"
 
     def __init__(self, model: ModelSource, stage: StageConfig, replica_id: str | None = None) -> None:
-        super().__init__(replica_id)
+        super().__init__(replica_id, stage.resources.device, stage.relay)
         files = resolve_model(model)
         config = files.config
         res = stage.resources
@@ -121,7 +121,7 @@ class ThinkerStage(StageBase):
     stage_name = "thinker"
 
     def __init__(self, model: ModelSource, stage: ThinkerStageConfig, replica_id: str | None = None) -> None:
-        super().__init__(replica_id)
+        super().__init__(replica_id, stage.resources.device, stage.relay)
         files = resolve_model(model)
         config = files.config
         res, engine = stage.resources, stage.engine
@@ -211,7 +211,7 @@ class TalkerStage(StageBase):
     stage_name = "talker"
 
     def __init__(self, model: ModelSource, stage: TalkerStageConfig, replica_id: str | None = None) -> None:
-        super().__init__(replica_id)
+        super().__init__(replica_id, stage.resources.device, stage.relay)
         files = resolve_model(model)
         self.config = files.config
         res, engine = stage.resources, stage.engine
@@ -312,7 +312,7 @@ class VocoderStage(StageBase):
     stage_name = "vocoder"
 
     def __init__(self, model: ModelSource, stage: VocoderStageConfig, replica_id: str | None = None) -> None:
-        super().__init__(replica_id)
+        super().__init__(replica_id, stage.resources.device, stage.relay)
         files = resolve_model(model)
         config = files.config
         res, streaming = stage.resources, stage.streaming

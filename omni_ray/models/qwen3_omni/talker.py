@@ -283,7 +283,7 @@ class TalkerRunner:
         rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
         pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
         if pending:
-            raw = torch.stack([seqs[j].text_embeds[index[j]] for j in pending]).to(self.device, self.assets.tts_pad.dtype)
+            raw = torch.stack([seqs[j].text_embeds[index[j]].to(self.device) for j in pending]).to(dtype=self.assets.tts_pad.dtype)
             for j, projected in zip(pending, self.model.text_projection(raw)):
                 rows[j] = projected
         return torch.stack(rows)

@@ -162,7 +162,7 @@ class ThinkerRunner:
         """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0
         embeddings. No forward pass is needed for them (the Talker reads no hidden state at text positions)."""
         ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
-        embeds = self.model.embed(ids).float().cpu()
+        embeds = self.model.embed(ids).float()
         outputs = []
         for seq, embed in zip(seqs, embeds):
             seq.num_cached += 1
@@ -217,9 +217,9 @@ class ThinkerRunner:
         positions, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
         states = embeds if accept is None else torch.where(mm_mask.to(self.device)[:, None], accept, embeds)
         return {
-            "user_states": states[positions.to(self.device)].float().cpu(),
-            "user_multimodal": mm_mask[positions],
-            "assistant_prefix": embeds[assistant_start : assistant_start + 3].float().cpu(),
+            "user_states": states[positions.to(self.device)].float(),
+            "user_multimodal": mm_mask[positions].to(self.device),
+            "assistant_prefix": embeds[assistant_start : assistant_start + 3].float(),
         }
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
@@ -241,7 +241,7 @@ class ThinkerRunner:
         talking = [s for s in seqs if s.for_talker]
         talker_embeds: dict[str, torch.Tensor] = {}
         if talking:
-            embeds = out["embeds"][[s.slot for s in talking]].float().cpu()
+            embeds = out["embeds"][[s.slot for s in talking]].float()  # the relay moves them to the CPU if needed
             talker_embeds = {s.request_id: embeds[j] for j, s in enumerate(talking)}
         for seq in seqs:
             seq.num_cached += 1

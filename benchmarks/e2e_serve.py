@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from load_tests.loadgen import LoadConfig, run_load
-from omni_ray.bench import source_commit
+from omni_ray.bench import run_meta, write_results
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
@@ -159,14 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
-    commit = source_commit()
-    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "serve_config": Path(args.serve_config).name,
-            "max_tokens": args.max_tokens,
-            "gpu": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu",
-            "command": "python -m benchmarks.e2e_serve " + " ".join(argv if argv is not None else sys.argv[1:])}
-    (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows, "hf_baseline": baseline}, indent=2) + "\n")
-    (out / "e2e.md").write_text(markdown(meta, rows, baseline))
-    print(markdown(meta, rows, baseline))
+    meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, max_tokens=args.max_tokens,
+                    gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
+    write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
     return 0
 
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import hashlib
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni_ray.bench import source_commit
+from omni_ray.bench import run_meta, write_results
 from omni_ray.relay import RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelayServer
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.transports import PlacementTransport, gpu_uuid
@@ -124,15 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(produce(args.producer, peer, args.iterations, ours))
     finally:
         process.kill()
-    meta = {"date": datetime.date.today().isoformat(), "commit": source_commit(),
-            "devices": f"{args.producer} → {args.consumer}" + (
-                f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""),
-            "command": "python -m benchmarks.relay_bench " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "relay.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (out / "relay.md").write_text(markdown(meta, rows))
-    print(markdown(meta, rows))
+    gpu = f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""
+    meta = run_meta("benchmarks.relay_bench", argv, devices=f"{args.producer} → {args.consumer}{gpu}")
+    write_results(args.out, "relay", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,22 @@ def source_commit() -> str:
     """The commit of the code that ran: $OMNI_RAY_COMMIT when set (a copied work tree may carry a stale .git)."""
     found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return os.environ.get("OMNI_RAY_COMMIT") or found or "unknown"
+
+
+def run_meta(module: str, argv: list[str] | None, **fields: Any) -> dict[str, Any]:
+    """What every results file records: date, commit and the command that made it (plus `fields`)."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"date": datetime.date.today().isoformat(), "commit": source_commit(),
+            "command": f"python -m {module} " + " ".join(args), **fields}
+
+
+def write_results(out_dir: str | Path, stem: str, document: dict[str, Any], table: str) -> None:
+    """`<stem>.json` (the document) and `<stem>.md` (the table) in out_dir; the table is printed too."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    print(table)
 
 
 def _timed(fn: Callable[[], Any], device: str) -> float:
@@ -137,16 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
-    commit = source_commit()
-    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "dtype": args.dtype,
-            "mode": "eager (no CUDA graphs)" if args.eager else "CUDA graphs",
-            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "command": "python -m omni_ray.bench " + " ".join(argv or [])}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_steps.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (out / "engine_steps.md").write_text(markdown(meta, rows))
-    print(markdown(meta, rows))
+    meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode="eager (no CUDA graphs)" if args.eager else "CUDA graphs",
+                    gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
+    write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0
 
 

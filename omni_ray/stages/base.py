@@ -138,6 +138,16 @@ class StageBase:
     async def describe(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "stage": self.stage_name, "peer": await self.relay_peer()}
 
+    def __del__(self) -> None:
+        """Serve calls this when a replica goes (after draining its streams): tear down this replica's relay groups."""
+        try:
+            if self._sender is not None:
+                self._sender.transport.close()
+            if self._receiver is not None:
+                self._receiver.close()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
+
     async def relay_stats(self) -> dict[str, int]:
         """Open relay channels: pairwise groups this replica sends on and receives on, and host-path connections."""
         transport = self._sender.transport if self._sender is not None else None

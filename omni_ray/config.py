@@ -18,6 +18,11 @@ class StageResources(_Strict):
 
     num_cpus: float = Field(default=0.2, ge=0)
     num_gpus: float = Field(default=0, ge=0)
+    custom_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each replica needs, e.g. {thinker_node: 1} to place the stage on the "
+        "worker group (or nodes) that offers them",
+    )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import socket
 import threading
 import uuid
 from contextlib import nullcontext
@@ -99,10 +98,15 @@ class _Pair:
         self.broken: Exception | None = None
         self.lost: Future[None] = Future()  # set when the pair is torn down: waiting sends give up
 
+    def host_store(self, host: str) -> int:
+        """Rank 0: start the pair's TCPStore on a free port (returns at once) and say which port."""
+        self.store = dist.TCPStore(host, 0, 2, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        return int(self.store.port)
+
     def connect(self, host: str, port: int) -> None:
         """Blocking rendezvous (in the worker): both ranks construct the group over the producer's store."""
-        self.store = dist.TCPStore(host, port, 2, is_master=self.rank == 0, timeout=self.timeout,
-                                   wait_for_workers=False)
+        if self.store is None:
+            self.store = dist.TCPStore(host, port, 2, is_master=False, timeout=self.timeout)
         prefixed = dist.PrefixStore(self.pair_id, self.store)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -179,7 +183,7 @@ class CollectiveTransport:
 
     async def _open(self, peer: RelayPeer) -> _Pair:
         pair = _Pair(uuid.uuid4().hex, 0, backend_for(self.device), self.device, self.timeout_s)
-        store_port = _free_port()
+        store_port = pair.host_store(self.host)
         connected: Future[None] = pair.worker.submit(pair.connect, self.host, store_port)
         self.pairs[peer.replica_id] = pair
         await self.control.send(peer, _control("", "join", pair.pair_id, store=(self.host, store_port),
@@ -263,9 +267,3 @@ def _failed(header: RelayMessage, reason: str) -> RelayMessage:
     """The header's requests as error items (same sequence numbers, so the endpoint's order check holds)."""
     return RelayMessage(header.sender, [replace(item, kind="error", tensors={}, meta={"message": reason})
                                         for item in header.items])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])

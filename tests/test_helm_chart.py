@@ -1,0 +1,152 @@
+"""The helm chart: lint, render every example, validate what it renders (Ray Serve's schema, Kubernetes schemas),
+and check that each example's serveConfigV2 is exactly the deployments/*.yaml layout it mirrors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "omni-ray"
+sys.path.insert(0, str(ROOT / "helm"))
+from fetch_helm import fetch_helm  # noqa: E402
+
+# values file (None = the chart's defaults) → the deployments file its Serve application mirrors
+MIRRORS = {
+    None: "tiny_cpu.yaml",
+    "examples/tiny-cpu.yaml": "tiny_cpu.yaml",
+    "examples/qwen3-omni-2gpu.yaml": "qwen3_omni_30b_2gpu.yaml",
+    "examples/multinode-autoscaling.yaml": "qwen3_omni_30b_multinode.yaml",
+}
+KUBERNETES_VERSION = "1.30.0"
+CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # CRDs: checked below by hand and by Serve's own schema
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return fetch_helm()
+
+
+def _run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+
+
+def _render(helm: Path, values: str | None, *extra: str) -> list[dict[str, Any]]:
+    args = ["template", "omni", str(CHART), *(["-f", str(CHART / values)] if values else []), *extra]
+    result = _run(helm, *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def _rayservice(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    return service
+
+
+@pytest.mark.parametrize("values", list(MIRRORS))
+def test_chart_lints_strictly(helm: Path, values: str | None) -> None:
+    result = _run(helm, "lint", "--strict", str(CHART), *(["-f", str(CHART / values)] if values else []))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", list(MIRRORS))
+def test_serve_config_is_the_deployments_file_it_mirrors(helm: Path, values: str | None) -> None:
+    """One source of truth: the chart renders the same applications and deployments as deployments/*.yaml."""
+    rendered = yaml.safe_load(_rayservice(_render(helm, values))["spec"]["serveConfigV2"])
+    expected = yaml.safe_load((ROOT / "deployments" / MIRRORS[values]).read_text())
+    assert rendered == expected
+
+
+@pytest.mark.parametrize("values", list(MIRRORS))
+def test_rendered_serve_config_validates_with_ray_serve_and_omni_ray(helm: Path, values: str | None) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from omni_ray.config import PipelineConfig
+    from omni_ray.serve.openai_protocol import ServiceLimits
+
+    config = yaml.safe_load(_rayservice(_render(helm, values))["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    args = config["applications"][0]["args"]
+    PipelineConfig.model_validate(args["pipeline"])
+    ServiceLimits.model_validate(args.get("limits") or {})
+
+
+@pytest.mark.parametrize("values", list(MIRRORS))
+def test_core_objects_validate_against_kubernetes_schemas(helm: Path, values: str | None) -> None:
+    import kubernetes_validate
+
+    docs = _render(helm, values)
+    core = [d for d in docs if d["kind"] not in CUSTOM_KINDS]
+    assert {d["kind"] for d in core} >= {"Service"}
+    for doc in core:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    # the pod templates inside the RayService are core PodSpecs too
+    cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "check", **template["metadata"]}, "spec": template["spec"]}
+        kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+
+
+def test_ray_cluster_autoscales_with_a_gpu_free_head_and_gpu_worker_groups(helm: Path) -> None:
+    docs = _render(helm, "examples/multinode-autoscaling.yaml")
+    cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["rayVersion"] == "2.60.0"
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"thinker-gpu", "talker-gpu", "cpu"}
+    for name, custom in (("thinker-gpu", "thinker_node"), ("talker-gpu", "talker_node")):
+        group = groups[name]
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert (group["minReplicas"], group["maxReplicas"]) == (1, 4)
+        assert custom in group["rayStartParams"]["resources"]  # the resource its stages ask for
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert "nvidia.com/gpu" not in groups["cpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    kinds = {d["kind"] for d in docs}
+    assert {"Ingress", "ServiceMonitor", "PersistentVolumeClaim", "Service"} <= kinds
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["selector"]["omni-ray.io/role"] == "head"  # where Serve's HTTP proxy listens
+
+
+def test_checkpoint_model_path_points_into_the_mounted_volume(helm: Path) -> None:
+    docs = _render(helm, None, "--set", "model.source=checkpoint", "--set", "model.subPath=ckpt",
+                   "--set", "model.volume.hostPath.path=/data/models")
+    service = _rayservice(docs)
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert config["applications"][0]["args"]["pipeline"]["model"]["path"] == "/models/ckpt"
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert head["volumes"] == [{"name": "model", "hostPath": {"path": "/data/models"}}]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["model.source=bogus"], "model/source"),
+        (["model.source=checkpoint"], "needs model.volume"),
+        (["serve.port=0"], "serve/port"),
+        (["ray.workerGroups[0].name=Bad_Name"], "workerGroups/0/name"),
+        (["image.tag="], "image/tag"),
+    ],
+)
+def test_bad_values_are_refused_with_a_clear_message(helm: Path, settings: list[str], message: str) -> None:
+    args = ["template", "omni", str(CHART)]
+    for setting in settings:
+        args += ["--set", setting]
+    result = _run(helm, *args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_dockerfile_and_chart_use_the_pinned_ray() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "FROM rayproject/ray:2.60.0-py312-gpu" in dockerfile
+    assert '"ray[serve]==2.60.0"' in (ROOT / "pyproject.toml").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["ray"]["version"] == "2.60.0"
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"] == values["image"]["tag"]

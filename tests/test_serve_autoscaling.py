@@ -1,5 +1,6 @@
 """Per-stage autoscaling: load on the Talker raises its replica count, which falls back after the load.
-Every request in flight completes."""
+Every request in flight completes, over the host-path relay and over pairwise collective groups (gloo on CPU)
+that the Thinker opens to each new Talker replica and drops when it leaves."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from ray import serve
 
 from omni_ray.serve.app import LOAD_POLICY, build_app
@@ -45,8 +47,14 @@ def _stream_one(url: str, results: list[dict[str, Any]]) -> None:
     results.append(record)
 
 
-def test_talker_scales_up_under_load_and_back_down(serve_url: str) -> None:
-    serve.run(build_app({"model_name": "qwen3-omni", "stage_options": {"talker": TALKER_SCALING}}),
+def _thinker_relay() -> dict[str, int]:
+    return serve.get_deployment_handle("thinker", app_name=APP).relay_stats.remote().result(timeout_s=30)
+
+
+@pytest.mark.parametrize("relay", ["auto", "collective"])
+def test_talker_scales_up_under_load_and_back_down(serve_url: str, relay: str) -> None:
+    pipeline = {"stages": {"thinker": {"relay": relay}}}
+    serve.run(build_app({"model_name": "qwen3-omni", "pipeline": pipeline, "stage_options": {"talker": TALKER_SCALING}}),
               name=APP, route_prefix=PREFIX)
     try:
         assert _talker_replicas() == 1
@@ -60,14 +68,17 @@ def test_talker_scales_up_under_load_and_back_down(serve_url: str) -> None:
         workers = [threading.Thread(target=keep_busy) for _ in range(4)]
         for worker in workers:
             worker.start()
-        deadline, peak = time.time() + 90, 1
-        while time.time() < deadline and peak < 2:
+        deadline, peak, pairs_peak = time.time() + 90, 1, 0
+        while time.time() < deadline and (peak < 2 or (relay == "collective" and pairs_peak < 2)):
             peak = max(peak, _talker_replicas())
+            pairs_peak = max(pairs_peak, _thinker_relay()["collective_pairs"])
             time.sleep(0.25)
         stop.set()
         for worker in workers:
             worker.join(timeout=120)
         assert peak == 2, "the Talker never scaled up under load"
+        if relay == "collective":  # the new replica got its own pairwise group, with no Thinker restart
+            assert pairs_peak == 2
         # Light load (one stream at a time) continues while the Talker scales back down.
         stop.clear()
         light = threading.Thread(target=keep_busy)
@@ -81,6 +92,13 @@ def test_talker_scales_up_under_load_and_back_down(serve_url: str) -> None:
         light.join(timeout=120)
         assert scaled_down, "the Talker never scaled back down"
         assert results and all(r["status"] == 200 and r["done"] and r["audio_chunks"] > 0 for r in results), results
+        if relay == "collective":  # the departed replica's group was torn down
+            deadline = time.time() + 30
+            while _thinker_relay()["collective_pairs"] > 1 and time.time() < deadline:
+                time.sleep(0.25)
+            assert _thinker_relay()["collective_pairs"] == 1
+        else:
+            assert _thinker_relay()["collective_pairs"] == 0
         print(f"\n{len(results)} requests completed across the scale-up and scale-down, none failed")
     finally:
         serve.delete(APP)

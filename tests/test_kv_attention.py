@@ -444,3 +444,21 @@ def test_grouped_experts_equal_the_per_expert_loop() -> None:
         chosen[:, 0] = 3  # one expert shared by all tokens, some experts unused
         weights = torch.rand(11, 2, generator=g)
         assert torch.allclose(experts.grouped(x, chosen, weights), experts.looped(x, chosen, weights), atol=1e-5)
+
+
+def test_rms_norm_equals_transformers_in_fp32_and_within_a_bf16_ulp_in_bf16() -> None:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
+
+    from omni_ray.layers.basic import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = RMSNorm(64, eps=1e-6), Qwen3OmniMoeThinkerTextRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(64, generator=g))
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(5, 64, generator=g) * 3
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+        ours_bf16, ref_bf16 = ours.to(torch.bfloat16)(x.bfloat16()).float(), ref.to(torch.bfloat16)(x.bfloat16()).float()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref_bf16.abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 significant bits
+    assert bool(((ours_bf16 - ref_bf16).abs() <= ulp).all())

@@ -16,9 +16,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is one fused kernel on CUDA (eight elementwise/reduction kernels written out by hand)
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.variance_epsilon)
-        return self.weight * normed.to(x.dtype)
+        if x.dtype == torch.float32:  # exactly transformers' order: normalise, then scale
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
+        # Half precision: one fused kernel on CUDA that accumulates in fp32 and scales before rounding (transformers
+        # rounds, then scales: a last-bit difference), instead of four (upcast, norm, downcast, scale).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.variance_epsilon)
 
 
 class GatedMLP(nn.Module):

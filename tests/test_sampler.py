@@ -244,3 +244,28 @@ def test_sampling_params_accepts_boundaries_and_is_frozen() -> None:
     assert params.temperature == 1.0 and params.top_k == 0 and params.top_p == 1.0 and not params.greedy
     with pytest.raises(ValidationError):
         params.temperature = 0.0  # type: ignore[misc]
+
+
+def test_top_k_candidates_path_draws_exactly_what_the_full_sort_draws() -> None:
+    """With every sampled row using top-k, filtering `cap` candidates gives the same tokens as sorting the whole
+    vocabulary, for the same noise, across temperatures, top-k, top-p, greedy rows and a repetition penalty."""
+    from omni_ray.engine.sampler import top_k_cap
+
+    g = torch.Generator().manual_seed(21)
+    rows, vocab = 64, 3072
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.05) if i % 7 == 0 else
+              SamplingParams(temperature=[0.6, 0.9, 1.3][i % 3], top_k=[1, 5, 50, 64][i % 4],
+                             top_p=[1.0, 0.8, 0.3, 0.95][i % 4], repetition_penalty=[1.0, 1.05][i % 2])
+              for i in range(rows)]
+    cap = top_k_cap(params)
+    assert cap == 64
+    batch = SamplingBatch.of(params, "cpu")
+    seen = torch.rand(rows, vocab, generator=g) < 0.01
+    for trial in range(5):
+        logits = torch.randn(rows, vocab, generator=g) * (1 + trial)
+        noise = torch.empty(rows, vocab).exponential_(generator=g)
+        full = sample(logits, batch, noise, seen)
+        candidates = sample(logits, batch, noise, seen, top_k_cap=cap)
+        assert torch.equal(full, candidates)
+    assert top_k_cap([SamplingParams(temperature=1.0)]) is None  # a row without top-k needs the full sort
+    assert top_k_cap([SamplingParams(temperature=0.0)]) is None

@@ -152,3 +152,24 @@ def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> Non
     assert not runner.ready(seq)  # step 1 needs reply token 3: not sent yet
     seq.thinker_done = True
     assert runner.ready(seq)  # the Thinker finished: tts_eos, then tts_pad
+
+
+def test_seeded_sampled_speech_repeats_and_filters_only_top_k_candidates(parts: dict[str, Any]) -> None:
+    from omni_ray.models.qwen3_omni.talker import MTP_SAMPLING, FrameSampling
+
+    runner = _runner(parts)
+    speaker = parts["config"].talker_config.speaker_id["ethan"]
+    sampling = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=3)
+    # the released sampling filters 64 candidates per row, never a sort of the whole codebook
+    assert FrameSampling.of([sampling], [MTP_SAMPLING]) == FrameSampling(True, 64, 64)
+    assert FrameSampling.of([GREEDY_TALKER], [GREEDY_TALKER]) == FrameSampling(False)
+
+    def speak(params: SamplingParams) -> list[list[int]]:
+        seq = TalkerSequence("s", params, speaker, max_frames=8)
+        runner.admit(seq)
+        _feed(seq, parts["thinker_outputs"])
+        return _run(runner, seq)
+
+    first = speak(sampling)
+    assert len(first) == 8 and speak(sampling) == first  # same seed, same frames
+    assert first != speak(GREEDY_TALKER)  # it really sampled

@@ -83,6 +83,31 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(remove, float("-inf"))
 
 
+def draw_from_top_k(x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, cap: int) -> torch.Tensor:
+    """The draw of `sample` when every sampled row has 0 < top_k <= cap: top-k/top-p run over `cap` candidates
+    instead of a sort of the whole vocabulary, with the same decisions (the top-p cumulative sum runs in the same
+    ascending order, over the same nonzero probabilities) and the same noise per token."""
+    values, index = torch.topk(x, cap, dim=-1)  # descending
+    rank = torch.arange(cap, device=x.device)
+    values = values.masked_fill(rank[None, :] >= params.top_k.clamp(1, cap)[:, None], float("-inf"))
+    ascending = values.flip(-1)
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    remove = (cumulative <= (1 - params.top_p[:, None])) | torch.isinf(ascending)
+    remove[:, -1] = False
+    values = values.masked_fill(remove.flip(-1), float("-inf"))
+    scores = values - noise.gather(-1, index).clamp_min(1e-30).log()
+    return index.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+
+
+def top_k_cap(params: Sequence[SamplingParams]) -> int | None:
+    """A power-of-two bound on every sampled row's top_k when all of them use top-k (then `sample` filters that
+    many candidates instead of sorting the vocabulary); None otherwise."""
+    sampled = [p for p in params if not p.greedy]
+    if not sampled or any(p.top_k == 0 for p in sampled):
+        return None
+    return 1 << (max(p.top_k for p in sampled) - 1).bit_length()
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingBatch,
@@ -90,11 +115,13 @@ def sample(
     seen: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
     filtered: bool = True,
+    top_k_cap: int | None = None,
 ) -> torch.Tensor:
     """One token per row of logits [B, V] → [B] long, on the device, with no host sync.
 
     noise [B, V]: Exp(1) draws (ignored by greedy rows); seen [B, V] bool: tokens the repetition penalty applies to;
-    banned [B, V] or [V] bool: never picked. `filtered=False` skips top-k/top-p (when no row uses them)."""
+    banned [B, V] or [V] bool: never picked. `filtered=False` skips top-k/top-p (when no row uses them);
+    `top_k_cap` (see `top_k_cap()`) filters only that many candidates per row."""
     x = logits.to(torch.float32)
     if banned is not None:
         x = x.masked_fill(banned, float("-inf"))
@@ -102,6 +129,8 @@ def sample(
         x = penalize_repeats(x, seen, params.penalty)
     greedy = x.argmax(-1)
     x = x / params.temperature.clamp_min(1e-5)[:, None]
+    if filtered and top_k_cap is not None and top_k_cap < x.shape[-1]:
+        return torch.where(params.temperature > 0, draw_from_top_k(x, params, noise, top_k_cap), greedy)
     if filtered:
         x = filter_top_k_top_p(x, params.top_k, params.top_p)
     drawn = (x - noise.clamp_min(1e-30).log()).argmax(-1)
@@ -157,4 +186,4 @@ def sample_rows(
     noise = draw_noise(sources, tuple(logits.shape[1:]), logits.device)
     if seen is not None and all(p.repetition_penalty == 1.0 for p in params):
         seen = None
-    return sample(logits, batch, noise, seen, banned, needs_filter(params))
+    return sample(logits, batch, noise, seen, banned, needs_filter(params), top_k_cap(params))

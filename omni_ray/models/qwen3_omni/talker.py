@@ -14,7 +14,9 @@ from omni_ray.engine.fixed_shape import (
     decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
+from omni_ray.engine.sampler import (
+    GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample, top_k_cap,
+)
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -58,6 +60,22 @@ class TalkerModel(nn.Module):
         for g, table in enumerate(self.code_predictor.model.codec_embedding):
             total = total + table(codes[:, g + 1])
         return total
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """Which top-k/top-p filtering a frame's rows need: none (all greedy, or no top-k/top-p), over `*_top_k_cap`
+    candidates (every sampled row uses top-k), or a sort of the whole vocabulary. One frame graph per mode."""
+
+    filtered: bool
+    group0_top_k_cap: int | None = None
+    mtp_top_k_cap: int | None = None
+
+    @classmethod
+    def of(cls, group0: list[SamplingParams], mtp: list[SamplingParams]) -> "FrameSampling":
+        if not needs_filter(group0 + mtp):
+            return cls(False)
+        return cls(True, top_k_cap(group0), top_k_cap(mtp))
 
 
 @dataclass
@@ -189,8 +207,9 @@ class TalkerRunner:
             )
         for rows in sorted({r for r, _ in decode}):
             inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
-            for filtered in (False, True):
-                self.graphs.run(("frame", rows, filtered), lambda **x: self._frame_forward(filtered=filtered, **x), inputs)
+            mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
+            for mode in (FrameSampling(False), FrameSampling(True), FrameSampling(True, mtp_cap, mtp_cap)):
+                self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         for rows, length in prefill:
             embeds = torch.zeros(rows, length, width, dtype=dtype, device=self.device)
             slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
@@ -308,8 +327,8 @@ class TalkerRunner:
         """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
         inputs = self._frame_inputs(seqs, hidden, rows)
-        filtered = needs_filter([s.sampling for s in seqs] + [s.mtp_sampling for s in seqs])
-        out = self.graphs.run(("frame", rows, filtered), lambda **x: self._frame_forward(filtered=filtered, **x), inputs)
+        mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
+        out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         # outside the graph: capture must not change what it reads
         self.seen[inputs["slots"], out["codes"][:, 0]] = True
         return out["codes"][:count].tolist(), out["feedback"][:count].clone()
@@ -334,17 +353,18 @@ class TalkerRunner:
 
     def _frame_forward(
         self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise: torch.Tensor, mtp_noise: torch.Tensor,
-        filtered: bool = True, **params: torch.Tensor,
+        mode: FrameSampling, **params: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
-        `filtered=False` (every row greedy or without top-k/top-p) skips the sorts of top-k/top-p filtering."""
+        `mode` says which filtering the batch's rows need (a graph per mode)."""
         logits = self.model.codec_head(hidden)
-        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned, filtered)
-        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise, filtered)
+        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned,
+                        mode.filtered, mode.group0_top_k_cap)
+        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise, mode)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
 
     def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, filtered: bool = True
+        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, mode: FrameSampling
     ) -> torch.Tensor:
         """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
         rows = hidden.shape[0]
@@ -357,7 +377,7 @@ class TalkerRunner:
             batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length, rows_are_slots=True)
             positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
             out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
-            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k], filtered=filtered)
+            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k], filtered=mode.filtered, top_k_cap=mode.mtp_top_k_cap)
             codes.append(code)
             if k + 1 < self.num_groups - 1:
                 embeds = cp.model.codec_embedding[k](code)[:, None]

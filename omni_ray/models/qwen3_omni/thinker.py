@@ -14,7 +14,9 @@ from omni_ray.engine.fixed_shape import (
     decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample
+from omni_ray.engine.sampler import (
+    NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample, top_k_cap,
+)
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
@@ -256,7 +258,8 @@ class ThinkerRunner:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         seen = self.seen[slots] if any(p.repetition_penalty != 1.0 for p in params) else None
         noise = draw_noise([s.noise for s in seqs], (rows.shape[-1],), self.device)  # type: ignore[misc]
-        tokens = sample(rows, SamplingBatch.of(params, self.device), noise, seen, filtered=needs_filter(params))
+        tokens = sample(rows, SamplingBatch.of(params, self.device), noise, seen,
+                        filtered=needs_filter(params), top_k_cap=top_k_cap(params))
         self.seen[slots, tokens] = True
         return tokens.tolist()
 

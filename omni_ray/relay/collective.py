@@ -168,8 +168,10 @@ class CollectiveTransport:
             if pair is None:
                 pair = await self._open(peer)
             header, tensors, nbytes = pack(message)
-            buffer = flatten(tensors, nbytes, self.device)
             await self.control.send(peer, _control(message.sender, "payload", pair.pair_id, header=header, nbytes=nbytes))
+            if nbytes == 0:  # e.g. only end markers: the header is the whole message
+                return
+            buffer = flatten(tensors, nbytes, self.device)
             payload = asyncio.wrap_future(pair.worker.submit(pair.send, buffer))
             lost = asyncio.wrap_future(pair.lost)
             await asyncio.wait({payload, lost}, return_when=asyncio.FIRST_COMPLETED)
@@ -241,7 +243,8 @@ class CollectiveReceiver:
         try:
             if pair.broken is not None:
                 raise pair.broken
-            message = unpack(header, pair.recv(nbytes))
+            buffer = pair.recv(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8, device=self.device)
+            message = unpack(header, buffer)  # in the pair's order, even when it carries no tensors
         except Exception as exc:  # the producer died or stalled: fail these requests, drop the pair
             log.warning("relay receive on pair %s failed: %s", pair.pair_id, exc)
             pair.broken = exc

@@ -10,21 +10,14 @@ from pathlib import Path
 import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-from omni_ray.bench import FULL_CONFIG
-
-
-def prompt_ids(config: Qwen3OmniMoeConfig, length: int) -> list[int]:
-    """A `length`-token user turn ending in `<|im_start|>assistant\\n` (the shape omni-ray's engine bench uses)."""
-    body = [10 + i % 900 for i in range(length - 6)]
-    return [config.im_start_token_id, config.user_token_id, *body, config.im_end_token_id,
-            config.im_start_token_id, config.assistant_token_id, 198]
+from omni_ray.bench import FULL_CONFIG, benchmark_prompt_ids
 
 
 def run(batch: int, prompt: int, text_tokens: int, frames: int) -> dict[str, float]:
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     with torch.device("cuda"):
         model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
-    ids = torch.tensor([prompt_ids(config, prompt)] * batch, device="cuda")
+    ids = torch.tensor([benchmark_prompt_ids(config, prompt)] * batch, device="cuda")
     kwargs = dict(thinker_max_new_tokens=text_tokens, thinker_eos_token_id=-1, talker_max_new_tokens=frames,
                   speaker="ethan", return_audio=True)
     torch.cuda.synchronize()

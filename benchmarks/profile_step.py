@@ -9,12 +9,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import FULL_CONFIG, _talker_seqs
+from omni_ray.bench import FULL_CONFIG, _talker_seqs, benchmark_prompt_ids
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
-from benchmarks.hf_baseline import prompt_ids
 
 
 def _profile(name: str, runner: Any, seqs: list[Any], graphs: bool) -> None:
@@ -43,7 +42,7 @@ def main() -> None:
     thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
                             SlotKVCache(text.num_hidden_layers, 32, 256, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"))
     for batch in (1, 32):
-        seqs = [ThinkerSequence(f"p{i}", prompt_ids(config, 100), SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
+        seqs = [ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100), SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
                 for i in range(batch)]
         _profile("thinker decode", thinker, seqs, True)
     del thinker

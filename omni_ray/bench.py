@@ -33,6 +33,13 @@ def source_commit() -> str:
     return os.environ.get("OMNI_RAY_COMMIT") or found or "unknown"
 
 
+def benchmark_prompt_ids(config: Any, length: int) -> list[int]:
+    """A `length`-token user turn ending in `<|im_start|>assistant\\n`: the prompt every benchmark here uses."""
+    body = [10 + i % 900 for i in range(length - 6)]
+    return [config.im_start_token_id, config.user_token_id, *body, config.im_end_token_id,
+            config.im_start_token_id, config.assistant_token_id, 198]
+
+
 def run_meta(module: str, argv: list[str] | None, **fields: Any) -> dict[str, Any]:
     """What every results file records: date, commit and the command that made it (plus `fields`)."""
     args = argv if argv is not None else sys.argv[1:]
@@ -85,8 +92,7 @@ def bench_thinker(
         cuda_graphs=graphs,
     )
     rows = []
-    user_turn = [config.im_start_token_id, config.user_token_id] + [10 + i % 900 for i in range(prompt - 6)] + [config.im_end_token_id]
-    prompt_ids = user_turn + [config.im_start_token_id, config.assistant_token_id, 198]  # ends "<|im_start|>assistant\n"
+    prompt_ids = benchmark_prompt_ids(config, prompt)
     for batch in batches:
         def make_seqs(batch: int = batch) -> list[ThinkerSequence]:
             return [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), steps + 4, frozenset(), for_talker=True)

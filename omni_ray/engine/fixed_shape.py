@@ -6,7 +6,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from omni_ray.engine.cuda_graphs import all_buckets, bucket_length, bucket_pow2
+from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_length, bucket_pow2
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
@@ -67,6 +67,17 @@ def warmup_shapes(
 def dummy_decode_positions(rows: int, cache: SlotKVCache, device: torch.device) -> torch.Tensor:
     """Positions for a warm-up decode: every row a dummy at the last cache position (free slots only)."""
     return torch.full((rows,), cache.max_len - 1, dtype=torch.long, device=device)
+
+
+def capture_prefills(
+    graphs: GraphCache, cache: SlotKVCache, shapes: list[tuple[int, int]], width: int, dtype: torch.dtype,
+    forward: Callable[..., dict[str, torch.Tensor]],
+) -> None:
+    """Warm-up: capture `forward(embeds, slots)` for every (rows, length) prefill shape, all rows in the scratch slot."""
+    for rows, length in shapes:
+        embeds = torch.zeros(rows, length, width, dtype=dtype, device=graphs.device)
+        slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=graphs.device)
+        graphs.run(("prefill", rows, length), forward, {"embeds": embeds, "slots": slots})
 
 
 def prefill_forward(

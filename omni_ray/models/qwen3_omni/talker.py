@@ -11,7 +11,15 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
+    capture_prefills,
+    decode_forward,
+    decode_positions,
+    dummy_decode_positions,
+    last_positions,
+    pad_prefill,
+    prefill_forward,
+    warmup_shapes,
+    within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
@@ -200,20 +208,14 @@ class TalkerRunner:
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             embeds = torch.zeros(rows, 1, width, dtype=dtype, device=self.device)
-            self.graphs.run(
-                ("decode", rows, kv_len),
-                lambda **inputs: {"hidden": decode_forward(self.model.model, self.cache, kv_len=kv_len, **inputs)},
-                {"embeds": embeds, "positions": positions},
-            )
+            self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
+                            {"embeds": embeds, "positions": positions})
         for rows in sorted({r for r, _ in decode}):
             inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
             mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
             for mode in (FrameSampling(False), FrameSampling(True), FrameSampling(True, mtp_cap, mtp_cap)):
                 self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
-        for rows, length in prefill:
-            embeds = torch.zeros(rows, length, width, dtype=dtype, device=self.device)
-            slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
-            self.graphs.run(("prefill", rows, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        capture_prefills(self.graphs, self.cache, prefill, width, dtype, self._prefill_forward)
 
     def admit(self, seq: TalkerSequence) -> None:
         self.slots.allocate(seq)
@@ -307,17 +309,18 @@ class TalkerRunner:
                 rows[j] = projected
         return torch.stack(rows)
 
+    def _decode_forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+        return {"hidden": decode_forward(self.model.model, self.cache, embeds, positions, kv_len)}
+
     def _decode(self, seqs: list[TalkerSequence]) -> torch.Tensor:
         """Decode over the first slots of the cache (row r = slot r); returns the hidden states of `seqs` in order."""
         positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache, self.device)
         embeds = torch.zeros(positions.shape[0], 1, self.assets.tts_pad.shape[-1], dtype=self.assets.tts_pad.dtype, device=self.device)
         rows = torch.tensor([s.slot for s in seqs], device=self.device)
         embeds[rows, 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
-        out = self.graphs.run(
-            ("decode", positions.shape[0], kv_len),
-            lambda **inputs: {"hidden": decode_forward(self.model.model, self.cache, kv_len=kv_len, **inputs)},
-            {"embeds": embeds, "positions": positions},
-        )
+        out = self.graphs.run(("decode", positions.shape[0], kv_len),
+                              lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
+                              {"embeds": embeds, "positions": positions})
         for s in seqs:
             s.num_cached += 1
             s.steps += 1

@@ -11,12 +11,18 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.fixed_shape import (
-    decode_forward, decode_positions, dummy_decode_positions, last_positions, warmup_shapes, pad_prefill, prefill_forward, within_prefill_budget,
+    capture_prefills,
+    decode_forward,
+    decode_positions,
+    dummy_decode_positions,
+    last_positions,
+    pad_prefill,
+    prefill_forward,
+    warmup_shapes,
+    within_prefill_budget,
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import (
-    NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample, top_k_cap,
-)
+from omni_ray.engine.sampler import NoiseSource, SamplingParams, sample_rows
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
@@ -112,11 +118,8 @@ class ThinkerRunner:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
                             {"ids": torch.zeros_like(positions), "positions": positions})
-        hidden = self.model.lm_head.in_features
-        for rows, length in prefill:
-            embeds = torch.zeros(rows, length, hidden, dtype=self.model.lm_head.weight.dtype, device=self.device)
-            slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
-            self.graphs.run(("prefill", rows, length), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        capture_prefills(self.graphs, self.cache, prefill, self.model.lm_head.in_features,
+                         self.model.lm_head.weight.dtype, self._prefill_forward)
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)
@@ -253,13 +256,9 @@ class ThinkerRunner:
         """One batched draw for every sampled row of the step; one host sync."""
         if not seqs:
             return []
-        rows = torch.cat(logits)
-        params = [s.sampling for s in seqs]
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        seen = self.seen[slots] if any(p.repetition_penalty != 1.0 for p in params) else None
-        noise = draw_noise([s.noise for s in seqs], (rows.shape[-1],), self.device)  # type: ignore[misc]
-        tokens = sample(rows, SamplingBatch.of(params, self.device), noise, seen,
-                        filtered=needs_filter(params), top_k_cap=top_k_cap(params))
+        penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
+        tokens = sample_rows(torch.cat(logits), [s.noise for s in seqs], self.seen[slots] if penalized else None)  # type: ignore[misc]
         self.seen[slots, tokens] = True
         return tokens.tolist()
 

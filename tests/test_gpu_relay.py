@@ -41,3 +41,20 @@ def test_thinker_and_talker_on_two_gpus_relay_over_nccl_and_match(pipeline: Any)
     assert talker_relay["collective_pairs"] == 0  # Talker → vocoder share a GPU: host path
     assert on_gpus.token_ids == on_cpu.token_ids
     assert torch.equal(on_gpus.codes, on_cpu.codes)
+
+
+def test_talker_replicas_on_the_second_gpu_scale_1_2_1_under_load_over_nccl(serve_url: str) -> None:
+    """Serve on two GPUs: the Thinker holds GPU0, Talker replicas share GPU1. Under streaming load the Talker goes
+    1 → 2 → 1 replicas; the Thinker opens an NCCL pair to the new replica and drops it when it leaves, and no
+    request fails."""
+    from _scaling import scale_talker_up_and_down
+
+    cuda = {"device": "cuda", "dtype": "float32", "num_cpus": 0.2}
+    pipeline = {"stages": {
+        "encoder": {"resources": {**cuda, "num_gpus": 0.1}},
+        "thinker": {"resources": {**cuda, "num_gpus": 1.0}, "relay": "auto"},  # all of one GPU
+        "talker": {"resources": {**cuda, "num_gpus": 0.4}},  # two replicas fit beside the encoder and vocoder
+        "vocoder": {"resources": {**cuda, "num_gpus": 0.1}},
+    }}
+    completed = scale_talker_up_and_down(serve_url, "scaling-gpu", "/scaling-gpu", pipeline, collective=True)
+    print(f"\n{completed} requests completed across the scale-up and scale-down on two GPUs, none failed")

@@ -83,13 +83,14 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 
 
 def bench_thinker(
-    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool
+    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
+    compiled: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     runner = ThinkerRunner(
         load_thinker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads, text.head_dim, dtype, device),
-        cuda_graphs=graphs,
+        cuda_graphs=graphs, compile_layers=compiled,
     )
     rows = []
     prompt_ids = benchmark_prompt_ids(config, prompt)
@@ -103,13 +104,14 @@ def bench_thinker(
 
 
 def bench_talker(
-    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool
+    config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
+    compiled: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 16, text.num_key_value_heads, text.head_dim, dtype, device),
-        max(batches), cuda_graphs=graphs,
+        max(batches), cuda_graphs=graphs, compile_layers=compiled,
     )
     rows = []
     for batch in batches:
@@ -152,15 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
-    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
+    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager)
-    meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode="eager (no CUDA graphs)" if args.eager else "CUDA graphs",
+    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
+    meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
+                    + (", layers compiled" if args.compile else ""),
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0

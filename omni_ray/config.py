@@ -40,6 +40,9 @@ class EngineSettings(_Strict):
     max_seq_len: int = Field(default=4096, ge=16)
     cuda_graphs: bool = Field(default=True, description="replay fixed-shape steps from CUDA graphs (CUDA devices only)")
     max_prefill_tokens: int = Field(default=8192, ge=16, description="padded tokens per batched prefill")
+    compile_layers: bool = Field(
+        default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
+    )
 
 
 class VocoderSettings(_Strict):

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _reply(
     checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
-    lengths: tuple[int, ...] = (64,),
+    lengths: tuple[int, ...] = (64,), compile_layers: bool = False,
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
     """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch (shorter
     ones leave early, so the cache compacts mid-run); plus how many graphs ran."""
@@ -28,7 +28,7 @@ def _reply(
     tc = config.thinker_config.text_config
     thinker = ThinkerRunner(load_thinker(checkpoint, config, device, dtype), config,
                             SlotKVCache(tc.num_hidden_layers, 4, 256, tc.num_key_value_heads, tc.head_dim, dtype, device),
-                            cuda_graphs=cuda_graphs)
+                            cuda_graphs=cuda_graphs, compile_layers=compile_layers)
     thinker.warmup(4)  # captures every bucket up front, writing garbage into free slots that must not leak
     seqs = []
     for i, prompt in enumerate(prompts):
@@ -46,7 +46,7 @@ def _reply(
     kc = config.talker_config.text_config
     talker = TalkerRunner(load_talker(checkpoint, config, device, dtype), config,
                           SlotKVCache(kc.num_hidden_layers, 4, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 4,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, compile_layers=compile_layers)
     talker.warmup(4)
     speeches = []
     for i, seq in enumerate(seqs):
@@ -71,11 +71,13 @@ def _reply(
     return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
 
 
-def test_cuda_graph_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path) -> None:
-    """fp32 on CUDA, replayed from graphs, against the CPU: the same 64 tokens and 64 frames of 16 codes."""
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["graphs", "graphs+compiled-layers"])
+def test_cuda_graph_decode_matches_cpu_for_64_steps(tiny_checkpoint: Path, compile_layers: bool) -> None:
+    """fp32 on CUDA, replayed from graphs (with inductor-fused layers or without), against the CPU: the same 64
+    tokens and 64 frames of 16 codes."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cpu_tokens, cpu_frames, _ = _reply(tiny_checkpoint, "cpu", torch.float32)
-    gpu_tokens, gpu_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.float32)
+    gpu_tokens, gpu_frames, graphs = _reply(tiny_checkpoint, "cuda", torch.float32, compile_layers=compile_layers)
     assert len(cpu_tokens[0]) == 64 and len(cpu_frames[0]) == 64
     assert graphs["thinker"] > 0 and graphs["talker"] > 0
     assert gpu_tokens == cpu_tokens

@@ -116,6 +116,15 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
 
+    def compile_layers(self) -> None:
+        """Compile each layer with inductor, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
+        residuals) into a few kernels. Every layer shares one compiled graph per shape class (decode, prefill, batch
+        1): compile time is paid once per stack, not per layer. Called before CUDA-graph capture, which then records
+        the fused kernels."""
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for layer in self.layers:
+            layer.compile(dynamic=True)
+
     def forward(
         self,
         embeds: torch.Tensor,
@@ -128,6 +137,7 @@ class DecoderStack(nn.Module):
         if self.spec.mrope_section is not None and positions.dim() == 2:
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         cos, sin = self.rotary(positions, embeds.dtype)
+        batch.grouped_mask(self.spec.num_heads // self.spec.num_kv_heads)  # built once here, not in each layer
         captured: dict[int, torch.Tensor] = {}
         x = embeds
         if 0 in capture:

@@ -127,7 +127,7 @@ class ThinkerStage(StageBase):
         res, engine = stage.resources, stage.engine
         thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(config.thinker_config.text_config, engine, res)
-        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens)
+        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers)
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
@@ -218,7 +218,8 @@ class TalkerStage(StageBase):
         self.settings = engine
         assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(self.config.talker_config.text_config, engine, res)
-        runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens)
+        runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens,
+                              engine.compile_layers)
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
         self.engine.start()

@@ -171,6 +171,7 @@ class TalkerRunner:
         max_batch: int,
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 8192,
+        compile_layers: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -196,6 +197,9 @@ class TalkerRunner:
         )
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
+        if compile_layers and self.device.type == "cuda":
+            self.model.model.compile_layers()
+            self.model.code_predictor.model.compile_layers()
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # time per call on an H200. The memory-efficient kernel takes the same boolean mask without that cost.
 SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
-from omni_ray.layers.basic import RMSNorm, apply_rotary
+from omni_ray.layers.basic import RMSNorm, apply_rotary, fuse_linears
 
 
 @dataclass
@@ -76,6 +76,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+        self.qkv: torch.Tensor | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """q, k and v in one GEMM (bias-free Qwen3 attention only)."""
+        if self.q_proj.bias is None:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        return q, k, v
 
     def forward(
         self,
@@ -86,9 +99,10 @@ class Attention(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache  # [slots, max_len, kv_heads, head_dim]

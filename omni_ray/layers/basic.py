@@ -23,6 +23,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.variance_epsilon)
 
 
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight [sum(out), in] holding every (bias-free) linear's rows, so one GEMM computes them all; each
+    linear's own weight becomes a view into it (no second copy of the weights)."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -31,8 +43,16 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """gate and up in one GEMM."""
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -117,12 +117,16 @@ class DecoderStack(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
 
     def compile_layers(self) -> None:
-        """Compile each layer with inductor, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
-        residuals) into a few kernels. Every layer shares one compiled graph per shape class (decode, prefill, batch
-        1): compile time is paid once per stack, not per layer. Called before CUDA-graph capture, which then records
-        the fused kernels."""
+        """Fewer, larger kernels per layer: q/k/v and gate/up (dense and shared-expert MLPs) each become one GEMM, and
+        inductor compiles each layer, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
+        residuals). Every layer shares one compiled graph per shape class (decode, prefill, batch 1): compile time is
+        paid once per stack, not per layer. Called before CUDA-graph capture, which then records the fused kernels."""
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            for module in layer.mlp.modules():
+                if isinstance(module, GatedMLP):
+                    module.fuse_projections()
             layer.compile(dynamic=True)
 
     def forward(

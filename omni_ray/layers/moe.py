@@ -9,6 +9,22 @@ from torch import nn
 from omni_ray.layers.basic import GatedMLP
 
 
+# Decode-sized batches group their (token, expert) pairs with a counting sort: a few fusable elementwise and scan
+# ops instead of a radix sort (26 µs for 256 pairs on an H200, one per MoE layer).
+COUNTING_SORT_MAX_PAIRS = 4096
+
+
+def counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stable argsort of `keys` (values in [0, num_keys)) and each key's count, with no sort: a pair's place is
+    its key's start plus how many earlier pairs share its key."""
+    one_hot = (keys[:, None] == torch.arange(num_keys, device=keys.device)).to(torch.int32)  # [P, K]
+    counts = one_hot.sum(0)
+    earlier_same = (torch.cumsum(one_hot, 0) - one_hot).gather(1, keys[:, None])[:, 0]
+    place = (torch.cumsum(counts, 0) - counts)[keys] + earlier_same
+    order = torch.empty_like(keys).scatter_(0, place.long(), torch.arange(keys.numel(), device=keys.device))
+    return order, counts.long()
+
+
 class Router(nn.Module):
     """Softmax router picking top-k experts, optionally renormalising their weights."""
 
@@ -46,9 +62,12 @@ class Experts(nn.Module):
     @staticmethod
     def _sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        # bincount would size its output from a host read of max(); a scatter-add keeps this sync-free
-        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        if flat.is_cuda and flat.numel() <= COUNTING_SORT_MAX_PAIRS:
+            order, counts = counting_sort(flat, num_experts)
+        else:
+            order = torch.argsort(flat, stable=True)
+            # bincount would size its output from a host read of max(); a scatter-add keeps this sync-free
+            counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         return order, order // experts.shape[1], counts
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""What `DecoderStack.compile_layers` changes besides compiling: fused q/k/v and gate/up GEMMs, and the counting sort
+that groups MoE pairs by expert in decode, each against the unfused or sorted original (CPU; the compiled layers
+themselves are checked on a GPU in test_gpu_engine.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.basic import GatedMLP
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from omni_ray.layers.moe import counting_sort
+
+
+def test_counting_sort_is_the_stable_argsort() -> None:
+    g = torch.Generator().manual_seed(0)
+    for pairs, keys in ((1, 4), (8, 128), (256, 128), (1000, 16), (300, 1)):
+        values = torch.randint(0, keys, (pairs,), generator=g)
+        order, counts = counting_sort(values, keys)
+        assert torch.equal(order, torch.argsort(values, stable=True))
+        assert torch.equal(counts, torch.bincount(values, minlength=keys))
+
+
+def _spec(moe: bool) -> DecoderSpec:
+    return DecoderSpec(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+        mrope_section=None, intermediate_size=96, num_experts=8 if moe else 0, top_k=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48 if moe else 0, always_moe=moe,
+    )
+
+
+def _run(stack: DecoderStack) -> list[torch.Tensor]:
+    """A prefill of 5 tokens for 2 rows, then 3 decode steps; returns every step's output."""
+    g = torch.Generator().manual_seed(1)
+    caches = [(torch.zeros(3, 32, 2, 16), torch.zeros(3, 32, 2, 16)) for _ in range(2)]
+    slots = torch.arange(2)
+    batch = AttentionBatch.from_tensors(slots, torch.zeros(2, dtype=torch.long), 5, 16, rows_are_slots=True)
+    outputs = [stack(torch.randn(2, 5, 64, generator=g), torch.arange(5).expand(2, 5), caches, batch)[0]]
+    for step in range(3):
+        positions = torch.full((2,), 5 + step)
+        batch = AttentionBatch.from_tensors(slots, positions, 1, 16, rows_are_slots=True)
+        outputs.append(stack(torch.randn(2, 1, 64, generator=g), positions[:, None], caches, batch)[0])
+    return outputs
+
+
+def test_fused_projections_compute_what_the_separate_ones_do() -> None:
+    for moe in (False, True):
+        torch.manual_seed(0)
+        stack = DecoderStack(_spec(moe)).eval()
+        for parameter in stack.parameters():
+            torch.nn.init.normal_(parameter, std=0.1)
+        with torch.inference_mode():
+            separate = _run(stack)
+            weights_before = sum(p.numel() for p in stack.parameters())
+            for layer in stack.layers:
+                layer.self_attn.fuse_projections()
+                for module in layer.mlp.modules():
+                    if isinstance(module, GatedMLP):
+                        module.fuse_projections()
+            fused = _run(stack)
+        attn = stack.layers[0].self_attn
+        assert attn.qkv is not None and attn.q_proj.weight.data_ptr() == attn.qkv.data_ptr()  # views, no copy
+        assert sum(p.numel() for p in stack.parameters()) == weights_before
+        for a, b in zip(separate, fused):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
@@ -25,6 +26,7 @@ FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json
 # Memory-bandwidth floors at batch 1 on an H200 (~4.3 TB/s copy bandwidth), from the issue.
 FLOOR_MS = {"thinker": 1.6, "talker": 0.6}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 
 
 def source_commit() -> str:
@@ -105,7 +107,7 @@ def bench_thinker(
 
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False,
+    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     runner = TalkerRunner(
@@ -115,17 +117,18 @@ def bench_talker(
     )
     rows = []
     for batch in batches:
-        rows.append(_run_batch(runner, lambda batch=batch: _talker_seqs(config, batch, prompt, steps), steps, device, "talker"))
+        rows.append(_run_batch(runner, lambda batch=batch: _talker_seqs(config, batch, prompt, steps, sampling), steps, device, "talker"))
     return rows
 
 
-def _talker_seqs(config: Any, batch: int, prompt: int, steps: int) -> list[TalkerSequence]:
+def _talker_seqs(
+    config: Any, batch: int, prompt: int, steps: int, sampling: SamplingParams = GREEDY_TALKER
+) -> list[TalkerSequence]:
     """Talker requests fed with random Thinker states (a 100-token prompt and enough reply text for every step)."""
     hidden = config.talker_config.thinker_hidden_size
     seqs = []
     for i in range(batch):
-        seq = TalkerSequence(f"k{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302, max_frames=steps + 4,
-                             ignore_eos=True)
+        seq = TalkerSequence(f"k{i}", sampling, 2302, max_frames=steps + 4, ignore_eos=True)
         seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
                       "assistant_prefix": torch.randn(3, hidden) * 0.02}
         seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
@@ -155,16 +158,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
+    parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
+                        help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
+    parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
-    rows = bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
-    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-    rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
+    stages = args.stages.split(",")
+    rows = []
+    if "thinker" in stages:
+        rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    if "talker" in stages:
+        sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
+        rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
+                             sampling)
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
-                    + (", layers compiled" if args.compile else ""),
+                    + (", layers compiled" if args.compile else "") + f", Talker sampling {args.talker_sampling}",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0

@@ -115,15 +115,20 @@ class StageBase:
     def fail(self, request_id: str, message: str) -> None:
         self.emit(request_id, {"type": "error", "message": message})
 
-    async def stream(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Yield the request's events until its final (or error) event; always closes the stream."""
+    async def stream(self, request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        """Yield the request's events until its final (or error) event, in batches: everything queued when the
+        consumer asks goes as one item (one event when it keeps up; a consumer that lags, such as a busy ingress,
+        gets fewer, larger items instead of a growing backlog). Always closes the stream."""
         queue = self._streams[request_id]
         try:
             while True:
-                event = await queue.get()
-                yield event
-                if event["type"] in FINAL_TYPES:
-                    if event["type"] == "final":
+                batch = [await queue.get()]
+                while batch[-1]["type"] not in FINAL_TYPES and not queue.empty():
+                    batch.append(queue.get_nowait())
+                yield batch
+                last = batch[-1]["type"]
+                if last in FINAL_TYPES:
+                    if last == "final":
                         self.completed += 1
                     else:
                         self.failed += 1

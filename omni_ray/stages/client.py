@@ -1,4 +1,7 @@
-"""How callers reach a stage: the same streaming/unary interface over Ray actor handles or Serve handles."""
+"""How callers reach a stage: the same streaming/unary interface over Ray actor handles or Serve handles.
+
+A stage's streaming methods yield batches (lists) of events, so that a lagging consumer pays one Ray item per batch
+rather than per event; the clients hand the events on one by one."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ class ActorClient:
         gen = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
         try:
             async for ref in gen:
-                yield await ref
+                for event in await ref:
+                    yield event
         finally:
             ray.cancel(gen)  # no-op once finished; otherwise the stage's stream is cancelled and cleans up
 
@@ -39,8 +43,9 @@ class ServeClient:
     async def stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
         gen = getattr(self.handle.options(stream=True), method).remote(*args)
         try:
-            async for event in gen:
-                yield event
+            async for batch in gen:
+                for event in batch:
+                    yield event
         finally:
             gen.cancel()
 

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.detokenizer import IncrementalDetokenizer
 from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
@@ -147,7 +148,7 @@ class Orchestrator:
 
         done: dict[str, dict[str, Any]] = {}
         token_ids: list[int] = []
-        emitted = ""
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
         try:
             if audio:  # consumers first, so each producer knows where its relay messages go
                 vocoder = await open_stream("vocoder", "decode", rid, return_codes)
@@ -171,9 +172,8 @@ class Orchestrator:
                     timing.setdefault("first_token", event["t"])
                     timing["last_token"] = event["t"]
                     token_ids.append(event["token"])
-                    text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-                    if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                        delta, emitted = text[len(emitted) :], text
+                    delta = detokenizer.push(event["token"])
+                    if delta:
                         yield TextDelta(delta, [event["token"]], event["t"])
                 elif kind == "audio":
                     timing.setdefault("first_audio", event["t"])

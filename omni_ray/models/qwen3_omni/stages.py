@@ -29,7 +29,7 @@ from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
-from omni_ray.stages.base import StageBase
+from omni_ray.stages.base import FINAL_TYPES, StageBase
 from omni_ray.vocoder import ChunkSchedule, StreamingDecoder, decode_window_lengths
 from omni_ray.vocoder.batching import BatchingCodec
 from omni_ray.vocoder.code2wav import Code2WavCodec
@@ -134,14 +134,14 @@ class ThinkerStage(StageBase):
         self._talkers: dict[str, RelayPeer] = {}
         self.start_reporting()
 
-    async def generate(self, request: ThinkerRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
         self.open_stream(rid)
         if request.talker is not None:
             self._talkers[rid] = request.talker
         finished = False
         try:
-            yield await self.ready_event()
+            yield [await self.ready_event()]
             audio = await self._await_audio(rid) if request.expects_audio else None
             self.engine.add(
                 ThinkerSequence(
@@ -150,9 +150,9 @@ class ThinkerStage(StageBase):
                     ignore_eos=request.ignore_eos,
                 )
             )
-            async for event in self.stream(rid):
-                finished = event["type"] in ("final", "error")
-                yield event
+            async for batch in self.stream(rid):
+                finished = batch[-1]["type"] in FINAL_TYPES
+                yield batch
         finally:
             self.endpoint.release(rid)
             if not finished:
@@ -228,7 +228,7 @@ class TalkerStage(StageBase):
         self._first_frame: dict[str, float] = {}  # when each request's first frame was made (epoch s)
         self.start_reporting()
 
-    async def speak(self, request: TalkerRequest) -> AsyncIterator[dict[str, Any]]:
+    async def speak(self, request: TalkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
         speaker_id = self.config.talker_config.speaker_id.get(request.speaker.lower())
         if speaker_id is None:
@@ -246,10 +246,10 @@ class TalkerStage(StageBase):
         self.engine.add(seq)
         finished = False
         try:
-            yield await self.ready_event()
-            async for event in self.stream(rid):
-                finished = event["type"] in ("final", "error")
-                yield event
+            yield [await self.ready_event()]
+            async for batch in self.stream(rid):
+                finished = batch[-1]["type"] in FINAL_TYPES
+                yield batch
         finally:
             self.endpoint.release(rid)
             self._sequences.pop(rid, None)
@@ -326,7 +326,7 @@ class VocoderStage(StageBase):
         self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         self.start_reporting()
 
-    async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams audio events, then a final event (with every frame's codes when `return_codes`)."""
         self.open_stream(request_id)
         received: list[torch.Tensor] = []
@@ -334,11 +334,11 @@ class VocoderStage(StageBase):
         self.endpoint.claim(request_id, inbox.put_nowait)
         decoder = StreamingDecoder(self.codec, self.schedule)
         try:
-            yield await self.ready_event()
+            yield [await self.ready_event()]
             while True:
                 item = await inbox.get()
                 if item.kind == "error":
-                    yield {"type": "error", "message": f"talker: {item.meta.get('message', 'failed')}"}
+                    yield [{"type": "error", "message": f"talker: {item.meta.get('message', 'failed')}"}]
                     return
                 if item.tensors and return_codes:
                     received.append(item.tensors["codes"])
@@ -347,22 +347,22 @@ class VocoderStage(StageBase):
                 if item.kind == "end":
                     last = await loop.run_in_executor(self._decode_threads, decoder.finish)
                     chunks = [*chunks, *([last] if last is not None else [])]
-                for chunk in chunks:
-                    yield {
-                        "type": "audio", "pcm": chunk.float().cpu().numpy(),
-                        "sample_rate": self.codec.sample_rate, "t": time.time(),
-                    }
-                if item.kind == "end":
-                    self.completed += 1
-                    yield {
-                        "type": "final",
-                        "finish_reason": item.meta.get("finish_reason", "stop"),
-                        "samples": decoder.samples_emitted,
-                        "frames": decoder.frames_received,
-                        "codes": torch.cat(received, dim=1) if received else None,
-                        "t": time.time(),
-                    }
-                    return
+                audio = [{"type": "audio", "pcm": chunk.float().cpu().numpy(), "sample_rate": self.codec.sample_rate,
+                          "t": time.time()} for chunk in chunks]
+                if item.kind != "end":
+                    if audio:
+                        yield audio
+                    continue
+                self.completed += 1
+                yield [*audio, {
+                    "type": "final",
+                    "finish_reason": item.meta.get("finish_reason", "stop"),
+                    "samples": decoder.samples_emitted,
+                    "frames": decoder.frames_received,
+                    "codes": torch.cat(received, dim=1) if received else None,
+                    "t": time.time(),
+                }]
+                return
         finally:
             self.endpoint.release(request_id)
             self._streams.pop(request_id, None)

@@ -26,6 +26,7 @@ URL = "http://127.0.0.1:8000"
 HISTOGRAMS = {"first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
               "first_audio": "omni_time_to_first_audio_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_batch_mean")
+COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames")  # cumulative: per level as a rate
 
 
 def scrape() -> dict[str, float]:
@@ -39,9 +40,10 @@ def scrape() -> dict[str, float]:
     return values
 
 
-def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Mean submit→first token / first Talker frame / first audio (server side) over the level, and each stage's
-    median step time and mean batch at the end of the level."""
+def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
+    """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
+    median step time and mean batch at the end of the level, and the vocoder's busy fraction and frame rate over the
+    level's `seconds` (summed over its replicas)."""
     out: dict[str, Any] = {}
     for key, name in HISTOGRAMS.items():
         count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
@@ -52,6 +54,9 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, An
             if key.startswith(gauge + "{"):
                 stage = re.search(r'stage="(\w+)"', key)
                 out[f"{stage.group(1) if stage else '?'}_{gauge.removeprefix('omni_stage_')}"] = value
+    for counter in COUNTERS:
+        grown = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(counter + "{"))
+        out[f"vocoder_{counter.removeprefix('omni_stage_decode_')}_per_s"] = grown / seconds if seconds > 0 else None
     return out
 
 
@@ -98,7 +103,7 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
                      "errors": summary["errors"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
-                     "server": breakdown(before, scrape())})
+                     "server": breakdown(before, scrape(), wall)})
         print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)
     serve.shutdown()
     ray.shutdown()
@@ -113,8 +118,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
              "the level's requests; server-side ones are means from `/metrics`.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
-             "server: first token / first frame / first audio, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "server: first token / first frame / first audio, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
+             "vocoder busy, frames decoded per s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -131,7 +137,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
             f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} | "
             f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "
-            f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} |")
+            f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
+            f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} |")
     if baseline:
         lines += ["", f"transformers `generate()` on the same GPU in the same run (batch 1, not streaming): "
                       f"{baseline['total_s']:.1f} s for {baseline['audio_s']:.1f} s of audio, RTF {baseline['rtf']:.2f}; "

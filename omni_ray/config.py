@@ -53,6 +53,11 @@ class VocoderSettings(_Strict):
     left_context: int = Field(default=25, ge=0)
     max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
     cuda_graphs: bool = Field(default=True, description="replay each (batch, window length) from a CUDA graph")
+    stateful: bool = Field(
+        default=False,
+        description="carry each stream's attention and convolution state between chunks and decode only new frames "
+        "(no left context: about 4x less work at a steady chunk of 8; exact against a one-shot decode)",
+    )
 
 
 class TalkerSettings(EngineSettings):

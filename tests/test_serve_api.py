@@ -126,3 +126,7 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
                  "omni_real_time_factor", "omni_stage_waiting", "omni_stage_running"):
         assert name in metrics, name
     assert 'omni_stage_replicas{stage="talker"} 1.0' in metrics
+    # the earlier tests of this module spoke: the vocoder reports the work its decode thread has done
+    vocoder = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(("omni_stage_decode_busy_s{", "omni_stage_decode_frames{")) and 'stage="vocoder"' in line}
+    assert vocoder["omni_stage_decode_busy_s"] > 0 and vocoder["omni_stage_decode_frames"] > 0, vocoder

@@ -266,7 +266,8 @@ def test_batching_codec_groups_concurrent_windows_by_length() -> None:
     for window, samples in zip(windows, results):
         length = window.shape[1] * 4 - 1
         assert torch.equal(samples, window.sum().float() * torch.arange(1, length + 1))
-    assert codec.windows == 8 and codec.batches < 8  # batched, never more than max_batch per call
+    assert codec.worker.windows == 8 and codec.worker.batches < 8  # batched, never more than max_batch per call
+    assert codec.worker.frames == 12 and codec.worker.busy_s > 0
     assert all(shape[0] <= 3 for shape in fake.shapes)
 
 

@@ -1,15 +1,21 @@
-"""One decode thread per vocoder replica: concurrent streams' windows of equal length run as one batched call."""
+"""One decode thread per vocoder replica: concurrent streams' decode calls of the same shape run as one batched call."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Generic, Hashable, Protocol, TypeVar
 
 import torch
 
+from omni_ray.vocoder.code2wav_state import State, split_state, stack_states
+
 log = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
 class BatchDecoder(Protocol):
@@ -23,43 +29,53 @@ class BatchDecoder(Protocol):
     def decode_batch(self, codes: torch.Tensor) -> torch.Tensor: ...
 
 
+class StatefulBatchDecoder(Protocol):
+    """A causal codec that carries per-stream state: [B, Q, n] new frames → ([B, L] samples, the batch's state)."""
+
+    num_quantizers: int
+    samples_per_frame: int
+    sample_rate: int
+    trim: int
+
+    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]: ...
+
+
 @dataclass
-class _Window:
-    codes: torch.Tensor  # [Q, T]
+class _Call(Generic[Item, Result]):
+    item: Item
     done: threading.Event = field(default_factory=threading.Event)
-    samples: torch.Tensor | None = None
+    result: Result | None = None
     error: BaseException | None = None
 
 
-class BatchingCodec:
-    """The streaming `Codec` protocol over a `BatchDecoder`: `decode` may be called from many threads at once (one
-    per stream); a worker thread takes every waiting window, groups them by length and decodes each group in one
-    call of at most `max_batch` windows. Under load, windows gather while the previous batch runs."""
+class BatchWorker(Generic[Item, Result]):
+    """`submit` may be called from many threads at once (one per stream) and blocks until its result is ready. A
+    worker thread takes every waiting call, groups them by `key`, and runs each group (at most `max_batch` calls) as
+    one `run_group`. Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work."""
 
-    def __init__(self, decoder: BatchDecoder, max_batch: int = 64) -> None:
-        self.decoder = decoder
-        self.num_quantizers = decoder.num_quantizers
-        self.samples_per_frame = decoder.samples_per_frame
-        self.sample_rate = decoder.sample_rate
-        self.trim = decoder.trim
+    def __init__(self, run_group: Callable[[list[Item]], list[Result]], key: Callable[[Item], Hashable],
+                 frames: Callable[[Item], int], max_batch: int) -> None:
+        self._run_group, self._key, self._frames = run_group, key, frames
         self.max_batch = max_batch
-        self._pending: list[_Window] = []
+        self._pending: list[_Call[Item, Result]] = []
         self._cond = threading.Condition()
         self.batches = 0
         self.windows = 0
+        self.frames = 0  # codec frames decoded (a window's left context included)
+        self.busy_s = 0.0  # time spent in decode calls (with the GPU's results back on the host)
         self._thread = threading.Thread(target=self._run, name="vocoder-batches", daemon=True)
         self._thread.start()
 
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        window = _Window(codes)
+    def submit(self, item: Item) -> Result:
+        call: _Call[Item, Result] = _Call(item)
         with self._cond:
-            self._pending.append(window)
+            self._pending.append(call)
             self._cond.notify()
-        window.done.wait()
-        if window.error is not None:
-            raise window.error
-        assert window.samples is not None
-        return window.samples
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
 
     def _run(self) -> None:
         while True:
@@ -67,23 +83,77 @@ class BatchingCodec:
                 while not self._pending:
                     self._cond.wait()
                 taken, self._pending = self._pending, []
-            by_length: dict[int, list[_Window]] = {}
-            for window in taken:
-                by_length.setdefault(int(window.codes.shape[1]), []).append(window)
-            for group in by_length.values():
+            groups: dict[Hashable, list[_Call[Item, Result]]] = {}
+            for call in taken:
+                groups.setdefault(self._key(call.item), []).append(call)
+            for group in groups.values():
                 for start in range(0, len(group), self.max_batch):
-                    self._decode(group[start : start + self.max_batch])
+                    self._run_calls(group[start : start + self.max_batch])
 
-    def _decode(self, group: list[_Window]) -> None:
+    def _run_calls(self, group: list[_Call[Item, Result]]) -> None:
+        started = time.perf_counter()
         try:
-            samples = self.decoder.decode_batch(torch.stack([w.codes for w in group]))
-            for window, row in zip(group, samples):
-                window.samples = row
+            for call, result in zip(group, self._run_group([call.item for call in group])):
+                call.result = result
         except BaseException as exc:  # every waiting stream gets the error; the worker keeps serving
-            log.exception("vocoder batch of %d windows failed", len(group))
-            for window in group:
-                window.error = exc
+            log.exception("vocoder batch of %d calls failed", len(group))
+            for call in group:
+                call.error = exc
+        self.busy_s += time.perf_counter() - started
         self.batches += 1
         self.windows += len(group)
-        for window in group:
-            window.done.set()
+        self.frames += sum(self._frames(call.item) for call in group)
+        for call in group:
+            call.done.set()
+
+
+class _CodecInfo:
+    """The codec geometry a streaming decoder reads."""
+
+    def __init__(self, decoder: BatchDecoder | StatefulBatchDecoder, max_batch: int) -> None:
+        self.num_quantizers = decoder.num_quantizers
+        self.samples_per_frame = decoder.samples_per_frame
+        self.sample_rate = decoder.sample_rate
+        self.trim = decoder.trim
+        self.max_batch = max_batch
+
+
+class BatchingCodec(_CodecInfo):
+    """The window `Codec` protocol over a `BatchDecoder`: windows of equal length from different streams decode in
+    one call."""
+
+    def __init__(self, decoder: BatchDecoder, max_batch: int = 64) -> None:
+        super().__init__(decoder, max_batch)
+        self.worker: BatchWorker[torch.Tensor, torch.Tensor] = BatchWorker(
+            lambda windows: list(decoder.decode_batch(torch.stack(windows))), key=lambda codes: int(codes.shape[1]),
+            frames=lambda codes: int(codes.shape[1]), max_batch=max_batch,
+        )
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.worker.submit(codes)
+
+
+StepCall = tuple[torch.Tensor, int, State | None]  # ([Q, n] codes, frames decoded before, state or None at first)
+
+
+class BatchingStatefulCodec(_CodecInfo):
+    """The stateful `step` over a `StatefulBatchDecoder`: steps with the same number of new frames (and both first
+    calls, or both later ones) from different streams run as one call, their states stacked."""
+
+    def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64) -> None:
+        super().__init__(decoder, max_batch)
+        self.worker: BatchWorker[StepCall, tuple[torch.Tensor, State]] = BatchWorker(
+            lambda calls: self._run(decoder, calls), key=lambda call: (int(call[0].shape[1]), call[2] is None),
+            frames=lambda call: int(call[0].shape[1]), max_batch=max_batch,
+        )
+
+    def step(self, codes: torch.Tensor, position: int, state: State | None) -> tuple[torch.Tensor, State]:
+        return self.worker.submit((codes, position, state))
+
+    @staticmethod
+    def _run(decoder: StatefulBatchDecoder, calls: list[StepCall]) -> list[tuple[torch.Tensor, State]]:
+        codes = torch.stack([codes for codes, _, _ in calls])
+        positions = torch.tensor([position for _, position, _ in calls], dtype=torch.long)
+        first = calls[0][2] is None
+        samples, state = decoder.step_batch(codes, positions, None if first else stack_states([s for _, _, s in calls]))  # type: ignore[misc]
+        return list(zip(samples, split_state(state, len(calls))))

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
     "Codec",
     "ChunkSchedule",
+    "StatefulCodec",
+    "StatefulStreamingDecoder",
     "StreamingDecoder",
     "decode_window_lengths",
     "measure_trim",
+    "step_shapes",
 ]
 
 
@@ -94,6 +97,13 @@ def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) ->
         start += size
         index += 1
     return sorted(lengths)
+
+
+def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
+    """Every (new frames, first call) a ``StatefulStreamingDecoder`` on this schedule passes to ``step`` (its last,
+    partial chunk is padded to the scheduled size)."""
+    later = {(size, False) for size in (*schedule.ramp[1:], schedule.steady)}
+    return [(schedule.chunk_size(0), True), *sorted(later)]
 
 
 class StreamingDecoder:
@@ -233,3 +243,84 @@ class StreamingDecoder:
         if keep_from > self._buf_start:
             self._buf = self._buf[:, keep_from - self._buf_start :]
             self._buf_start = keep_from
+
+
+@runtime_checkable
+class StatefulCodec(Protocol):
+    """A causal decoder that carries each stream's state between calls, so a call decodes only its new frames:
+    ``step(codes [Q, n], position, state)`` → (1-D samples, state); `state` is None on a stream's first call,
+    which yields ``n * samples_per_frame - trim`` samples, every later call ``n * samples_per_frame``."""
+
+    num_quantizers: int
+    samples_per_frame: int
+    trim: int
+
+    def step(self, codes: torch.Tensor, position: int, state: Any) -> tuple[torch.Tensor, Any]: ...
+
+
+class StatefulStreamingDecoder:
+    """`StreamingDecoder`'s push/finish over a `StatefulCodec`: the same chunk schedule, but each chunk decodes only
+    its new frames (no left context). Emitted chunks are final samples; after ``finish()`` they total
+    ``N * spf - trim``, a one-shot decode of the N frames. The last partial chunk is padded with zero frames to
+    its scheduled size (one decode shape per schedule step) and its output cut: the codec is causal, so frames
+    after the real ones change nothing before them."""
+
+    def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None) -> None:
+        self.codec = codec
+        self.schedule = schedule if schedule is not None else ChunkSchedule()
+        self._q = int(codec.num_quantizers)
+        self._spf = int(codec.samples_per_frame)
+        self._trim = int(codec.trim)
+        self._pending = torch.zeros(self._q, 0, dtype=torch.long)
+        self._state: Any = None
+        self._received = 0
+        self._decoded = 0
+        self._emitted = 0
+        self._chunk_index = 0
+        self._finished = False
+
+    @property
+    def frames_received(self) -> int:
+        return self._received
+
+    @property
+    def samples_emitted(self) -> int:
+        return self._emitted
+
+    def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
+        """Add ``[num_quantizers, n]`` frames; return every chunk the schedule now allows."""
+        if self._finished:
+            raise RuntimeError("push() after finish()")
+        if frames.dim() != 2 or frames.shape[0] != self._q or frames.is_floating_point():
+            raise ValueError(f"frames must be integer codes of shape [num_quantizers={self._q}, n], got "
+                             f"{tuple(frames.shape)} {frames.dtype}")
+        self._pending = torch.cat([self._pending, frames.to(torch.long)], dim=1)
+        self._received += int(frames.shape[1])
+        chunks = []
+        while self._pending.shape[1] >= self.schedule.chunk_size(self._chunk_index):
+            chunks.append(self._decode_next(self.schedule.chunk_size(self._chunk_index)))
+        return chunks
+
+    def finish(self) -> torch.Tensor | None:
+        """Decode the remaining (partial-chunk) frames and end the stream; None if nothing is left."""
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        if self._pending.shape[1] == 0:
+            return None
+        return self._decode_next(self.schedule.chunk_size(self._chunk_index))
+
+    def _decode_next(self, size: int) -> torch.Tensor:
+        real = min(size, int(self._pending.shape[1]))
+        codes = self._pending[:, :size]
+        if real < size:  # the stream's last, partial chunk
+            codes = torch.cat([codes, codes.new_zeros(self._q, size - real)], dim=1)
+        first = self._state is None
+        wav, self._state = self.codec.step(codes, self._decoded, self._state)
+        keep = real * self._spf - (self._trim if first else 0)
+        chunk = wav.reshape(-1)[: max(keep, 0)].to(torch.float32)
+        self._pending = self._pending[:, real:]
+        self._decoded += real
+        self._chunk_index += 1
+        self._emitted += int(chunk.numel())
+        return chunk

@@ -8,8 +8,8 @@ import uuid
 from typing import Any, AsyncIterator
 
 from omni_ray.config import PipelineConfig
-from omni_ray.engine.sampler import SamplingParams
 from omni_ray.detokenizer import IncrementalDetokenizer
+from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder

@@ -30,8 +30,8 @@ from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, Talk
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
 from omni_ray.stages.base import FINAL_TYPES, StageBase
-from omni_ray.vocoder import ChunkSchedule, StreamingDecoder, decode_window_lengths
-from omni_ray.vocoder.batching import BatchingCodec
+from omni_ray.vocoder import ChunkSchedule, StatefulStreamingDecoder, StreamingDecoder, decode_window_lengths, step_shapes
+from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
 from omni_ray.vocoder.code2wav import Code2WavCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -320,11 +320,22 @@ class VocoderStage(StageBase):
         module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs)
-        codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
-        self.codec = BatchingCodec(codec, streaming.max_batch)
+        self.codec: BatchingCodec | BatchingStatefulCodec
+        if streaming.stateful:
+            codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
+            self.codec = BatchingStatefulCodec(codec, streaming.max_batch)
+        else:
+            codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
+            self.codec = BatchingCodec(codec, streaming.max_batch)
         # a stream's thread waits while its window is batched with other streams': one thread per open stream
         self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         self.start_reporting()
+
+    def load_stats(self) -> dict[str, Any]:
+        """Plus the decode thread's cumulative work: over an interval, Δdecode_busy_s / seconds is how busy the
+        vocoder kept its GPU share, and Δdecode_frames / seconds its frame rate (left context included)."""
+        worker = self.codec.worker
+        return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames}
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams audio events, then a final event (with every frame's codes when `return_codes`)."""
@@ -332,7 +343,10 @@ class VocoderStage(StageBase):
         received: list[torch.Tensor] = []
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
         self.endpoint.claim(request_id, inbox.put_nowait)
-        decoder = StreamingDecoder(self.codec, self.schedule)
+        decoder: StreamingDecoder | StatefulStreamingDecoder = (
+            StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
+            else StreamingDecoder(self.codec, self.schedule)
+        )
         try:
             yield [await self.ready_event()]
             while True:

@@ -1,0 +1,175 @@
+"""Stateful streaming Code2Wav: each call decodes only the new frames, carrying attention and convolution state.
+
+A window decode re-runs `left_context` old frames with every chunk (25 + 8 frames for 8 new ones: about 4× the
+work). Code2Wav is causal, so the same samples come from carrying, per stream: the sliding-window attention's last
+`window - 1` keys and values per layer, each causal convolution's last `(kernel - 1) * dilation` input samples, and
+each transposed convolution's overlap tail (its outputs still waiting for the next input). The output equals a
+one-shot decode of every frame so far, sample for sample up to float rounding: the first call of a stream yields
+`n * samples_per_frame - trim` samples, every later call `n * samples_per_frame`.
+
+The module is transformers' `Qwen3OmniMoeCode2Wav`; its weights and submodules are used as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCausalConvNet,
+    Qwen3OmniMoeCausalTransConvNet,
+    Qwen3OmniMoeCode2WavDecoderBlock,
+    Qwen3OmniMoeCode2WavDecoderResidualUnit,
+    Qwen3OmniMoeConvNeXtBlock,
+    apply_rotary_pos_emb,
+)
+
+State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
+
+
+class _StateWalk:
+    """Reads a call's incoming state tensors in forward order (zeros on a stream's first call) and collects the
+    outgoing ones in the same order."""
+
+    def __init__(self, incoming: State | None) -> None:
+        self._incoming: Iterator[torch.Tensor] | None = iter(incoming) if incoming is not None else None
+        self.outgoing: State = []
+
+    def take(self, zeros_like: torch.Tensor, length: int) -> torch.Tensor:
+        """The state carried into this op: [rows, channels, length] (or zeros shaped after `zeros_like`)."""
+        if self._incoming is None:
+            return zeros_like.new_zeros(*zeros_like.shape[:-1], length)
+        return next(self._incoming)
+
+    def keep(self, state: torch.Tensor) -> None:
+        self.outgoing.append(state.contiguous())
+
+
+class StatefulCode2Wav:
+    """`step(codes, positions, state)` for a batch of streams that each bring `n` new frames (the same `n`).
+
+    `positions[b]` is how many frames stream b has decoded before; `state` is None for streams on their first call
+    (all rows of a call must agree), else the `State` the previous call returned for those rows (rows stacked).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        config = module.config
+        self.window = int(config.sliding_window)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.samples_per_frame = int(module.total_upsample)
+
+    @torch.inference_mode()
+    def step(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        """codes [B, Q, n] → (samples [B, n*spf - (trim on a first call)], the state to carry)."""
+        module, walk = self.module, _StateWalk(state)
+        first = state is None
+        hidden = module.code_embedding(codes + module.code_offset).mean(1)  # [B, n, H]
+        hidden = self._transformer(hidden, positions, walk)
+        x = hidden.permute(0, 2, 1)
+        for upsample, convnext in module.upsample:
+            x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first), walk)
+        for block in module.decoder:
+            x = self._decoder_block(block, x, walk, first)
+        return x.clamp(min=-1, max=1).flatten(1), walk.outgoing
+
+    # ---- the pre-transformer: sliding-window attention with a key/value cache --------------------------------
+    def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+        model = self.module.pre_transformer
+        rows, new = hidden.shape[:2]
+        query_pos = positions[:, None] + torch.arange(new, device=hidden.device)  # [B, n]
+        cos, sin = model.rotary_emb(hidden, query_pos)
+        past = self.window - 1
+        key_pos = positions[:, None] - past + torch.arange(past + new, device=hidden.device)  # [B, past + n]
+        relative = query_pos[:, :, None] - key_pos[:, None, :]
+        mask = ((relative >= 0) & (relative < self.window) & (key_pos[:, None, :] >= 0))[:, None]  # [B, 1, n, past+n]
+        for layer in model.layers:
+            attn = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            q = attn.q_proj(normed).view(rows, new, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(normed).view(rows, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(normed).view(rows, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys = torch.cat([walk.take(k.transpose(2, 3), past).transpose(2, 3), k], dim=2)
+            values = torch.cat([walk.take(v.transpose(2, 3), past).transpose(2, 3), v], dim=2)
+            walk.keep(keys[:, :, -past:].transpose(2, 3))
+            walk.keep(values[:, :, -past:].transpose(2, 3))
+            groups = self.heads // self.kv_heads
+            if groups > 1:
+                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+            out = attn.o_proj(out.transpose(1, 2).reshape(rows, new, -1))
+            hidden = hidden + layer.self_attn_layer_scale(out)
+            hidden = hidden + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(hidden)))
+        return model.norm(hidden)
+
+    # ---- convolutions ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _causal_conv(op: Qwen3OmniMoeCausalConvNet, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+        """Stride-1 causal convolution: the carried input samples replace the one-shot's left zero padding."""
+        if op.stride != 1:
+            raise ValueError("streaming needs stride-1 causal convolutions")
+        if op.padding == 0:
+            return op.conv(x)
+        padded = torch.cat([walk.take(x, op.padding), x], dim=-1)
+        walk.keep(padded[..., -op.padding :])
+        return op.conv(padded)
+
+    @staticmethod
+    def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:
+        """Transposed convolution: the previous call's overlap tail is added to this call's head; the new tail (the
+        outputs that still need the next input) is carried. A stream's first call drops `left_pad` samples, as the
+        one-shot decode trims them."""
+        stride = op.conv.stride[0]
+        overlap = op.conv.kernel_size[0] - stride
+        if overlap == 0:
+            return op(x)
+        full = F.conv_transpose1d(x, op.conv.weight, None, stride=stride)  # [B, C, (n-1)*s + k], no bias yet
+        full = torch.cat([full[..., :overlap] + walk.take(full, overlap), full[..., overlap:]], dim=-1)
+        ready = x.shape[-1] * stride
+        walk.keep(full[..., ready:])
+        out = full[..., :ready] + op.conv.bias[:, None]
+        return out[..., op.left_pad :] if first else out
+
+    def _conv_next(self, block: Qwen3OmniMoeConvNeXtBlock, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+        h = self._causal_conv(block.dwconv, x, walk).permute(0, 2, 1)
+        h = block.gamma * block.pwconv2(block.act(block.pwconv1(block.norm(h))))
+        return x + h.permute(0, 2, 1)
+
+    def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+        h = self._causal_conv(unit.conv1, unit.act1(x), walk)
+        return x + self._causal_conv(unit.conv2, unit.act2(h), walk)
+
+    def _decoder_block(self, block: nn.Module, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:
+        if isinstance(block, Qwen3OmniMoeCausalConvNet):
+            return self._causal_conv(block, x, walk)
+        if isinstance(block, Qwen3OmniMoeCode2WavDecoderBlock):
+            for part in block.block:
+                x = self._decoder_block(part, x, walk, first)
+            return x
+        if isinstance(block, Qwen3OmniMoeCausalTransConvNet):
+            return self._trans_conv(block, x, walk, first)
+        if isinstance(block, Qwen3OmniMoeCode2WavDecoderResidualUnit):
+            return self._residual_unit(block, x, walk)
+        return block(x)  # SnakeBeta: elementwise
+
+
+def stack_states(states: list[State]) -> State:
+    """Per-stream states (rows of 1 or more) → one batched state."""
+    return [torch.cat(parts) for parts in zip(*states)]
+
+
+def split_state(state: State, rows: int) -> list[State]:
+    """A batched state → one state per row (views kept contiguous per row)."""
+    return [[tensor[row : row + 1].clone() for tensor in state] for row in range(rows)]
+
+
+def state_bytes(state: State) -> int:
+    return sum(t.numel() * t.element_size() for t in state)
+
+
+__all__: list[Any] = ["StatefulCode2Wav", "State", "stack_states", "split_state", "state_bytes"]

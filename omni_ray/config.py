@@ -58,6 +58,7 @@ class VocoderSettings(_Strict):
         description="carry each stream's attention and convolution state between chunks and decode only new frames "
         "(no left context: about 4x less work at a steady chunk of 8; exact against a one-shot decode)",
     )
+    max_streams: int = Field(default=256, ge=1, description="stateful: streams one replica holds state for at once")
 
 
 class TalkerSettings(EngineSettings):

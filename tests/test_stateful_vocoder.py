@@ -12,12 +12,12 @@ from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, step_shapes
 from omni_ray.vocoder.batching import BatchingStatefulCodec
-from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, split_state, stack_states
+from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
 
 
 @pytest.fixture(scope="module")
 def codec() -> Code2WavCodec:
-    return Code2WavCodec(_tiny_code2wav())
+    return Code2WavCodec(_tiny_code2wav(), max_streams=8)
 
 
 def _one_shot(codec: Code2WavCodec, codes: torch.Tensor) -> torch.Tensor:
@@ -41,20 +41,36 @@ def test_chunks_of_new_frames_equal_the_one_shot_decode_past_the_attention_windo
     assert whole.std() > 0.01  # the comparison is not between near-zero signals
 
 
-def test_streams_at_different_positions_batch_into_one_call(codec: Code2WavCodec) -> None:
-    stateful = StatefulCode2Wav(codec.module)
-    a, b = _codes(40, seed=1), _codes(40, seed=2)
-    # stream a has decoded 24 frames, stream b 8: then both take 8 more frames in one batched call
-    _, state_a = stateful.step(a[None, :, :24], torch.tensor([0]), None)
-    _, state_b = stateful.step(b[None, :, :8], torch.tensor([0]), None)
-    batched, state = stateful.step(torch.stack([a[:, 24:32], b[:, 8:16]]), torch.tensor([24, 8]),
-                                   stack_states([state_a, state_b]))
-    alone_a, _ = stateful.step(a[None, :, 24:32], torch.tensor([24]), state_a)
-    alone_b, _ = stateful.step(b[None, :, 8:16], torch.tensor([8]), state_b)
-    torch.testing.assert_close(batched, torch.cat([alone_a, alone_b]), rtol=0, atol=1e-6)
-    torch.testing.assert_close(batched[0], _one_shot(codec, a[:, :32])[24 * SPF - TRIM :], rtol=0, atol=1e-5)
-    rows = split_state(state, 2)
-    assert len(rows) == 2 and all(t.shape[0] == 1 for t in rows[0])
+def test_streams_at_different_positions_step_together_from_their_slots(codec: Code2WavCodec) -> None:
+    """Stream a has decoded 24 frames and stream b 8; then one batched call steps both by 8 frames, each from its
+    own state slot, and each gets its own one-shot samples. Padding rows (the batch of 2 runs as is; 3 rows pad to
+    4) write only the scratch slot."""
+    a, b, c = _codes(40, seed=1), _codes(40, seed=2), _codes(40, seed=3)
+    slot_a, slot_b, slot_c = codec.open_stream(), codec.open_stream(), codec.open_stream()
+    assert codec.states is not None and codec.states.in_use == 3
+    try:
+        codec.step_batch(a[None, :, :24], torch.tensor([0]), torch.tensor([slot_a]), True)
+        codec.step_batch(torch.stack([b[:, :8], c[:, :8]]), torch.tensor([0, 0]), torch.tensor([slot_b, slot_c]), True)
+        both = codec.step_batch(torch.stack([a[:, 24:32], b[:, 8:16], c[:, 8:16]]), torch.tensor([24, 8, 8]),
+                                torch.tensor([slot_a, slot_b, slot_c]), False)
+        for row, (codes, start) in enumerate(((a, 24), (b, 8), (c, 8))):
+            expected = _one_shot(codec, codes[:, : start + 8])[start * SPF - TRIM :]
+            torch.testing.assert_close(both[row], expected, rtol=0, atol=1e-5)
+    finally:
+        for slot in (slot_a, slot_b, slot_c):
+            codec.close_stream(slot)
+    assert codec.states.in_use == 0
+    with pytest.raises(ValueError, match="not in use"):
+        codec.close_stream(slot_a)
+
+
+def test_a_full_state_store_refuses_a_stream_with_a_clear_error() -> None:
+    small = Code2WavCodec(_tiny_code2wav(), max_streams=1)
+    slot = small.open_stream()
+    with pytest.raises(RuntimeError, match="max_streams"):
+        small.open_stream()
+    small.close_stream(slot)
+    assert small.open_stream() == slot
 
 
 def test_streaming_decoder_over_the_batching_worker_equals_one_shot_for_concurrent_streams(codec: Code2WavCodec) -> None:
@@ -73,7 +89,7 @@ def test_streaming_decoder_over_the_batching_worker_equals_one_shot_for_concurre
                 break
             chunks += decoder.push(codes[:, sent : sent + piece])
             sent += piece
-        last = decoder.finish()
+        last = decoder.finish()  # frees the stream's slot
         chunks += [last] if last is not None else []
         assert decoder.samples_emitted == lengths[index] * SPF - TRIM
         return torch.cat(chunks)
@@ -84,6 +100,18 @@ def test_streaming_decoder_over_the_batching_worker_equals_one_shot_for_concurre
         whole = _one_shot(codec, _codes(lengths[index], seed=10 + index))
         torch.testing.assert_close(streamed, whole, rtol=0, atol=1e-5)
     assert worker.worker.batches < worker.worker.windows  # some steps of different streams ran together
+    assert codec.states is not None and codec.states.in_use == 0
+
+
+def test_closing_an_unfinished_stream_frees_its_slot(codec: Code2WavCodec) -> None:
+    decoder = StatefulStreamingDecoder(BatchingStatefulCodec(codec), ChunkSchedule((1, 2, 4), 8, 25))
+    assert codec.states is not None and codec.states.in_use == 1
+    assert len(decoder.push(_codes(5))) == 2  # chunks of 1 and 2 frames; 2 frames wait for a chunk of 4
+    decoder.close()
+    decoder.close()
+    assert codec.states.in_use == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        decoder.push(_codes(4))
 
 
 def test_step_shapes_cover_the_schedule() -> None:

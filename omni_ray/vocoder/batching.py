@@ -10,7 +10,6 @@ from typing import Callable, Generic, Hashable, Protocol, TypeVar
 
 import torch
 
-from omni_ray.vocoder.code2wav_state import State, split_state, stack_states
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +29,17 @@ class BatchDecoder(Protocol):
 
 
 class StatefulBatchDecoder(Protocol):
-    """A causal codec that carries per-stream state: [B, Q, n] new frames → ([B, L] samples, the batch's state)."""
+    """A causal codec that keeps each open stream's state in a slot: [B, Q, n] new frames of the streams in
+    `slots` → [B, L] samples."""
 
     num_quantizers: int
     samples_per_frame: int
     sample_rate: int
     trim: int
 
-    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]: ...
+    def open_stream(self) -> int: ...
+    def close_stream(self, slot: int) -> None: ...
+    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: bool) -> torch.Tensor: ...
 
 
 @dataclass
@@ -133,27 +135,32 @@ class BatchingCodec(_CodecInfo):
         return self.worker.submit(codes)
 
 
-StepCall = tuple[torch.Tensor, int, State | None]  # ([Q, n] codes, frames decoded before, state or None at first)
+StepCall = tuple[torch.Tensor, int, int, bool]  # ([Q, n] codes, frames decoded before, state slot, first call)
 
 
 class BatchingStatefulCodec(_CodecInfo):
-    """The stateful `step` over a `StatefulBatchDecoder`: steps with the same number of new frames (and both first
-    calls, or both later ones) from different streams run as one call, their states stacked."""
+    """The `StatefulCodec` protocol over a `StatefulBatchDecoder`: steps with the same number of new frames (and
+    all first calls, or all later ones) from different streams run as one call."""
 
     def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64) -> None:
         super().__init__(decoder, max_batch)
-        self.worker: BatchWorker[StepCall, tuple[torch.Tensor, State]] = BatchWorker(
-            lambda calls: self._run(decoder, calls), key=lambda call: (int(call[0].shape[1]), call[2] is None),
-            frames=lambda call: int(call[0].shape[1]), max_batch=max_batch,
+        self.decoder = decoder
+        self.worker: BatchWorker[StepCall, torch.Tensor] = BatchWorker(
+            self._run, key=lambda call: (int(call[0].shape[1]), call[3]), frames=lambda call: int(call[0].shape[1]),
+            max_batch=max_batch,
         )
 
-    def step(self, codes: torch.Tensor, position: int, state: State | None) -> tuple[torch.Tensor, State]:
-        return self.worker.submit((codes, position, state))
+    def open_stream(self) -> int:
+        return self.decoder.open_stream()
 
-    @staticmethod
-    def _run(decoder: StatefulBatchDecoder, calls: list[StepCall]) -> list[tuple[torch.Tensor, State]]:
-        codes = torch.stack([codes for codes, _, _ in calls])
-        positions = torch.tensor([position for _, position, _ in calls], dtype=torch.long)
-        first = calls[0][2] is None
-        samples, state = decoder.step_batch(codes, positions, None if first else stack_states([s for _, _, s in calls]))  # type: ignore[misc]
-        return list(zip(samples, split_state(state, len(calls))))
+    def close_stream(self, slot: int) -> None:
+        self.decoder.close_stream(slot)
+
+    def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor:
+        return self.worker.submit((codes, position, slot, first))
+
+    def _run(self, calls: list[StepCall]) -> list[torch.Tensor]:
+        codes = torch.stack([call[0] for call in calls])
+        positions = torch.tensor([call[1] for call in calls], dtype=torch.long)
+        slots = torch.tensor([call[2] for call in calls], dtype=torch.long)
+        return list(self.decoder.step_batch(codes, positions, slots, calls[0][3]))

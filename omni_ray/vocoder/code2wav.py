@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_pow2
-from omni_ray.vocoder.code2wav_state import State, StatefulCode2Wav
+from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, StateStore
 from omni_ray.vocoder.streaming import measure_trim
 
 __all__ = ["Code2WavCodec"]
@@ -23,7 +23,7 @@ class Code2WavCodec:
     Output is float32 on CPU. ``trim`` (555 samples for the released geometry) is measured once, not hard-coded.
     """
 
-    def __init__(self, module: nn.Module, sample_rate: int = 24000, cuda_graphs: bool = True) -> None:
+    def __init__(self, module: nn.Module, sample_rate: int = 24000, cuda_graphs: bool = True, max_streams: int = 0) -> None:
         self.module = module
         self.num_quantizers: int = int(module.config.num_quantizers)
         self.samples_per_frame: int = int(module.total_upsample)
@@ -32,6 +32,7 @@ class Code2WavCodec:
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.trim: int = measure_trim(self)
         self.stateful = StatefulCode2Wav(module)
+        self.states = self._state_store(max_streams) if max_streams > 0 else None  # for the stateful path
 
     @property
     def device(self) -> torch.device:
@@ -56,25 +57,42 @@ class Code2WavCodec:
             wav = out["wav"][:count].reshape(count, -1).to(device="cpu", dtype=torch.float32)
         return wav
 
-    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
-        """Stateful decode of ``[B, num_quantizers, n]`` new frames per stream: ``[B, n*spf]`` float32 CPU samples
-        (``n*spf - trim`` on streams' first calls, where `state` is None) and the state to carry (on the device).
-        Rows are padded to a bucket (zero state); each (rows, n, first call) shape replays one CUDA graph."""
+    def open_stream(self) -> int:
+        """A state slot for a new stateful stream (`max_streams` at most at once)."""
+        if self.states is None:
+            raise RuntimeError("this codec was built without stream state (max_streams=0)")
+        return self.states.allocate()
+
+    def close_stream(self, slot: int) -> None:
+        assert self.states is not None
+        self.states.release(slot)
+
+    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: bool) -> torch.Tensor:
+        """Stateful decode of ``[B, num_quantizers, n]`` new frames for the streams in `slots` (each at
+        `positions[b]` frames decoded so far; `first`: every row's first call) → ``[B, n*spf]`` float32 CPU samples
+        (``n*spf - trim`` on first calls). Rows are padded to a bucket with the scratch slot; each (rows, n, first)
+        replays one CUDA graph that gathers the rows' state, decodes and scatters the new state back."""
+        assert self.states is not None
         count, rows = codes.shape[0], bucket_pow2(codes.shape[0])
-        first = state is None
-        inputs = {"codes": _pad_rows(codes.to(self.device, non_blocking=True), rows),
-                  "positions": _pad_rows(positions.to(self.device, non_blocking=True), rows)}
-        if state is not None:
-            inputs.update({f"s{i}": _pad_rows(t, rows) for i, t in enumerate(state)})
+        scratch = self.states.scratch_slot
+        key = ("step", rows, codes.shape[-1], first)
+        fn = lambda **inputs: self._step_forward(first=first, **inputs)  # noqa: E731
+
+        def padded(codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"codes": _pad_rows(codes, rows).to(self.device, non_blocking=True),
+                    "positions": _pad_rows(positions, rows).to(self.device, non_blocking=True),
+                    "slots": torch.cat([slots, slots.new_full((rows - count,), scratch)]).to(self.device, non_blocking=True)}
+
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            out = self.graphs.run(("step", rows, codes.shape[-1], first), self._step_forward, inputs)
-            wav = out["wav"][:count].to(device="cpu", dtype=torch.float32)
-            carried = [out[f"s{i}"][:count].clone() for i in range(len(out) - 1)]
-        return wav, carried
+            # the step updates state in place: capture it on scratch rows, never on the real ones
+            self.graphs.prepare(key, fn, padded(torch.zeros_like(codes), torch.zeros_like(positions),
+                                                torch.full_like(slots, scratch)))
+            out = self.graphs.run(key, fn, padded(codes, positions, slots))
+            return out["wav"][:count].to(device="cpu", dtype=torch.float32)
 
     def warmup(self, window_lengths: list[int], max_rows: int, step_shapes: Sequence[tuple[int, bool]] = ()) -> None:
         """Capture every (batch bucket, window length) graph before serving, and every stateful (new frames, first
-        call) shape in `step_shapes`. No-op without CUDA graphs."""
+        call) shape in `step_shapes` (on the scratch slot). No-op without CUDA graphs."""
         if not self.graphs.enabled:
             return
         for length in window_lengths:
@@ -82,18 +100,26 @@ class Code2WavCodec:
                 self.decode_batch(torch.zeros(rows, self.num_quantizers, length, dtype=torch.long))
         for size, first in step_shapes:
             for rows in all_buckets(max_rows):
-                codes = torch.zeros(rows, self.num_quantizers, size, dtype=torch.long)
-                positions = torch.zeros(rows, dtype=torch.long)
-                state = None if first else self.step_batch(codes[..., :1], positions, None)[1]
-                self.step_batch(codes, positions + (0 if first else 1), state)
+                assert self.states is not None
+                slots = torch.full((rows,), self.states.scratch_slot, dtype=torch.long)
+                self.step_batch(torch.zeros(rows, self.num_quantizers, size, dtype=torch.long),
+                                torch.zeros(rows, dtype=torch.long), slots, first)
 
     def _forward(self, codes: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"wav": self.module(codes)}
 
-    def _step_forward(self, codes: torch.Tensor, positions: torch.Tensor, **state: torch.Tensor) -> dict[str, torch.Tensor]:
-        carried = [state[f"s{i}"] for i in range(len(state))] if state else None
-        wav, new_state = self.stateful.step(codes, positions, carried)
-        return {"wav": wav, **{f"s{i}": t for i, t in enumerate(new_state)}}
+    def _step_forward(self, codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: bool) -> dict[str, torch.Tensor]:
+        assert self.states is not None
+        wav, state = self.stateful.step(codes, positions, None if first else self.states.gather(slots))
+        self.states.scatter(slots, state)
+        return {"wav": wav}
+
+    def _state_store(self, capacity: int) -> StateStore:
+        """Buffers shaped after one stream's state (learnt from a one-frame step)."""
+        codes = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=self.device)
+        _, state = self.stateful.step(codes, torch.zeros(1, dtype=torch.long, device=self.device), None)
+        dtype = next(self.module.parameters()).dtype
+        return StateStore([tuple(t.shape[1:]) for t in state], dtype, self.device, capacity)
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

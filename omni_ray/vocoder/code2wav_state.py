@@ -12,6 +12,7 @@ The module is transformers' `Qwen3OmniMoeCode2Wav`; its weights and submodules a
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -158,18 +159,43 @@ class StatefulCode2Wav:
         return block(x)  # SnakeBeta: elementwise
 
 
-def stack_states(states: list[State]) -> State:
-    """Per-stream states (rows of 1 or more) → one batched state."""
-    return [torch.cat(parts) for parts in zip(*states)]
+class StateStore:
+    """Every open stream's state in preallocated device buffers, one row (slot) per stream, so that a batched step
+    gathers its rows' state and scatters the new state back inside the step (one CUDA graph, no per-stream copies).
+    The last row is a scratch slot for padding rows."""
+
+    def __init__(self, row_shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffers = [torch.zeros(capacity + 1, *shape, dtype=dtype, device=device) for shape in row_shapes]
+        self.scratch_slot = capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def allocate(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"the vocoder holds {self.capacity} streams already (streaming.max_streams)")
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._free or not 0 <= slot < self.capacity:
+                raise ValueError(f"slot {slot} is not in use")
+            self._free.append(slot)
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def gather(self, slots: torch.Tensor) -> State:
+        return [buffer[slots] for buffer in self.buffers]
+
+    def scatter(self, slots: torch.Tensor, state: State) -> None:
+        for buffer, rows in zip(self.buffers, state):
+            buffer.index_copy_(0, slots, rows.to(buffer.dtype))
+
+    def bytes_per_stream(self) -> int:
+        return sum(b[0].numel() * b.element_size() for b in self.buffers)
 
 
-def split_state(state: State, rows: int) -> list[State]:
-    """A batched state → one state per row (views kept contiguous per row)."""
-    return [[tensor[row : row + 1].clone() for tensor in state] for row in range(rows)]
-
-
-def state_bytes(state: State) -> int:
-    return sum(t.numel() * t.element_size() for t in state)
-
-
-__all__: list[Any] = ["StatefulCode2Wav", "State", "stack_states", "split_state", "state_bytes"]
+__all__: list[Any] = ["State", "StateStore", "StatefulCode2Wav"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -247,15 +248,17 @@ class StreamingDecoder:
 
 @runtime_checkable
 class StatefulCodec(Protocol):
-    """A causal decoder that carries each stream's state between calls, so a call decodes only its new frames:
-    ``step(codes [Q, n], position, state)`` → (1-D samples, state); `state` is None on a stream's first call,
-    which yields ``n * samples_per_frame - trim`` samples, every later call ``n * samples_per_frame``."""
+    """A causal decoder that keeps each open stream's state (in a slot) between calls, so that a call decodes only
+    its new frames: ``step(codes [Q, n], position, slot, first)`` → 1-D samples; a stream's first call yields
+    ``n * samples_per_frame - trim`` samples, every later call ``n * samples_per_frame``."""
 
     num_quantizers: int
     samples_per_frame: int
     trim: int
 
-    def step(self, codes: torch.Tensor, position: int, state: Any) -> tuple[torch.Tensor, Any]: ...
+    def open_stream(self) -> int: ...
+    def close_stream(self, slot: int) -> None: ...
+    def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor: ...
 
 
 class StatefulStreamingDecoder:
@@ -263,7 +266,8 @@ class StatefulStreamingDecoder:
     its new frames (no left context). Emitted chunks are final samples; after ``finish()`` they total
     ``N * spf - trim``, a one-shot decode of the N frames. The last partial chunk is padded with zero frames to
     its scheduled size (one decode shape per schedule step) and its output cut: the codec is causal, so frames
-    after the real ones change nothing before them."""
+    after the real ones change nothing before them. The stream holds a codec state slot until ``close()`` (which
+    ``finish()`` calls)."""
 
     def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None) -> None:
         self.codec = codec
@@ -272,7 +276,8 @@ class StatefulStreamingDecoder:
         self._spf = int(codec.samples_per_frame)
         self._trim = int(codec.trim)
         self._pending = torch.zeros(self._q, 0, dtype=torch.long)
-        self._state: Any = None
+        self._slot: int | None = codec.open_stream()
+        self._lock = threading.Lock()  # a close() from another thread waits for a step in flight
         self._received = 0
         self._decoded = 0
         self._emitted = 0
@@ -302,21 +307,37 @@ class StatefulStreamingDecoder:
         return chunks
 
     def finish(self) -> torch.Tensor | None:
-        """Decode the remaining (partial-chunk) frames and end the stream; None if nothing is left."""
+        """Decode the remaining (partial-chunk) frames, end the stream and free its slot; None if nothing is left."""
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
-        if self._pending.shape[1] == 0:
-            return None
-        return self._decode_next(self.schedule.chunk_size(self._chunk_index))
+        try:
+            if self._pending.shape[1] == 0:
+                return None
+            return self._decode_next(self.schedule.chunk_size(self._chunk_index))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Free the codec state slot (idempotent; an aborted stream calls it without finishing)."""
+        with self._lock:
+            if self._slot is not None:
+                self.codec.close_stream(self._slot)
+                self._slot = None
 
     def _decode_next(self, size: int) -> torch.Tensor:
+        with self._lock:
+            return self._decode_locked(size)
+
+    def _decode_locked(self, size: int) -> torch.Tensor:
+        if self._slot is None:
+            raise RuntimeError("the stream is closed")
         real = min(size, int(self._pending.shape[1]))
         codes = self._pending[:, :size]
         if real < size:  # the stream's last, partial chunk
             codes = torch.cat([codes, codes.new_zeros(self._q, size - real)], dim=1)
-        first = self._state is None
-        wav, self._state = self.codec.step(codes, self._decoded, self._state)
+        first = self._decoded == 0
+        wav = self.codec.step(codes, self._decoded, self._slot, first)
         keep = real * self._spf - (self._trim if first else 0)
         chunk = wav.reshape(-1)[: max(keep, 0)].to(torch.float32)
         self._pending = self._pending[:, real:]

@@ -319,7 +319,8 @@ class VocoderStage(StageBase):
         res, streaming = stage.resources, stage.streaming
         module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
-        codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs)
+        codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
+                              max_streams=streaming.max_streams if streaming.stateful else 0)
         self.codec: BatchingCodec | BatchingStatefulCodec
         if streaming.stateful:
             codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
@@ -343,11 +344,10 @@ class VocoderStage(StageBase):
         received: list[torch.Tensor] = []
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
         self.endpoint.claim(request_id, inbox.put_nowait)
-        decoder: StreamingDecoder | StatefulStreamingDecoder = (
-            StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
-            else StreamingDecoder(self.codec, self.schedule)
-        )
+        decoder: StreamingDecoder | StatefulStreamingDecoder | None = None
         try:
+            decoder = (StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
+                       else StreamingDecoder(self.codec, self.schedule))
             yield [await self.ready_event()]
             while True:
                 item = await inbox.get()
@@ -378,6 +378,8 @@ class VocoderStage(StageBase):
                 }]
                 return
         finally:
+            if isinstance(decoder, StatefulStreamingDecoder):
+                decoder.close()  # an aborted stream frees its state slot (waits for a step in flight)
             self.endpoint.release(request_id)
             self._streams.pop(request_id, None)
 

@@ -1,0 +1,79 @@
+"""The vocoder's cost per Talker step: S streams each receive one frame per tick (as from a batched Talker step) and
+stream audio on the chunk schedule; the window decoder (left context re-decoded) against the stateful one.
+Full-size Code2Wav with random weights, or any config's."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
+from omni_ray.models.qwen3_omni.codecs import load_code2wav
+from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
+from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
+from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
+
+
+def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,
+                device: str) -> dict[str, Any]:
+    """`ticks` Talker steps: every stream pushes one frame per step, all streams at once; the step waits for the
+    chunks it completes (as the vocoder stage's streams do)."""
+    decoders = [StatefulStreamingDecoder(codec, schedule) if isinstance(codec, BatchingStatefulCodec)
+                else StreamingDecoder(codec, schedule) for _ in range(streams)]
+    codes = torch.randint(0, 2048, (streams, codec.num_quantizers, ticks), generator=torch.Generator().manual_seed(0))
+    worker = codec.worker
+    busy, frames, samples = worker.busy_s, worker.frames, 0
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        start = time.perf_counter()
+        for tick in range(ticks):
+            chunks = list(pool.map(lambda s: decoders[s].push(codes[s, :, tick : tick + 1]), range(streams)))
+            samples += sum(int(c.numel()) for per_stream in chunks for c in per_stream)
+        torch.cuda.synchronize() if device.startswith("cuda") else None
+        wall = time.perf_counter() - start
+    row = {"streams": streams, "ticks": ticks, "wall_ms_per_tick": 1000 * wall / ticks,
+           "busy_ms_per_tick": 1000 * (worker.busy_s - busy) / ticks, "frames_decoded_per_tick": (worker.frames - frames) / ticks,
+           "audio_s": samples / codec.sample_rate}
+    for decoder in decoders:
+        decoder.finish()  # not timed: frees the state slots
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.vocoder_bench", description=__doc__)
+    parser.add_argument("--config", default=str(FULL_CONFIG))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--ticks", type=int, default=80, help="Talker steps (frames per stream)")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    config = Qwen3OmniMoeConfig.from_json_file(args.config)
+    streams = [int(s) for s in args.streams.split(",")]
+    schedule = ChunkSchedule((1, 2, 4), 8, 25)
+    module = load_code2wav(None, config, args.device, DTYPES[args.dtype])
+    codec = Code2WavCodec(module, cuda_graphs=not args.no_graphs, max_streams=max(streams))
+    codec.warmup(decode_window_lengths(schedule), max(streams), step_shapes(schedule))
+    rows = []
+    for mode, batching in (("window", BatchingCodec(codec, 64)), ("stateful", BatchingStatefulCodec(codec, 64))):
+        for count in streams:
+            rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device)})
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    meta = run_meta("benchmarks.vocoder_bench", argv, gpu=gpu, dtype=args.dtype, schedule="ramp 1,2,4; steady 8; left context 25")
+    lines = [f"# Vocoder cost per Talker step ({gpu}, {meta['date']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {args.dtype}, {meta['schedule']}", "",
+             "| decoder | streams | wall per step (ms) | decode busy per step (ms) | frames decoded per step |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['streams']} | {r['wall_ms_per_tick']:.2f} | {r['busy_ms_per_tick']:.2f} | "
+              f"{r['frames_decoded_per_tick']:.1f} |" for r in rows]
+    write_results(args.out, "vocoder_steps", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -69,7 +69,7 @@ class TalkerSettings(EngineSettings):
     frame_budget_base: int = Field(default=25, ge=0)
 
 
-RelayMode = Literal["auto", "host", "collective"]
+RelayMode = Literal["auto", "ipc", "host", "collective"]
 
 
 class StageConfig(_Strict):
@@ -77,7 +77,8 @@ class StageConfig(_Strict):
     relay: RelayMode = Field(
         default="auto",
         description="how this stage sends to the next one: auto (pairwise NCCL between different GPUs, else the "
-        "host path), host (TCP), collective (pairwise NCCL / gloo)",
+        "host path), ipc (as auto, plus CUDA IPC between processes on one GPU), host (TCP), collective (pairwise "
+        "NCCL / gloo)",
     )
 
 

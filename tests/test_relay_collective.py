@@ -40,7 +40,7 @@ def test_pack_and_unpack_round_trip_bitwise() -> None:
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
 
 
-def test_placement_picks_collective_only_between_different_gpus_unless_told() -> None:
+def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_when_asked_else_host() -> None:
     peer_gpu1 = RelayPeer("c", "tcp://127.0.0.1:1", "cuda:0", "GPU-1")
     peer_gpu0 = RelayPeer("d", "tcp://127.0.0.1:1", "cuda:0", "GPU-0")
     auto = PlacementTransport("cpu", "auto")
@@ -54,6 +54,13 @@ def test_placement_picks_collective_only_between_different_gpus_unless_told() ->
     host = PlacementTransport("cpu", "host")
     host.gpu_uuid = "GPU-0"
     assert host.select(peer_gpu1) is host.tcp
+    ipc = PlacementTransport("cpu", "ipc")
+    assert ipc.ipc is None and ipc.select(peer_gpu0) is ipc.tcp  # no CUDA here: no IPC transport
+    ipc.gpu_uuid, ipc.ipc = "GPU-0", object()  # as a producer on GPU-0 would be set up
+    assert ipc.select(peer_gpu0) is ipc.ipc and not ipc.needs_host_tensors(peer_gpu0)  # one GPU: CUDA IPC
+    assert ipc.select(peer_gpu1) is ipc.collective  # another GPU: NCCL, as auto
+    assert ipc.select(RelayPeer("e", "tcp://127.0.0.1:1")) is ipc.tcp
+    assert auto.ipc is None  # auto leaves one-GPU pairs on the host path until IPC is measured
     LOCAL_ENDPOINTS["here"] = RelayEndpoint()
     try:
         assert forced.select(RelayPeer("here", "tcp://127.0.0.1:1")) is forced.local  # same process wins

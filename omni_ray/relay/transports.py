@@ -1,4 +1,5 @@
-"""Transport selection by placement: in-process hand-off, pairwise collectives between GPUs, else the host path."""
+"""Transport selection by placement: in-process hand-off, CUDA IPC on one GPU, pairwise collectives between GPUs,
+else the host path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from omni_ray.config import RelayMode
 from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
 from omni_ray.relay.collective import CollectiveTransport
+from omni_ray.relay.ipc import IpcTransport
 from omni_ray.relay.tcp import TcpTransport
 
 # Endpoints of replicas living in this process, by replica id: peers found here get a direct hand-off.
@@ -36,7 +38,8 @@ def gpu_uuid(device: torch.device) -> str:
 class PlacementTransport:
     """Picks the transport per peer. Same process → direct hand-off. Otherwise by `mode`: `host` → the TCP host
     path; `collective` → a pairwise group (NCCL on GPUs, gloo on CPUs); `auto` → collective when both replicas are
-    on different GPUs, the host path otherwise (CPU, or two processes sharing one GPU)."""
+    on different GPUs, the host path otherwise (CPU, or two processes sharing one GPU); `ipc` → as `auto`, but two
+    processes on one GPU share the step's buffer through CUDA IPC (opt-in until measured on a GPU)."""
 
     def __init__(self, device: torch.device | str = "cpu", mode: RelayMode = "auto") -> None:
         self.device = torch.device(device)
@@ -45,6 +48,7 @@ class PlacementTransport:
         self.local = LocalTransport()
         self.tcp = TcpTransport(on_lost=self._lost)
         self.collective = CollectiveTransport(self.device, control=self.tcp)
+        self.ipc = IpcTransport(self.device, control=self.tcp) if self.device.type == "cuda" and mode == "ipc" else None
         self.on_peer_lost: Callable[[RelayPeer, Exception], None] | None = None  # set by the RelaySender
 
     def select(self, peer: RelayPeer) -> Transport:
@@ -52,8 +56,11 @@ class PlacementTransport:
             return self.local
         if self.mode == "collective":
             return self.collective
-        if self.mode == "auto" and self.gpu_uuid and peer.gpu_uuid and peer.gpu_uuid != self.gpu_uuid:
-            return self.collective
+        if self.mode in ("auto", "ipc") and self.gpu_uuid and peer.gpu_uuid:
+            if peer.gpu_uuid != self.gpu_uuid:
+                return self.collective
+            if self.ipc is not None:
+                return self.ipc
         return self.tcp
 
     def needs_host_tensors(self, peer: RelayPeer) -> bool:
@@ -72,3 +79,5 @@ class PlacementTransport:
 
     def close(self) -> None:
         self.collective.close()
+        if self.ipc is not None:
+            self.ipc.close()

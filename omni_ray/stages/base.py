@@ -11,6 +11,7 @@ import torch
 
 from omni_ray.relay import LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender, RelayServer
 from omni_ray.relay.collective import CollectiveReceiver
+from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.tcp import node_ip
 from omni_ray.relay.transports import RelayMode, gpu_uuid
 
@@ -28,6 +29,7 @@ class StageBase:
         self.relay_mode: RelayMode = relay_mode
         self.endpoint = RelayEndpoint()
         self._receiver: CollectiveReceiver | None = None
+        self._ipc_receiver: IpcReceiver | None = None
         self._server: RelayServer | None = None
         self._peer_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
@@ -70,6 +72,8 @@ class StageBase:
                 self._server = RelayServer(self.endpoint)
                 address = await self._server.start(node_ip())
                 self._receiver = CollectiveReceiver(self.endpoint, self.device)
+                if self.device.type == "cuda":  # producers on this GPU may share buffers through CUDA IPC
+                    self._ipc_receiver = IpcReceiver(self.endpoint, self.device)
                 LOCAL_ENDPOINTS[self.replica_id] = self.endpoint
                 self._self_peer = RelayPeer(self.replica_id, address, str(self.device), gpu_uuid(self.device))
         return self._self_peer
@@ -150,6 +154,8 @@ class StageBase:
                 self._sender.transport.close()
             if self._receiver is not None:
                 self._receiver.close()
+            if self._ipc_receiver is not None:
+                self._ipc_receiver.close()
         except Exception:  # interpreter shutdown: nothing left to release
             pass
 
@@ -160,6 +166,8 @@ class StageBase:
             "collective_pairs": len(transport.collective.pairs) if transport is not None else 0,
             "collective_pairs_in": len(self._receiver.pairs) if self._receiver is not None else 0,
             "host_connections": len(transport.tcp.connections) if transport is not None else 0,
+            "ipc_shared": transport.ipc.shared if transport is not None and transport.ipc is not None else 0,
+            "ipc_received": self._ipc_receiver.received if self._ipc_receiver is not None else 0,
         }
 
     def relay_step(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:

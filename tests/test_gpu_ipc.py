@@ -1,0 +1,105 @@
+"""One GPU, two processes: the CUDA IPC relay delivers every step's tensors bitwise and in order, on the consumer's
+device, and the 1-GPU pipeline with every edge on CUDA IPC gives the CPU pipeline's tokens and codes. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from omni_ray.relay import PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender
+from omni_ray.relay.collective import CollectiveReceiver
+from omni_ray.relay.ipc import IpcReceiver
+from omni_ray.relay.tcp import RelayServer
+from omni_ray.relay.transports import gpu_uuid
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _payload(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return {"hidden": torch.randn(37, 2048, device="cuda", generator=g).to(torch.bfloat16),
+            "ids": torch.arange(step, step + 11, device="cuda"), "flag": torch.tensor([step % 2 == 0], device="cuda")}
+
+
+def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_cluster: str) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0.1, num_gpus=0.4)
+    class Consumer:
+        async def peer(self) -> RelayPeer:
+            self.endpoint = RelayEndpoint()
+            self.server = RelayServer(self.endpoint)
+            self.collective = CollectiveReceiver(self.endpoint, "cuda")
+            self.ipc = IpcReceiver(self.endpoint, "cuda")
+            self.got: list[RelayItem] = []
+            self.endpoint.claim("r", self.got.append)
+            return RelayPeer("consumer", await self.server.start("127.0.0.1"), "cuda", gpu_uuid(torch.device("cuda")))
+
+        async def received(self) -> list[dict[str, Any]]:
+            return [{"kind": i.kind, "devices": {k: t.device.type for k, t in i.tensors.items()},
+                     **{k: t.cpu() for k, t in i.tensors.items()}} for i in self.got]
+
+        async def ipc_count(self) -> int:
+            return self.ipc.received
+
+    @ray.remote(num_cpus=0.1, num_gpus=0.4)
+    class Producer:
+        async def send_all(self, peer: RelayPeer, steps: int) -> list[str]:
+            transport = PlacementTransport("cuda", "ipc")
+            assert transport.select(peer) is transport.ipc
+            failures: list[str] = []
+            sender = RelaySender("producer", transport, lambda ids, exc: failures.append(str(exc)))
+            for step in range(steps):
+                sender.send(peer, [RelayItem("r", tensors=_payload(step))])
+                await asyncio.sleep(0)
+            sender.send(peer, [RelayItem("r", kind="end")])
+            await asyncio.sleep(2)
+            return failures
+
+    consumer, producer = Consumer.remote(), Producer.remote()
+    peer = ray.get(consumer.peer.remote())
+    assert not ray.get(producer.send_all.remote(peer, 20))
+    deadline = time.monotonic() + 30
+    while len(ray.get(consumer.received.remote())) < 21:
+        assert time.monotonic() < deadline, "the IPC relay did not deliver"
+        time.sleep(0.05)
+    got = ray.get(consumer.received.remote())
+    assert ray.get(consumer.ipc_count.remote()) == 21
+    for step, item in enumerate(got[:20]):
+        expected = {k: t.cpu() for k, t in _payload(step).items()}
+        assert item["devices"] == {"hidden": "cuda", "ids": "cuda", "flag": "cuda"}
+        for key, tensor in expected.items():
+            assert item[key].dtype == tensor.dtype and torch.equal(item[key], tensor)
+    assert got[20]["kind"] == "end"
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+def test_one_gpu_pipeline_over_cuda_ipc_matches_the_cpu(pipeline: Any) -> None:
+    import ray
+    from _reference import run_pipeline
+
+    from omni_ray.config import PipelineConfig
+    from omni_ray.pipeline import Pipeline
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = {"device": "cuda", "dtype": "float32", "num_cpus": 0.2, "num_gpus": 0.2}
+    config = PipelineConfig.model_validate({"stages": {
+        name: {"resources": cuda, "relay": "ipc"} for name in ("encoder", "thinker", "talker", "vocoder")}})
+    one_gpu = Pipeline(config)
+    try:
+        messages = [{"role": "user", "content": "Say something about the sea."}]
+        on_cpu = asyncio.run(run_pipeline(pipeline, messages, max_tokens=32, max_frames=24))
+        over_ipc = asyncio.run(run_pipeline(one_gpu, messages, max_tokens=32, max_frames=24))
+        thinker = ray.get(one_gpu.actors["thinker"].relay_stats.remote())
+        talker = ray.get(one_gpu.actors["talker"].relay_stats.remote())
+    finally:
+        one_gpu.shutdown()
+    assert thinker["ipc_shared"] > 0 and talker["ipc_received"] > 0  # Thinker → Talker went over CUDA IPC
+    assert over_ipc.token_ids == on_cpu.token_ids
+    assert torch.equal(over_ipc.codes, on_cpu.codes)

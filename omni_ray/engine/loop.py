@@ -9,6 +9,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
+from omni_ray.engine.profiling import StepProfiler
+
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +59,7 @@ class EngineLoop(Generic[S, O]):
         self.steps = 0
         self.max_batch_seen = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
+        self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
 
     def start(self) -> None:
         self._thread.start()
@@ -132,7 +135,8 @@ class EngineLoop(Generic[S, O]):
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()
             try:
-                outputs = self.runner.step(batch)
+                with self.profiler.step(len(batch)):
+                    outputs = self.runner.step(batch)
             except Exception as exc:
                 log.exception("%s step failed", self.name)
                 with self._cond:

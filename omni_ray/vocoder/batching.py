@@ -10,6 +10,7 @@ from typing import Callable, Generic, Hashable, Protocol, TypeVar
 
 import torch
 
+from omni_ray.engine.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class BatchWorker(Generic[Item, Result]):
         self.windows = 0
         self.frames = 0  # codec frames decoded (a window's left context included)
         self.busy_s = 0.0  # time spent in decode calls (with the GPU's results back on the host)
+        self.profiler = StepProfiler("vocoder")  # inert unless OMNI_RAY_PROFILE_DIR is set
         self._thread = threading.Thread(target=self._run, name="vocoder-batches", daemon=True)
         self._thread.start()
 
@@ -95,7 +97,9 @@ class BatchWorker(Generic[Item, Result]):
     def _run_calls(self, group: list[_Call[Item, Result]]) -> None:
         started = time.perf_counter()
         try:
-            for call, result in zip(group, self._run_group([call.item for call in group])):
+            with self.profiler.step(len(group)):
+                results = self._run_group([call.item for call in group])
+            for call, result in zip(group, results):
                 call.result = result
         except BaseException as exc:  # every waiting stream gets the error; the worker keeps serving
             log.exception("vocoder batch of %d calls failed", len(group))

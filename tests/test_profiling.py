@@ -1,0 +1,42 @@
+"""The in-service step profiler: inert by default; with a directory it skips the first steps at the qualifying
+batch size, records one window of steps and writes one report of where their time went (CPU here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omni_ray.engine.profiling import SKIP_STEPS, StepProfiler
+
+
+def _work() -> None:
+    a = torch.randn(64, 64)
+    for _ in range(3):
+        a = a @ a.T / 64
+
+
+def test_inert_without_a_directory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("OMNI_RAY_PROFILE_DIR", raising=False)
+    profiler = StepProfiler("thinker")
+    assert not profiler.active
+    for _ in range(30):
+        with profiler.step(8):
+            _work()
+    assert profiler.report_path is None
+
+
+def test_one_window_of_large_enough_steps_is_reported(tmp_path: Path) -> None:
+    profiler = StepProfiler("talker", directory=str(tmp_path), min_batch=4, steps=6)
+    for batch in [1, 2, 3] * 5:  # too small: never counted
+        with profiler.step(batch):
+            _work()
+    assert profiler.active and not list(tmp_path.iterdir())
+    for _ in range(SKIP_STEPS + 6 + 10):
+        with profiler.step(8):
+            _work()
+    reports = list(tmp_path.iterdir())
+    assert reports == [profiler.report_path] and not profiler.active  # one report, then nothing more
+    text = reports[0].read_text()
+    assert "talker: 6 steps in the service, mean batch 8.0" in text
+    assert "aten::mm" in text and "wall per step" in text

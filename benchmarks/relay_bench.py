@@ -1,5 +1,6 @@
-"""Relay latency and bandwidth between two processes: the pairwise-collective path (NCCL between GPUs) against the
-host path (TCP), payloads 4 KB to 16 MB, each delivery checked bitwise (SHA-256 of the bytes)."""
+"""Relay latency and bandwidth between two processes: the pairwise-collective path (NCCL between GPUs) or CUDA IPC
+(two processes on one GPU: `--consumer cuda:0 --modes ipc,host`) against the host path (TCP), payloads 4 KB to
+16 MB, each delivery checked bitwise (SHA-256 of the bytes)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,21 @@ import torch
 from omni_ray.bench import run_meta, write_results
 from omni_ray.relay import RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelayServer
 from omni_ray.relay.collective import CollectiveReceiver
+from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.transports import PlacementTransport, gpu_uuid
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-MODES = ("collective", "host")
 
 
 def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _request_ids(iterations: int) -> list[str]:
-    return [f"{mode}-{size}-{i}" for mode in MODES for size in SIZES for i in range(iterations)]
+def _request_ids(iterations: int, modes: list[str]) -> list[str]:
+    return [f"{mode}-{size}-{i}" for mode in modes for size in SIZES for i in range(iterations)]
 
 
-def consumer(device: str, iterations: int, conn: Any) -> None:
+def consumer(device: str, iterations: int, modes: list[str], conn: Any) -> None:
     """Receives every message, acks each at once, and returns the payload's digest on each size's first one."""
 
     async def main() -> None:
@@ -41,6 +42,8 @@ def consumer(device: str, iterations: int, conn: Any) -> None:
         endpoint = RelayEndpoint()
         server = RelayServer(endpoint)
         CollectiveReceiver(endpoint, dev, timeout_s=30)
+        if dev.type == "cuda":
+            IpcReceiver(endpoint, dev)
         conn.send(RelayPeer("consumer", await server.start("127.0.0.1"), str(dev), gpu_uuid(dev)))
 
         def on_item(item: RelayItem) -> None:
@@ -50,19 +53,19 @@ def consumer(device: str, iterations: int, conn: Any) -> None:
             check = digest(tensor) if item.request_id.endswith("-0") else None
             conn.send((item.request_id, tensor.device.type, check))
 
-        for rid in _request_ids(iterations):
+        for rid in _request_ids(iterations, modes):
             endpoint.claim(rid, on_item)
         await asyncio.Event().wait()
 
     asyncio.run(main())
 
 
-async def produce(device: str, peer: RelayPeer, iterations: int, conn: Any) -> list[dict[str, Any]]:
+async def produce(device: str, peer: RelayPeer, iterations: int, modes: list[str], conn: Any) -> list[dict[str, Any]]:
     dev = torch.device(device)
     loop = asyncio.get_running_loop()
     rows = []
-    transports = {mode: PlacementTransport(dev, mode) for mode in MODES}  # type: ignore[arg-type]
-    for mode in MODES:
+    transports = {mode: PlacementTransport(dev, mode) for mode in modes}  # type: ignore[arg-type]
+    for mode in modes:
         transport = transports[mode]
         for size in SIZES:
             payload = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
@@ -89,19 +92,23 @@ async def produce(device: str, peer: RelayPeer, iterations: int, conn: Any) -> l
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fast = [m for m in modes if m != "host"]
     lines = [f"# Relay latency per step message ({meta['devices']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
              "One message per step: the producer sends, the consumer acks over a pipe on delivery (so each time includes "
              "one pipe hop, ~tens of µs). The host path includes the device→host copy a stage makes before sending "
              "and the consumer's host→device copy. Every size's first delivery is checked bitwise (SHA-256).", "",
-             "| payload | collective p50 (µs) | collective GB/s | host path p50 (µs) | host path GB/s | speed-up |",
-             "|---|---|---|---|---|---|"]
+             "| payload | " + " | ".join(f"{m} p50 (µs) | {m} GB/s" for m in modes) + " | "
+             + " | ".join(f"{m} speed-up vs host" for m in fast) + " |",
+             "|---|" + "---|---|" * len(modes) + "---|" * len(fast)]
     by = {(r["mode"], r["bytes"]): r for r in rows}
     for size in SIZES:
-        c, h = by[("collective", size)], by[("host", size)]
         label = f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB"
-        lines.append(f"| {label} | {c['latency_us_p50']:.0f} | {c['gb_per_s']:.2f} | {h['latency_us_p50']:.0f} | "
-                     f"{h['gb_per_s']:.2f} | {h['latency_us_p50'] / c['latency_us_p50']:.1f}x |")
+        cells = [f"{by[(m, size)]['latency_us_p50']:.0f} | {by[(m, size)]['gb_per_s']:.2f}" for m in modes]
+        gains = [f"{by[('host', size)]['latency_us_p50'] / by[(m, size)]['latency_us_p50']:.1f}x" if "host" in modes
+                 else "–" for m in fast]
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(gains) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,15 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--producer", default="cuda:0")
     parser.add_argument("--consumer", default="cuda:1")
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--modes", default="collective,host", help="relay modes to compare, e.g. ipc,host on one GPU")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    process = ctx.Process(target=consumer, args=(args.consumer, args.iterations, theirs), daemon=True)
+    process = ctx.Process(target=consumer, args=(args.consumer, args.iterations, modes, theirs), daemon=True)
     process.start()
     try:
         peer = ours.recv()
-        rows = asyncio.run(produce(args.producer, peer, args.iterations, ours))
+        rows = asyncio.run(produce(args.producer, peer, args.iterations, modes, ours))
     finally:
         process.kill()
     gpu = f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""

@@ -1,4 +1,4 @@
-"""Error types shared by the API layers: client mistakes versus server-side stage failures."""
+"""Error types shared by the API layers: client mistakes, a replica at capacity, and server-side stage failures."""
 
 
 class InvalidRequestError(ValueError):
@@ -7,3 +7,7 @@ class InvalidRequestError(ValueError):
 
 class StageError(RuntimeError):
     """A stage replica failed while serving the request: a server error."""
+
+
+class CapacityError(RuntimeError):
+    """A replica has no room for another request right now (try again shortly): 503 with Retry-After."""

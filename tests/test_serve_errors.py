@@ -128,3 +128,21 @@ def test_client_disconnect_frees_every_stage_within_a_second(serve_url: str) -> 
     print(f"\nevery stage idle {1000 * (time.monotonic() - closed):.0f} ms after the disconnect (as seen by /metrics)")
     metrics = httpx.get(f"{serve_url}/metrics").text
     assert 'omni_requests_cancelled_total{endpoint="speech"}' in metrics
+
+
+def test_a_stage_at_capacity_is_a_503_with_retry_after_not_a_500() -> None:
+    """A vocoder with every state slot taken refuses a stream with CapacityError; it reaches the ingress wrapped
+    by Ray and by the orchestrator's StageError, and still becomes 503 overloaded."""
+    from ray.exceptions import RayTaskError
+
+    from omni_ray.errors import CapacityError, StageError
+    from omni_ray.serve.ingress import _as_openai_error
+
+    remote = RayTaskError("decode", "traceback", CapacityError("the vocoder holds 256 streams already")).as_instanceof_cause()
+    try:
+        raise StageError(f"vocoder did not start: {remote}") from remote
+    except StageError as exc:
+        error = _as_openai_error(exc)
+    assert error.status == 503 and error.body()["error"]["code"] == "overloaded"
+    assert error.headers.get("Retry-After")
+    assert _as_openai_error(StageError("talker: boom")).status == 500  # a real failure stays a server error

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
+from omni_ray.errors import CapacityError
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, step_shapes
 from omni_ray.vocoder.batching import BatchingStatefulCodec
 from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
@@ -67,7 +68,7 @@ def test_streams_at_different_positions_step_together_from_their_slots(codec: Co
 def test_a_full_state_store_refuses_a_stream_with_a_clear_error() -> None:
     small = Code2WavCodec(_tiny_code2wav(), max_streams=1)
     slot = small.open_stream()
-    with pytest.raises(RuntimeError, match="max_streams"):
+    with pytest.raises(CapacityError, match="max_streams"):
         small.open_stream()
     small.close_stream(slot)
     assert small.open_stream() == slot

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_ray.audio import encode_audio, wav_stream_header
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import InvalidRequestError, StageError
+from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
@@ -43,8 +43,8 @@ def _as_openai_error(exc: Exception) -> oai.OpenAIError:
     if isinstance(exc, InvalidRequestError):
         return oai.invalid_request(exc)
     cause: BaseException | None = exc
-    while cause is not None:
-        if type(cause).__name__ == "BackPressureError":
+    while cause is not None:  # a stage at capacity arrives wrapped (StageError ← Ray's task error ← CapacityError)
+        if isinstance(cause, CapacityError) or type(cause).__name__ == "BackPressureError":
             return oai.overloaded(1.0)
         cause = cause.__cause__
     return oai.internal_error(str(exc) if isinstance(exc, StageError) else "internal error")

@@ -27,6 +27,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     apply_rotary_pos_emb,
 )
 
+from omni_ray.errors import CapacityError
+
 State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
 
 
@@ -174,7 +176,7 @@ class StateStore:
     def allocate(self) -> int:
         with self._lock:
             if not self._free:
-                raise RuntimeError(f"the vocoder holds {self.capacity} streams already (streaming.max_streams)")
+                raise CapacityError(f"the vocoder holds {self.capacity} streams already (streaming.max_streams)")
             return self._free.pop()
 
     def release(self, slot: int) -> None:

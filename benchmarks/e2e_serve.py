@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from load_tests.loadgen import LoadConfig, run_load
 from omni_ray.bench import run_meta, write_results
 from load_tests.metrics import aggregate
@@ -78,6 +80,22 @@ def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None)
                      out_dir=str(out_dir) if out_dir else None)
     _, records, wall = asyncio.run(run_load(cfg))
     return aggregate(records, wall), wall
+
+
+def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
+    """The layout with `a.b.c=value` settings applied to its first application's args (values read as YAML),
+    written next to the results."""
+    raw = yaml.safe_load(layout.read_text())
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        node = raw["applications"][0].setdefault("args", {})
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = yaml.safe_load(value)
+    used = out / f"layout_{layout.name}"
+    used.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return used
 
 
 def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path) -> list[dict[str, Any]]:
@@ -153,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--baseline", action="store_true", help="also run transformers' generate() (batch 1)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the layout's application args, e.g. pipeline.stages.vocoder.streaming.stateful=true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
@@ -160,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows = serve_and_measure(args.serve_config, levels, args.rounds, args.max_tokens, out)
+    layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
+    rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out)
     baseline = None
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
-    meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, max_tokens=args.max_tokens,
+    meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, overrides=args.set,
+                    max_tokens=args.max_tokens,
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
     return 0

@@ -26,7 +26,8 @@ PROMPT_FILE = HERE / "prompt_100_tokens.txt"
 URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {"first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
-              "first_audio": "omni_time_to_first_audio_seconds"}
+              "first_audio": "omni_time_to_first_audio_seconds",
+              "first_audio_received": "omni_time_to_first_audio_received_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_batch_mean")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames")  # cumulative: per level as a rate
 
@@ -136,7 +137,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
              "the level's requests; server-side ones are means from `/metrics`.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
-             "server: first token / first frame / first audio, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
+             "server: first token / first frame / first audio / at ingress, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -153,7 +154,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
         lines.append(
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
-            f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} | "
+            f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
+            f"{num(srv.get('mean_first_audio_received_ms'))} | "
             f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
             f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} |")

@@ -123,6 +123,7 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
     assert httpx.get(f"{serve_url}/ready").status_code == 200
     metrics = httpx.get(f"{serve_url}/metrics").text
     for name in ("omni_requests_total", "omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds",
+                 "omni_time_to_first_audio_received_seconds",
                  "omni_real_time_factor", "omni_stage_waiting", "omni_stage_running"):
         assert name in metrics, name
     assert 'omni_stage_replicas{stage="talker"} 1.0' in metrics

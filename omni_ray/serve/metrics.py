@@ -33,6 +33,9 @@ class ServiceMetrics:
         self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("omni_time_to_first_audio_seconds", "time to first audio chunk", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa_received = Histogram("omni_time_to_first_audio_received_seconds",
+                                       "time until the first audio chunk reached the ingress (vs made by the vocoder)",
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram("omni_real_time_factor", "wall time / audio seconds of a reply", buckets=RTF_BUCKETS, registry=r)
         self.audio_seconds = Counter("omni_audio_seconds", "seconds of audio produced", registry=r)
         self.stage = {
@@ -51,6 +54,8 @@ class ServiceMetrics:
             self.ttff.observe(timing["first_frame"] - submitted)
         if "first_audio" in timing:
             self.ttfa.observe(timing["first_audio"] - submitted)
+        if "first_audio_received" in timing:
+            self.ttfa_received.observe(timing["first_audio_received"] - submitted)
         if audio_seconds > 0:
             self.audio_seconds.inc(audio_seconds)
             self.rtf.observe((finished_at - submitted) / audio_seconds)

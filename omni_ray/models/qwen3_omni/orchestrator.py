@@ -176,7 +176,8 @@ class Orchestrator:
                     if delta:
                         yield TextDelta(delta, [event["token"]], event["t"])
                 elif kind == "audio":
-                    timing.setdefault("first_audio", event["t"])
+                    timing.setdefault("first_audio", event["t"])  # made by the vocoder
+                    timing.setdefault("first_audio_received", time.time())  # here, on its way to the caller
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
             usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(token_ids)}
             if "talker" in done:

@@ -160,7 +160,8 @@ class StageBase:
             pass
 
     async def relay_stats(self) -> dict[str, int]:
-        """Open relay channels: pairwise groups this replica sends on and receives on, and host-path connections."""
+        """Open relay channels (pairwise groups out and in, host-path connections) and CUDA IPC messages shared and
+        received."""
         transport = self._sender.transport if self._sender is not None else None
         return {
             "collective_pairs": len(transport.collective.pairs) if transport is not None else 0,

@@ -107,48 +107,18 @@ def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
     return [(schedule.chunk_size(0), True), *sorted(later)]
 
 
-class StreamingDecoder:
-    """Per-request streaming state: push codec frames, receive final PCM chunks.
+class _ScheduledDecoder:
+    """What both streaming decoders share: frames in, chunks of final samples out on the schedule, and the counts.
+    Subclasses keep the frames (`_append`) and decode the next `size` of them (`_decode_next`)."""
 
-    Sample bookkeeping uses positions relative to the first new (non-reference) frame: frame
-    ``f`` covers samples ``[f * spf, (f + 1) * spf)``. A window over frames ``[w0, end)``
-    yields samples ``[w0 * spf, end * spf - trim)``; everything before ``end * spf - trim`` is
-    final, the last ``trim`` samples are held back and re-produced by the next window, which
-    always reaches back far enough (the left context) to cover them. After ``finish()`` the
-    emitted chunks total ``N * spf - trim`` samples, exactly a one-shot decode of the N frames.
-    """
-
-    def __init__(
-        self,
-        codec: Codec,
-        schedule: ChunkSchedule | None = None,
-        reference_codes: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, codec: Codec | StatefulCodec, schedule: ChunkSchedule | None) -> None:
         self.codec = codec
         self.schedule = schedule if schedule is not None else ChunkSchedule()
         self._spf = int(codec.samples_per_frame)
         self._trim = int(codec.trim)
         self._q = int(codec.num_quantizers)
-        if self._trim < 0:
-            raise ValueError(f"codec.trim must be >= 0, got {self._trim}")
-        # The window must reach back over the held-back samples: left_context * spf >= trim.
-        if self.schedule.left_context * self._spf < self._trim:
-            raise ValueError(
-                f"left_context={self.schedule.left_context} frames cannot cover the codec's "
-                f"{self._trim} held-back samples ({self._spf} samples per frame)"
-            )
-        ref = (
-            self._check_codes(reference_codes, "reference_codes")
-            if reference_codes is not None
-            else torch.zeros(self._q, 0, dtype=torch.long)
-        )
-        self.reference_frames = int(ref.shape[1])
-        # Only the tail that can ever be context is kept.
-        keep = min(self.reference_frames, self.schedule.left_context)
-        self._buf = ref[:, ref.shape[1] - keep :].clone()
-        self._buf_start = -keep  # frame index of self._buf[:, 0]
         self._received = 0  # new frames pushed so far
-        self._decoded = 0  # new frames already decoded as "new" in some window
+        self._decoded = 0  # new frames already decoded as "new" in some chunk
         self._emitted = 0  # samples emitted so far (all final)
         self._chunk_index = 0
         self._finished = False
@@ -173,13 +143,13 @@ class StreamingDecoder:
     def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
         """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
 
-        Each returned chunk is a 1-D float32 tensor of final samples, decoded in its own window.
+        Each returned chunk is a 1-D float32 tensor of final samples.
         """
         if self._finished:
             raise RuntimeError("push() after finish()")
         codes = self._check_codes(frames, "frames")
         if codes.shape[1]:
-            self._buf = torch.cat([self._buf, codes.to(self._buf.device)], dim=1)
+            self._append(codes)
             self._received += int(codes.shape[1])
         chunks: list[torch.Tensor] = []
         while self.pending_frames >= self.schedule.chunk_size(self._chunk_index):
@@ -202,8 +172,6 @@ class StreamingDecoder:
             return None
         return self._decode_next(self.pending_frames)
 
-    # -- internals ----------------------------------------------------------------------------
-
     def _check_codes(self, codes: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(codes, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(codes).__name__}")
@@ -214,6 +182,53 @@ class StreamingDecoder:
         if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got {codes.dtype}")
         return codes.to(torch.long)
+
+    def _append(self, codes: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _decode_next(self, size: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+class StreamingDecoder(_ScheduledDecoder):
+    """Per-request streaming state: push codec frames, receive final PCM chunks.
+
+    Sample bookkeeping uses positions relative to the first new (non-reference) frame: frame
+    ``f`` covers samples ``[f * spf, (f + 1) * spf)``. A window over frames ``[w0, end)``
+    yields samples ``[w0 * spf, end * spf - trim)``; everything before ``end * spf - trim`` is
+    final, the last ``trim`` samples are held back and re-produced by the next window, which
+    always reaches back far enough (the left context) to cover them. After ``finish()`` the
+    emitted chunks total ``N * spf - trim`` samples, exactly a one-shot decode of the N frames.
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        schedule: ChunkSchedule | None = None,
+        reference_codes: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(codec, schedule)
+        if self._trim < 0:
+            raise ValueError(f"codec.trim must be >= 0, got {self._trim}")
+        # The window must reach back over the held-back samples: left_context * spf >= trim.
+        if self.schedule.left_context * self._spf < self._trim:
+            raise ValueError(
+                f"left_context={self.schedule.left_context} frames cannot cover the codec's "
+                f"{self._trim} held-back samples ({self._spf} samples per frame)"
+            )
+        ref = (
+            self._check_codes(reference_codes, "reference_codes")
+            if reference_codes is not None
+            else torch.zeros(self._q, 0, dtype=torch.long)
+        )
+        self.reference_frames = int(ref.shape[1])
+        # Only the tail that can ever be context is kept.
+        keep = min(self.reference_frames, self.schedule.left_context)
+        self._buf = ref[:, ref.shape[1] - keep :].clone()
+        self._buf_start = -keep  # frame index of self._buf[:, 0]
+
+    def _append(self, codes: torch.Tensor) -> None:
+        self._buf = torch.cat([self._buf, codes.to(self._buf.device)], dim=1)
 
     def _decode_next(self, size: int) -> torch.Tensor | None:
         start = self._decoded
@@ -261,7 +276,7 @@ class StatefulCodec(Protocol):
     def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor: ...
 
 
-class StatefulStreamingDecoder:
+class StatefulStreamingDecoder(_ScheduledDecoder):
     """`StreamingDecoder`'s push/finish over a `StatefulCodec`: the same chunk schedule, but each chunk decodes only
     its new frames (no left context). Emitted chunks are final samples; after ``finish()`` they total
     ``N * spf - trim``, a one-shot decode of the N frames. The last partial chunk is padded with zero frames to
@@ -270,51 +285,16 @@ class StatefulStreamingDecoder:
     ``finish()`` calls)."""
 
     def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None) -> None:
-        self.codec = codec
-        self.schedule = schedule if schedule is not None else ChunkSchedule()
-        self._q = int(codec.num_quantizers)
-        self._spf = int(codec.samples_per_frame)
-        self._trim = int(codec.trim)
+        super().__init__(codec, schedule)
+        self.stateful_codec = codec
         self._pending = torch.zeros(self._q, 0, dtype=torch.long)
         self._slot: int | None = codec.open_stream()
         self._lock = threading.Lock()  # a close() from another thread waits for a step in flight
-        self._received = 0
-        self._decoded = 0
-        self._emitted = 0
-        self._chunk_index = 0
-        self._finished = False
-
-    @property
-    def frames_received(self) -> int:
-        return self._received
-
-    @property
-    def samples_emitted(self) -> int:
-        return self._emitted
-
-    def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
-        """Add ``[num_quantizers, n]`` frames; return every chunk the schedule now allows."""
-        if self._finished:
-            raise RuntimeError("push() after finish()")
-        if frames.dim() != 2 or frames.shape[0] != self._q or frames.is_floating_point():
-            raise ValueError(f"frames must be integer codes of shape [num_quantizers={self._q}, n], got "
-                             f"{tuple(frames.shape)} {frames.dtype}")
-        self._pending = torch.cat([self._pending, frames.to(torch.long)], dim=1)
-        self._received += int(frames.shape[1])
-        chunks = []
-        while self._pending.shape[1] >= self.schedule.chunk_size(self._chunk_index):
-            chunks.append(self._decode_next(self.schedule.chunk_size(self._chunk_index)))
-        return chunks
 
     def finish(self) -> torch.Tensor | None:
         """Decode the remaining (partial-chunk) frames, end the stream and free its slot; None if nothing is left."""
-        if self._finished:
-            raise RuntimeError("finish() called twice")
-        self._finished = True
         try:
-            if self._pending.shape[1] == 0:
-                return None
-            return self._decode_next(self.schedule.chunk_size(self._chunk_index))
+            return super().finish()
         finally:
             self.close()
 
@@ -322,26 +302,24 @@ class StatefulStreamingDecoder:
         """Free the codec state slot (idempotent; an aborted stream calls it without finishing)."""
         with self._lock:
             if self._slot is not None:
-                self.codec.close_stream(self._slot)
+                self.stateful_codec.close_stream(self._slot)
                 self._slot = None
+
+    def _append(self, codes: torch.Tensor) -> None:
+        self._pending = torch.cat([self._pending, codes], dim=1)
 
     def _decode_next(self, size: int) -> torch.Tensor:
         with self._lock:
-            return self._decode_locked(size)
-
-    def _decode_locked(self, size: int) -> torch.Tensor:
-        if self._slot is None:
-            raise RuntimeError("the stream is closed")
-        real = min(size, int(self._pending.shape[1]))
-        codes = self._pending[:, :size]
-        if real < size:  # the stream's last, partial chunk
-            codes = torch.cat([codes, codes.new_zeros(self._q, size - real)], dim=1)
-        first = self._decoded == 0
-        wav = self.codec.step(codes, self._decoded, self._slot, first)
-        keep = real * self._spf - (self._trim if first else 0)
-        chunk = wav.reshape(-1)[: max(keep, 0)].to(torch.float32)
-        self._pending = self._pending[:, real:]
-        self._decoded += real
-        self._chunk_index += 1
-        self._emitted += int(chunk.numel())
-        return chunk
+            if self._slot is None:
+                raise RuntimeError("the stream is closed")
+            scheduled = self.schedule.chunk_size(self._chunk_index)  # > size only for the last, partial chunk
+            codes = self._pending[:, :size]
+            if size < scheduled:
+                codes = torch.cat([codes, codes.new_zeros(self._q, scheduled - size)], dim=1)
+            first = self._decoded == 0
+            wav = self.stateful_codec.step(codes, self._decoded, self._slot, first)
+            chunk = wav.reshape(-1)[: max(size * self._spf - (self._trim if first else 0), 0)].to(torch.float32)
+            self._pending = self._pending[:, size:]
+            self._decoded += size
+            self._emitted += int(chunk.numel())
+            return chunk

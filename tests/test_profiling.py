@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from omni_ray.engine.profiling import SKIP_STEPS, StepProfiler
@@ -16,7 +17,7 @@ def _work() -> None:
         a = a @ a.T / 64
 
 
-def test_inert_without_a_directory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_inert_without_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMNI_RAY_PROFILE_DIR", raising=False)
     profiler = StepProfiler("thinker")
     assert not profiler.active

@@ -85,35 +85,30 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     _feed(reference, parts["thinker_outputs"])
     first = _run(runner, reference)[0][0]
     # Make codec EOS outscore the group-0 code the model picks for its first frame: a real weight edit.
-    head = runner.model.codec_head.weight
     eos = config.talker_config.codec_eos_token_id
-    with torch.no_grad():
-        saved = head[eos].clone()
-        head[eos] = head[first] * 50
-    try:
-        seq = TalkerSequence("e", GREEDY_TALKER, speaker, max_frames=6)
-        runner.admit(seq)
-        slot = seq.slot
-        _feed(seq, parts["thinker_outputs"])
-        frames = _run(runner, seq)
-    finally:
+
+    def speak_with_eos_favoured(seq: TalkerSequence) -> tuple[int, list[list[int]]]:
+        head = runner.model.codec_head.weight
         with torch.no_grad():
-            head[eos] = saved
+            saved = head[eos].clone()
+            head[eos] = head[first] * 50
+        try:
+            runner.admit(seq)
+            slot = seq.slot
+            _feed(seq, parts["thinker_outputs"])
+            return slot, _run(runner, seq)
+        finally:
+            with torch.no_grad():
+                head[eos] = saved
+
+    seq = TalkerSequence("e", GREEDY_TALKER, speaker, max_frames=6)
+    slot, frames = speak_with_eos_favoured(seq)
     assert seq.finish_reason == "stop"
     assert len(frames) < 6
     assert bool(runner.seen[slot, eos])  # the step that ended it sampled EOS as its group-0 code
     # Benchmark mode: the same EOS-loving weights, but EOS is never sampled and the frame cap ends the reply.
-    with torch.no_grad():
-        head[eos] = head[first] * 50
-    try:
-        forced = TalkerSequence("n", GREEDY_TALKER, speaker, max_frames=6, ignore_eos=True)
-        runner.admit(forced)
-        slot = forced.slot
-        _feed(forced, parts["thinker_outputs"])
-        frames = _run(runner, forced)
-    finally:
-        with torch.no_grad():
-            head[eos] = saved
+    forced = TalkerSequence("n", GREEDY_TALKER, speaker, max_frames=6, ignore_eos=True)
+    slot, frames = speak_with_eos_favoured(forced)
     assert forced.finish_reason == "length" and len(frames) == 6 and not bool(runner.seen[slot, eos])
 
 

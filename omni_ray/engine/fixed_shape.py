@@ -64,6 +64,14 @@ def warmup_shapes(
     return sorted(decode), sorted(prefill)
 
 
+def run_decode(
+    graphs: GraphCache, forward: Callable[..., dict[str, torch.Tensor]], kv_len: int, inputs: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """`forward(kv_len=kv_len, **inputs)` for a decode bucket: one graph per (rows, key range)."""
+    rows = next(iter(inputs.values())).shape[0]
+    return graphs.run(("decode", rows, kv_len), lambda **tensors: forward(kv_len=kv_len, **tensors), inputs)
+
+
 def dummy_decode_positions(rows: int, cache: SlotKVCache, device: torch.device) -> torch.Tensor:
     """Positions for a warm-up decode: every row a dummy at the last cache position (free slots only)."""
     return torch.full((rows,), cache.max_len - 1, dtype=torch.long, device=device)

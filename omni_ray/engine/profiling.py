@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -54,23 +54,19 @@ class StepProfiler:
             return nullcontext()
         return self._profiled(batch_size)
 
-    def _profiled(self, batch_size: int) -> AbstractContextManager[Any]:
-        profiler = self
-
-        class _Window:
-            def __enter__(self) -> None:
-                if profiler._profile is None:
-                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-                    profiler._profile = profile(activities=activities)
-                    profiler._profile.__enter__()
-                self.started = time.perf_counter()
-
-            def __exit__(self, *exc: Any) -> None:
-                profiler._recorded.append(((time.perf_counter() - self.started) * 1000, batch_size))
-                if len(profiler._recorded) >= profiler.steps:
-                    profiler._finish()
-
-        return _Window()
+    @contextmanager
+    def _profiled(self, batch_size: int) -> Iterator[None]:
+        if self._profile is None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profile = profile(activities=activities)
+            self._profile.__enter__()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._recorded.append(((time.perf_counter() - started) * 1000, batch_size))
+            if len(self._recorded) >= self.steps:
+                self._finish()
 
     def _finish(self) -> None:
         assert self.directory is not None

@@ -68,6 +68,15 @@ def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Te
     return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
 
 
+def _outside_nucleus(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Over rows of logits sorted ascending (-inf = already removed): what lies outside each row's top-p nucleus.
+    The largest logit always stays."""
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    remove = (cumulative <= (1 - top_p[:, None])) | torch.isinf(ascending)
+    remove[:, -1] = False
+    return remove
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf what lies outside each row's top-k, then outside the top-p nucleus of what is left
     (the order and tie rules of transformers' TopK/TopP warpers). logits [B, V]; top_k [B] (0 = off); top_p [B]."""
@@ -76,9 +85,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     kth_largest = ascending.gather(-1, (vocab - k)[:, None])
     ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
-    cumulative = ascending.softmax(-1).cumsum(-1)
-    remove_sorted = (cumulative <= (1 - top_p[:, None])) | torch.isinf(ascending)
-    remove_sorted[:, -1] = False
+    remove_sorted = _outside_nucleus(ascending, top_p)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
@@ -90,11 +97,7 @@ def draw_from_top_k(x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor,
     values, index = torch.topk(x, cap, dim=-1)  # descending
     rank = torch.arange(cap, device=x.device)
     values = values.masked_fill(rank[None, :] >= params.top_k.clamp(1, cap)[:, None], float("-inf"))
-    ascending = values.flip(-1)
-    cumulative = ascending.softmax(-1).cumsum(-1)
-    remove = (cumulative <= (1 - params.top_p[:, None])) | torch.isinf(ascending)
-    remove[:, -1] = False
-    values = values.masked_fill(remove.flip(-1), float("-inf"))
+    values = values.masked_fill(_outside_nucleus(values.flip(-1), params.top_p).flip(-1), float("-inf"))
     scores = values - noise.gather(-1, index).clamp_min(1e-30).log()
     return index.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
 

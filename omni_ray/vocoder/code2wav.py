@@ -49,11 +49,9 @@ class Code2WavCodec:
     def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
         """``[B, num_quantizers, T]`` codes -> ``[B, T*spf - trim]`` float32 CPU samples (rows padded to a bucket)."""
         count, rows = codes.shape[0], bucket_pow2(codes.shape[0])
-        padded = torch.zeros(rows, *codes.shape[1:], dtype=torch.long)
-        padded[:count] = codes
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             out = self.graphs.run(("window", rows, codes.shape[-1]), self._forward,
-                                  {"codes": padded.to(self.device, non_blocking=True)})
+                                  {"codes": _pad_rows(codes.long(), rows).to(self.device, non_blocking=True)})
             wav = out["wav"][:count].reshape(count, -1).to(device="cpu", dtype=torch.float32)
         return wav
 

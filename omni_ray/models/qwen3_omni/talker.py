@@ -18,6 +18,7 @@ from omni_ray.engine.fixed_shape import (
     last_positions,
     pad_prefill,
     prefill_forward,
+    run_decode,
     warmup_shapes,
     within_prefill_budget,
 )
@@ -212,11 +213,10 @@ class TalkerRunner:
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             embeds = torch.zeros(rows, 1, width, dtype=dtype, device=self.device)
-            self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
-                            {"embeds": embeds, "positions": positions})
+            run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
+        mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
         for rows in sorted({r for r, _ in decode}):
             inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
-            mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
             for mode in (FrameSampling(False), FrameSampling(True), FrameSampling(True, mtp_cap, mtp_cap)):
                 self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         capture_prefills(self.graphs, self.cache, prefill, width, dtype, self._prefill_forward)
@@ -322,9 +322,7 @@ class TalkerRunner:
         embeds = torch.zeros(positions.shape[0], 1, self.assets.tts_pad.shape[-1], dtype=self.assets.tts_pad.dtype, device=self.device)
         rows = torch.tensor([s.slot for s in seqs], device=self.device)
         embeds[rows, 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
-        out = self.graphs.run(("decode", positions.shape[0], kv_len),
-                              lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
-                              {"embeds": embeds, "positions": positions})
+        out = run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
         for s in seqs:
             s.num_cached += 1
             s.steps += 1

@@ -18,6 +18,7 @@ from omni_ray.engine.fixed_shape import (
     last_positions,
     pad_prefill,
     prefill_forward,
+    run_decode,
     warmup_shapes,
     within_prefill_budget,
 )
@@ -119,8 +120,7 @@ class ThinkerRunner:
         decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens)
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
-            self.graphs.run(("decode", rows, kv_len), lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
-                            {"ids": torch.zeros_like(positions), "positions": positions})
+            run_decode(self.graphs, self._decode_forward, kv_len, {"ids": torch.zeros_like(positions), "positions": positions})
         capture_prefills(self.graphs, self.cache, prefill, self.model.lm_head.in_features,
                          self.model.lm_head.weight.dtype, self._prefill_forward)
 
@@ -241,11 +241,8 @@ class ThinkerRunner:
         ids = [0] * positions.shape[0]
         for seq in seqs:
             ids[seq.slot] = seq.output_ids[-1]
-        out = self.graphs.run(
-            ("decode", positions.shape[0], kv_len),
-            lambda **inputs: self._decode_forward(kv_len=kv_len, **inputs),
-            {"ids": torch.tensor(ids).to(self.device), "positions": positions},
-        )
+        out = run_decode(self.graphs, self._decode_forward, kv_len,
+                         {"ids": torch.tensor(ids).to(self.device), "positions": positions})
         talking = [s for s in seqs if s.for_talker]
         talker_embeds: dict[str, torch.Tensor] = {}
         if talking:

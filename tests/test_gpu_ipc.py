@@ -5,11 +5,13 @@ without CUDA."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
+from ray import cloudpickle
 
 from omni_ray.relay import PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender
 from omni_ray.relay.collective import CollectiveReceiver
@@ -18,6 +20,7 @@ from omni_ray.relay.tcp import RelayServer
 from omni_ray.relay.transports import gpu_uuid
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below: Ray workers can't import tests/
 
 
 def _payload(step: int) -> dict[str, torch.Tensor]:
@@ -102,4 +105,4 @@ def test_one_gpu_pipeline_over_cuda_ipc_matches_the_cpu(pipeline: Any) -> None:
         one_gpu.shutdown()
     assert thinker["ipc_shared"] > 0 and talker["ipc_received"] > 0  # Thinker → Talker went over CUDA IPC
     assert over_ipc.token_ids == on_cpu.token_ids
-    assert torch.equal(over_ipc.codes, on_cpu.codes)
+    assert torch.equal(over_ipc.codes.cpu(), on_cpu.codes.cpu())

@@ -23,13 +23,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below: Ray workers can't import tests/
 
 
+RING_BYTES = 1 << 20  # small, so that 20 steps wrap it several times; step 7 is too big for it (its own buffer)
+
+
 def _payload(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(step)
-    return {"hidden": torch.randn(37, 2048, device="cuda", generator=g).to(torch.bfloat16),
+    return {"hidden": torch.randn(300 if step == 7 else 37, 2048, device="cuda", generator=g).to(torch.bfloat16),
             "ids": torch.arange(step, step + 11, device="cuda"), "flag": torch.tensor([step % 2 == 0], device="cuda")}
 
 
 def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_cluster: str) -> None:
+    """Through a ring that wraps, and a buffer of its own for a message too big for the ring."""
     import ray
 
     @ray.remote(num_cpus=0.1, num_gpus=0.4)
@@ -55,6 +59,8 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
         async def send_all(self, peer: RelayPeer, steps: int) -> list[str]:
             transport = PlacementTransport("cuda", "ipc")
             assert transport.select(peer) is transport.ipc
+            transport.ipc.ring_bytes = RING_BYTES
+            self.transport = transport
             failures: list[str] = []
             sender = RelaySender("producer", transport, lambda ids, exc: failures.append(str(exc)))
             for step in range(steps):
@@ -63,6 +69,9 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
             sender.send(peer, [RelayItem("r", kind="end")])
             await asyncio.sleep(2)
             return failures
+
+        async def unringed(self) -> int:
+            return self.transport.ipc.unringed
 
     consumer, producer = Consumer.remote(), Producer.remote()
     peer = ray.get(consumer.peer.remote())
@@ -73,6 +82,7 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
         time.sleep(0.05)
     got = ray.get(consumer.received.remote())
     assert ray.get(consumer.ipc_count.remote()) == 21
+    assert 1 <= ray.get(producer.unringed.remote()) < 20  # step 7 in its own buffer, most steps through the ring
     for step, item in enumerate(got[:20]):
         expected = {k: t.cpu() for k, t in _payload(step).items()}
         assert item["devices"] == {"hidden": "cuda", "ids": "cuda", "flag": "cuda"}

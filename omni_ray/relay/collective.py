@@ -73,9 +73,11 @@ def unpack(header: RelayMessage, buffer: torch.Tensor) -> RelayMessage:
     return RelayMessage(header.sender, items)
 
 
-def flatten(tensors: list[tuple[int, torch.Tensor]], nbytes: int, device: torch.device) -> torch.Tensor:
-    """Every tensor's bytes at its offset in one contiguous uint8 buffer on `device`."""
-    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+def flatten(
+    tensors: list[tuple[int, torch.Tensor]], nbytes: int, device: torch.device, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Every tensor's bytes at its offset in one contiguous uint8 buffer on `device` (or in `out`, nbytes long)."""
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device) if out is None else out
     for offset, tensor in tensors:
         data = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
         buffer[offset : offset + data.numel()] = data

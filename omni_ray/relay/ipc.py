@@ -1,18 +1,22 @@
-"""CUDA IPC relay between processes on one GPU: a step's tensors go into one device buffer whose IPC handle travels
-on the host path; the consumer copies them out of the producer's memory on the device, with no host round trip.
+"""CUDA IPC relay between processes on one GPU: a step's tensors go into device memory the consumer has opened once,
+their place travels on the host path, and the consumer copies them out on the device, with no host round trip.
 
-Framing is the collective relay's (`pack`/`unpack`: one flat buffer, a tensor-free header). The producer fills the
-buffer on a side stream and synchronizes it before the handle leaves, so the consumer never reads an unfinished
-buffer. Dropping the buffer afterwards is safe: torch keeps an IPC-shared block alive (its "limbo") until every
-consumer has released it, and `torch.cuda.ipc_collect` frees what consumers let go.
+Framing is the collective relay's (`pack`/`unpack`: one flat buffer, a tensor-free header). Each producer keeps one
+`SharedRing` per consumer: a device buffer whose IPC handle the consumer opens once and caches (opening a handle
+costs about a millisecond, more than the host path's whole message). Messages are written at the ring's head on a
+side stream, synchronized before their place leaves, and the consumer writes the sequence number of the last message
+it copied out into the ring's first 8 bytes, on the device, so the producer reuses space only after the copy. A
+message that does not fit (larger than half the ring, or a consumer that lags) goes in a buffer of its own, shared
+once: torch keeps an IPC-shared block alive (its "limbo") until every consumer has released it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,47 +28,136 @@ from omni_ray.relay.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
 
-COLLECT_EVERY = 256  # sends between `torch.cuda.ipc_collect()` calls (frees blocks consumers have released)
+RING_BYTES = 64 << 20  # one ring per consumer; a message over half of it goes in a buffer of its own
+ACK_BYTES = 256  # the ring's head: the consumer's last copied sequence number (int64), then padding to ALIGN
+COLLECT_EVERY = 256  # one-off buffers between `torch.cuda.ipc_collect()` calls (frees blocks consumers released)
+OPEN_RINGS = 16  # rings a consumer keeps open (one per producer replica that sends to it)
 _DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument
 
 
-class IpcTransport:
-    """Producer side: `send(peer, message)` shares the step's tensors as one CUDA IPC buffer, header on the host
-    path. Only for a peer on this process's GPU (another process: same-process peers get the local hand-off)."""
+class RingSpace:
+    """Where the next message goes in a ring of `capacity` bytes: records are placed in order at a moving head and
+    freed oldest first, up to the sequence number the consumer acknowledged. Pure bookkeeping."""
 
-    def __init__(self, device: torch.device | str, control: TcpTransport) -> None:
+    def __init__(self, capacity: int, align: int = ACK_BYTES) -> None:
+        self.capacity = capacity
+        self.align = align
+        self.head = 0
+        self.seq = 0
+        self.records: deque[tuple[int, int, int]] = deque()  # (seq, start, end), oldest first
+
+    def release(self, acked: int) -> None:
+        while self.records and self.records[0][0] <= acked:
+            self.records.popleft()
+        if not self.records:
+            self.head = 0
+
+    def reserve(self, nbytes: int) -> tuple[int, int] | None:
+        """(seq, offset) for a message of nbytes, or None when it does not fit now."""
+        size = -(-max(nbytes, 1) // self.align) * self.align
+        if size > self.capacity // 2:
+            return None
+        offset = self._fit(size)
+        if offset is None:
+            return None
+        self.seq += 1
+        self.records.append((self.seq, offset, offset + size))
+        self.head = offset + size
+        return self.seq, offset
+
+    def _fit(self, size: int) -> int | None:
+        if not self.records:
+            return 0
+        oldest, newest = self.records[0][1], self.records[-1][1]
+        if newest >= oldest:  # live data is one run [oldest, head): free after it, then before it
+            if self.head + size <= self.capacity:
+                return self.head
+            return 0 if size <= oldest else None
+        return self.head if self.head + size <= oldest else None  # wrapped: free is [head, oldest)
+
+
+class SharedRing:
+    """Producer side of one consumer's ring: a device buffer, its IPC handle (made once) and its space."""
+
+    def __init__(self, device: torch.device, capacity: int = RING_BYTES) -> None:
+        self.ring_id = uuid.uuid4().hex
+        self.buffer = torch.zeros(ACK_BYTES + capacity, dtype=torch.uint8, device=device)
+        self.space = RingSpace(capacity)
+        self._ack_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        rebuild, args = reduce_tensor(self.buffer)
+        assert rebuild is rebuild_cuda_tensor, "CUDA IPC needs a CUDA buffer"
+        self.handle = tuple(args)
+
+    def reserve(self, nbytes: int, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor] | None:
+        """(seq, the message's bytes in the ring) or None. Reads the consumer's acknowledgement (on `stream`, not
+        waiting for compute) only when the message does not fit in what is known to be free."""
+        placed = self.space.reserve(nbytes)
+        if placed is None and self.space.records:
+            with torch.cuda.stream(stream):
+                self._ack_host.copy_(self.buffer[:8].view(torch.int64), non_blocking=True)
+            stream.synchronize()
+            self.space.release(int(self._ack_host.item()))
+            placed = self.space.reserve(nbytes)
+        if placed is None:
+            return None
+        seq, offset = placed
+        return seq, self.buffer[ACK_BYTES + offset : ACK_BYTES + offset + nbytes]
+
+
+class IpcTransport:
+    """Producer side: `send(peer, message)` writes the step's tensors into the peer's ring (or one buffer of their
+    own), place on the host path. Only for a peer on this process's GPU (same-process peers get the local hand-off)."""
+
+    def __init__(self, device: torch.device | str, control: TcpTransport, ring_bytes: int = RING_BYTES) -> None:
         self.device = torch.device(device)
         self.control = control
+        self.ring_bytes = ring_bytes
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc")  # buffers in send order
-        self.shared = 0
+        self._rings: dict[str, SharedRing] = {}  # consumer replica id -> its ring
+        self.shared = 0  # messages sent
+        self.unringed = 0  # of which in a buffer of their own
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         header, tensors, nbytes = pack(message)
-        handle = await asyncio.wrap_future(self._worker.submit(self._share, tensors, nbytes)) if nbytes else None
-        await self.control.send(peer, _control(message.sender, "ipc", "", header=header, handle=handle))
+        place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes)) if nbytes else {}
+        await self.control.send(peer, _control(message.sender, "ipc", "", header=header, **place))
 
-    def _share(self, tensors: list[tuple[int, torch.Tensor]], nbytes: int) -> tuple[Any, ...]:
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.default_stream(self.device))
-            buffer = flatten(tensors, nbytes, self.device)
-            if self.stream is not None:
-                self.stream.synchronize()
+    def _share(self, replica_id: str, tensors: list[tuple[int, torch.Tensor]], nbytes: int) -> dict[str, Any]:
+        assert self.stream is not None, "CUDA IPC needs a CUDA device"
+        ring = self._rings.get(replica_id)
+        if ring is None:
+            ring = self._rings[replica_id] = SharedRing(self.device, self.ring_bytes)
+        placed = ring.reserve(nbytes, self.stream)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+            if placed is not None:
+                flatten(tensors, nbytes, self.device, out=placed[1])
+            else:
+                buffer = flatten(tensors, nbytes, self.device)
+            self.stream.synchronize()
         self.shared += 1
-        if self.shared % COLLECT_EVERY == 0:
+        if placed is not None:
+            seq, view = placed
+            return {"ring": (ring.ring_id, ring.handle, seq, view.storage_offset(), nbytes)}
+        self.unringed += 1
+        if self.unringed % COLLECT_EVERY == 0:
             torch.cuda.ipc_collect()
         rebuild, args = reduce_tensor(buffer)
         assert rebuild is rebuild_cuda_tensor, "CUDA IPC needs a CUDA buffer"
-        return tuple(args)
+        return {"handle": tuple(args)}
+
+    def drop(self, replica_id: str) -> None:
+        """The consumer went away: free its ring (after the sends already queued)."""
+        self._worker.submit(self._rings.pop, replica_id, None)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 class IpcReceiver:
-    """Consumer side: opens each message's buffer from its IPC handle, copies it into this process's memory (on a
-    side stream) and delivers the message, in arrival order. Control ops it does not know go to `fallback`."""
+    """Consumer side: copies each message out of the producer's memory (on a side stream) and delivers it, in
+    arrival order. Rings stay open between messages. Control ops it does not know go to `fallback`."""
 
     def __init__(self, endpoint: RelayEndpoint, device: torch.device | str) -> None:
         self.endpoint = endpoint
@@ -72,6 +165,7 @@ class IpcReceiver:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc-in")
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._rings: OrderedDict[str, torch.Tensor] = OrderedDict()  # ring id -> the opened buffer, newest last
         self.fallback = endpoint.on_control
         self.received = 0
         endpoint.on_control = self.handle
@@ -83,11 +177,16 @@ class IpcReceiver:
                 self.fallback(message)
             return
         self._loop = asyncio.get_running_loop()
-        self._worker.submit(self._receive, control["header"], control.get("handle"))
+        self._worker.submit(self._receive, control["header"], control.get("ring"), control.get("handle"))
 
-    def _receive(self, header: RelayMessage, handle: tuple[Any, ...] | None) -> None:
+    def _receive(self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None) -> None:
         try:
-            buffer = self._copy_out(handle) if handle is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
+            if ring is not None:
+                buffer = self._copy_from_ring(*ring)
+            elif handle is not None:
+                buffer = self._copy_out(handle)
+            else:
+                buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
             message = unpack(header, buffer)
             self.received += 1
         except Exception as exc:  # the producer's memory could not be opened: fail these requests, keep serving
@@ -96,16 +195,32 @@ class IpcReceiver:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.endpoint.deliver, message)
 
-    def _copy_out(self, handle: tuple[Any, ...]) -> torch.Tensor:
+    def _open(self, handle: tuple[Any, ...]) -> torch.Tensor:
         args = list(handle)
         args[_DEVICE_ARG] = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        shared = rebuild_cuda_tensor(*args)  # a view of the producer's buffer (same physical GPU)
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        return rebuild_cuda_tensor(*args)  # a view of the producer's buffer (same physical GPU)
+
+    def _copy_from_ring(self, ring_id: str, handle: tuple[Any, ...], seq: int, offset: int, nbytes: int) -> torch.Tensor:
+        shared = self._rings.get(ring_id)
+        if shared is None:
+            shared = self._rings[ring_id] = self._open(handle)
+            while len(self._rings) > OPEN_RINGS:
+                self._rings.popitem(last=False)  # closes the least recently used producer's ring
+        self._rings.move_to_end(ring_id)
+        with torch.cuda.stream(self.stream):
+            buffer = shared[offset : offset + nbytes].clone()
+            shared[:8].view(torch.int64).fill_(seq)  # after the copy, on the same stream: the space is free again
+            self.stream.synchronize()  # type: ignore[union-attr]
+        return buffer
+
+    def _copy_out(self, handle: tuple[Any, ...]) -> torch.Tensor:
+        shared = self._open(handle)
+        with torch.cuda.stream(self.stream):
             buffer = shared.clone()
-            if self.stream is not None:
-                self.stream.synchronize()
+            self.stream.synchronize()  # type: ignore[union-attr]
         del shared  # releases the producer's block
         return buffer
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._rings.clear()

@@ -74,6 +74,8 @@ class PlacementTransport:
         """The host path saw the peer's process go: tear down its collective pair (NCCL would not notice), and
         fail what was in flight to it."""
         self.collective.drop(peer.replica_id)
+        if self.ipc is not None:
+            self.ipc.drop(peer.replica_id)
         if self.on_peer_lost is not None:
             self.on_peer_lost(peer, ConnectionError(f"relay peer {peer.replica_id} went away"))
 

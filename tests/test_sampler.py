@@ -7,10 +7,11 @@ import torch
 from pydantic import ValidationError
 
 from omni_ray.engine.sampler import (
+    CounterNoise,
     NoiseSource,
     SamplingBatch,
     SamplingParams,
-    draw_noise,
+    draw_keys,
     filter_top_k_top_p,
     penalize_repeats,
     sample,
@@ -66,7 +67,7 @@ def test_same_seed_same_sequence_different_seeds_differ() -> None:
 
 
 def test_a_seeded_row_does_not_depend_on_its_batch() -> None:
-    """A seeded request draws the same tokens alone and when batched with others (own generator per row)."""
+    """A seeded request draws the same tokens alone and when batched with others (its own keys per row)."""
     rows = _rows(20, 30, seed=3, scale=0.3)
     alone = NoiseSource(SamplingParams(seed=7))
     expected = [_pick(r, alone) for r in rows]
@@ -81,7 +82,8 @@ def test_draws_follow_the_distribution() -> None:
     temperature = 0.8
     logits = torch.log(probs) * temperature  # softmax(logits / T) == probs
     params = SamplingParams(temperature=temperature, seed=5)
-    noise = draw_noise([NoiseSource(params)] * 1, (8000, 4), "cpu")[0]
+    sources = [NoiseSource(params.model_copy(update={"seed": seed})) for seed in range(8000)]
+    noise = CounterNoise(draw_keys(sources, "cpu"))
     picks = sample(logits.expand(8000, -1), SamplingBatch.of([params] * 8000, "cpu"), noise)
     freq = torch.bincount(picks, minlength=4).float() / 8000
     assert torch.allclose(freq, probs, atol=0.02), freq
@@ -213,8 +215,8 @@ def test_padding_rows_are_greedy() -> None:
     batch = SamplingBatch.of([SamplingParams(temperature=0.5, top_k=3)], "cpu", rows=4)
     assert batch.temperature.tolist() == [0.5, 0.0, 0.0, 0.0]
     assert batch.top_k.tolist() == [3, 0, 0, 0]
-    noise = draw_noise([NoiseSource(SamplingParams(temperature=0.0))], (5,), "cpu", rows=4)
-    assert noise.shape == (4, 5) and bool((noise == 1).all())
+    keys = draw_keys([NoiseSource(SamplingParams(temperature=0.5, seed=1))], "cpu", rows=4)
+    assert keys.shape == (4, 2) and keys[0].tolist() != [0, 0] and keys[1:].eq(0).all()
 
 
 @pytest.mark.parametrize(
@@ -269,3 +271,25 @@ def test_top_k_candidates_path_draws_exactly_what_the_full_sort_draws() -> None:
         assert torch.equal(full, candidates)
     assert top_k_cap([SamplingParams(temperature=1.0)]) is None  # a row without top-k needs the full sort
     assert top_k_cap([SamplingParams(temperature=0.0)]) is None
+
+
+def test_counter_noise_is_exponential_and_independent_across_rows_draws_and_tokens() -> None:
+    """The hash-made noise: mean and variance of Exp(1), no correlation between neighbouring tokens, rows or
+    consecutive draws of one row, and the noise of a token does not depend on which other tokens are asked."""
+    source = NoiseSource(SamplingParams(seed=3))
+    first, second = (CounterNoise(draw_keys([source], "cpu")).dense(200_000)[0] for _ in range(2))
+    for noise in (first, second):
+        assert noise.min() > 0 and abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.02
+    rows = CounterNoise(draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)], "cpu")).dense(200_000)
+
+    def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+
+    assert abs(correlation(first[:-1], first[1:])) < 0.01  # neighbouring tokens
+    assert abs(correlation(first, second)) < 0.01  # consecutive draws
+    assert abs(correlation(rows[0], rows[1])) < 0.01  # seeds 0 and 1
+    keys = draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)], "cpu")
+    ids = torch.tensor([[7, 199_999, 3], [5, 0, 123_456]])
+    dense = CounterNoise(keys).dense(200_000)
+    assert torch.equal(CounterNoise(keys).at(ids), dense.gather(-1, ids))  # a token's noise alone = in the whole row
+    assert torch.equal(CounterNoise(keys, offset=100).at(ids[:, :1]), dense.gather(-1, ids[:, :1] + 100))

@@ -1,13 +1,16 @@
 """Batched sampling on the device: per-row greedy/temperature/top-k/top-p/repetition penalty, noise-driven draws.
 
 Every row of a batch has its own parameters (as tensors), so one call samples a whole step with no host sync and
-the same code runs inside a CUDA graph. Randomness comes in as exponential noise drawn outside: a row's draw is
-argmax(logits/T - log(noise)) (the Gumbel-max trick, an exact categorical sample), and each seeded request draws
-its noise from its own generator, so its tokens do not depend on what it was batched with.
+the same code runs inside a CUDA graph. A row's draw is argmax(logits/T - log(noise)) with Exp(1) noise (the
+Gumbel-max trick, an exact categorical sample). The noise is counter-based (`CounterNoise`): a hash of the row's key,
+which comes from its request's seed and draw count, and of the token id. So it is computed on the device where it is
+read (inside the graph, and only at the candidates a top-k draw looks at), and a request's tokens depend on its seed
+alone, never on what it was batched with. Requests without a seed get a random one.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -90,7 +93,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(remove, float("-inf"))
 
 
-def draw_from_top_k(x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, cap: int) -> torch.Tensor:
+def draw_from_top_k(x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor | CounterNoise, cap: int) -> torch.Tensor:
     """The draw of `sample` when every sampled row has 0 < top_k <= cap: top-k/top-p run over `cap` candidates
     instead of a sort of the whole vocabulary, with the same decisions (the top-p cumulative sum runs in the same
     ascending order, over the same nonzero probabilities) and the same noise per token."""
@@ -98,8 +101,12 @@ def draw_from_top_k(x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor,
     rank = torch.arange(cap, device=x.device)
     values = values.masked_fill(rank[None, :] >= params.top_k.clamp(1, cap)[:, None], float("-inf"))
     values = values.masked_fill(_outside_nucleus(values.flip(-1), params.top_p).flip(-1), float("-inf"))
-    scores = values - noise.gather(-1, index).clamp_min(1e-30).log()
+    scores = values - _noise_at(noise, index).clamp_min(1e-30).log()
     return index.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+
+
+def _noise_at(noise: torch.Tensor | CounterNoise, ids: torch.Tensor) -> torch.Tensor:
+    return noise.at(ids) if isinstance(noise, CounterNoise) else noise.gather(-1, ids)
 
 
 def top_k_cap(params: Sequence[SamplingParams]) -> int | None:
@@ -114,7 +121,7 @@ def top_k_cap(params: Sequence[SamplingParams]) -> int | None:
 def sample(
     logits: torch.Tensor,
     params: SamplingBatch,
-    noise: torch.Tensor,
+    noise: torch.Tensor | CounterNoise | None,
     seen: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
     filtered: bool = True,
@@ -122,7 +129,7 @@ def sample(
 ) -> torch.Tensor:
     """One token per row of logits [B, V] → [B] long, on the device, with no host sync.
 
-    noise [B, V]: Exp(1) draws (ignored by greedy rows); seen [B, V] bool: tokens the repetition penalty applies to;
+    noise: Exp(1) draws [B, V] or their `CounterNoise` (ignored by greedy rows; None when every row is greedy); seen [B, V] bool: tokens the repetition penalty applies to;
     banned [B, V] or [V] bool: never picked. `filtered=False` skips top-k/top-p (when no row uses them);
     `top_k_cap` (see `top_k_cap()`) filters only that many candidates per row."""
     x = logits.to(torch.float32)
@@ -131,46 +138,88 @@ def sample(
     if seen is not None:
         x = penalize_repeats(x, seen, params.penalty)
     greedy = x.argmax(-1)
+    if noise is None:
+        return greedy
     x = x / params.temperature.clamp_min(1e-5)[:, None]
     if filtered and top_k_cap is not None and top_k_cap < x.shape[-1]:
         return torch.where(params.temperature > 0, draw_from_top_k(x, params, noise, top_k_cap), greedy)
     if filtered:
         x = filter_top_k_top_p(x, params.top_k, params.top_p)
-    drawn = (x - noise.clamp_min(1e-30).log()).argmax(-1)
+    dense = noise.dense(x.shape[-1]) if isinstance(noise, CounterNoise) else noise
+    drawn = (x - dense.clamp_min(1e-30).log()).argmax(-1)
     return torch.where(params.temperature > 0, drawn, greedy)
 
 
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2^32): the multipliers are below
+    2^31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def _mix32_int(x: int) -> int:
+    """`mix32` of one Python int (for the row keys on the host)."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & MASK32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def row_key(seed: int, draw: int) -> tuple[int, int]:
+    """The two 32-bit keys of a row's `draw`-th draw under `seed` (any int; only its low 64 bits count)."""
+    low, high = seed & MASK32, (seed >> 32) & MASK32
+    first = _mix32_int(low ^ _mix32_int(high ^ 0x9E3779B9))
+    return first, _mix32_int(first ^ _mix32_int((draw & MASK32) ^ 0x85EBCA6B))
+
+
+@dataclass
+class CounterNoise:
+    """Exp(1) noise that is a pure function of a row's keys and a token id: `at(ids)` is the noise of those tokens,
+    `dense(vocab)` of all of them. `offset` separates several draws that share one key (the MTP's groups)."""
+
+    keys: torch.Tensor  # [B, 2] int64, each in [0, 2^32)
+    offset: int = 0
+
+    def at(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, K] long → [B, K] float32 noise, each strictly positive (24-bit uniforms, never 0 or 1)."""
+        h = mix32(((ids + self.offset) & MASK32) ^ self.keys[:, :1])
+        h = mix32((h + self.keys[:, 1:]) & MASK32)
+        uniform = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        return -torch.log(uniform)
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        return self.at(torch.arange(vocab, device=self.keys.device).expand(self.keys.shape[0], -1))
+
+    def shifted(self, offset: int) -> "CounterNoise":
+        return CounterNoise(self.keys, self.offset + offset)
+
+
 class NoiseSource:
-    """Where one request's random draws come from: its own seeded generator, or the device's default one."""
+    """Where one request's random draws come from: its seed (a random one when it gave none) and a draw count."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._generator: torch.Generator | None = None
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.draws = 0
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        if self.params.seed is None:
-            return None
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.params.seed)
-        return self._generator
+    def next_key(self) -> tuple[int, int]:
+        key = row_key(self.seed, self.draws)
+        self.draws += 1
+        return key
 
 
-def draw_noise(
-    sources: Sequence[NoiseSource], shape: tuple[int, ...], device: torch.device | str, rows: int | None = None
-) -> torch.Tensor:
-    """Exp(1) noise [rows, *shape]: unseeded rows in one draw, each seeded row from its own generator.
-    Greedy rows and padding rows get ones (never read)."""
+def draw_keys(sources: Sequence[NoiseSource], device: torch.device | str, rows: int | None = None) -> torch.Tensor:
+    """[rows, 2] int64: each source's next draw's keys (its draw count advances); padding rows get zeros."""
     rows = len(sources) if rows is None else rows
-    device = torch.device(device)
-    if all(s.params.greedy for s in sources):
-        return torch.ones((rows, *shape), device=device)
-    noise = torch.empty((rows, *shape), device=device).exponential_()
-    for i, source in enumerate(sources):
-        generator = source.generator(device)
-        if generator is not None and not source.params.greedy:
-            noise[i].exponential_(generator=generator)
-    return noise
+    keys = [source.next_key() for source in sources] + [(0, 0)] * (rows - len(sources))
+    return torch.tensor(keys, dtype=torch.int64).to(device)
 
 
 def needs_filter(params: Sequence[SamplingParams]) -> bool:
@@ -186,7 +235,7 @@ def sample_rows(
     """Eager convenience: sample [B, V] logits for B requests given their noise sources."""
     params = [s.params for s in sources]
     batch = SamplingBatch.of(params, logits.device)
-    noise = draw_noise(sources, tuple(logits.shape[1:]), logits.device)
+    noise = CounterNoise(draw_keys(sources, logits.device)) if any(not p.greedy for p in params) else None
     if seen is not None and all(p.repetition_penalty == 1.0 for p in params):
         seen = None
     return sample(logits, batch, noise, seen, banned, needs_filter(params), top_k_cap(params))

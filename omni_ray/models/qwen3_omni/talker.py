@@ -24,7 +24,7 @@ from omni_ray.engine.fixed_shape import (
 )
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
-    GREEDY, NoiseSource, SamplingBatch, SamplingParams, draw_noise, needs_filter, sample, top_k_cap,
+    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, needs_filter, sample, top_k_cap,
 )
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
@@ -350,26 +350,26 @@ class TalkerRunner:
             banned[no_eos, self.eos] = True
         return {
             "hidden": padded, "slots": slots, "banned": banned,
-            "noise": draw_noise([s.noise for s in seqs], (self.vocab,), self.device, rows),  # type: ignore[misc]
-            "mtp_noise": draw_noise([s.mtp_noise for s in seqs], (self.num_groups - 1, self.mtp_vocab), self.device, rows),  # type: ignore[misc]
+            "noise_keys": draw_keys([s.noise for s in seqs], self.device, rows),  # type: ignore[misc]
+            "mtp_noise_keys": draw_keys([s.mtp_noise for s in seqs], self.device, rows),  # type: ignore[misc]
             **SamplingBatch.of([s.sampling for s in seqs], self.device, rows).as_dict("group0_"),
             **SamplingBatch.of([s.mtp_sampling for s in seqs], self.device, rows).as_dict("mtp_"),
         }
 
     def _frame_forward(
-        self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise: torch.Tensor, mtp_noise: torch.Tensor,
-        mode: FrameSampling, **params: torch.Tensor,
+        self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise_keys: torch.Tensor,
+        mtp_noise_keys: torch.Tensor, mode: FrameSampling, **params: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
-        `mode` says which filtering the batch's rows need (a graph per mode)."""
+        `mode` says which filtering the batch's rows need (a graph per mode); the noise is made here, from keys."""
         logits = self.model.codec_head(hidden)
-        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), noise, self.seen[slots], banned,
-                        mode.filtered, mode.group0_top_k_cap)
-        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), mtp_noise, mode)
+        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), CounterNoise(noise_keys), self.seen[slots],
+                        banned, mode.filtered, mode.group0_top_k_cap)
+        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), CounterNoise(mtp_noise_keys), mode)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
 
     def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: torch.Tensor, mode: FrameSampling
+        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: CounterNoise, mode: FrameSampling
     ) -> torch.Tensor:
         """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
         rows = hidden.shape[0]
@@ -382,7 +382,8 @@ class TalkerRunner:
             batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length, rows_are_slots=True)
             positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
             out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
-            code = sample(cp.lm_head[k](out[:, -1]), params, noise[:, k], filtered=mode.filtered, top_k_cap=mode.mtp_top_k_cap)
+            code = sample(cp.lm_head[k](out[:, -1]), params, noise.shifted(k * self.mtp_vocab), filtered=mode.filtered,
+                          top_k_cap=mode.mtp_top_k_cap)
             codes.append(code)
             if k + 1 < self.num_groups - 1:
                 embeds = cp.model.codec_embedding[k](code)[:, None]

@@ -54,9 +54,10 @@ class VocoderSettings(_Strict):
     max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
     cuda_graphs: bool = Field(default=True, description="replay each (batch, window length) from a CUDA graph")
     stateful: bool = Field(
-        default=False,
+        default=True,
         description="carry each stream's attention and convolution state between chunks and decode only new frames "
-        "(no left context: about 4x less work at a steady chunk of 8; exact against a one-shot decode)",
+        "(exact against a one-shot decode; on an H200, 3.8 ms instead of 10.0 ms of GPU time per Talker step for 32 "
+        "streams); false re-decodes `left_context` frames with each chunk",
     )
     max_streams: int = Field(default=256, ge=1, description="stateful: streams one replica holds state for at once")
 

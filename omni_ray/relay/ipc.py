@@ -157,7 +157,8 @@ class IpcTransport:
 
 class IpcReceiver:
     """Consumer side: copies each message out of the producer's memory (on a side stream) and delivers it, in
-    arrival order. Rings stay open between messages. Control ops it does not know go to `fallback`."""
+    arrival order: ring messages at once, one-off buffers (and whatever arrives behind them) in a worker thread.
+    Rings stay open between messages. Control ops it does not know go to `fallback`."""
 
     def __init__(self, endpoint: RelayEndpoint, device: torch.device | str) -> None:
         self.endpoint = endpoint
@@ -166,6 +167,10 @@ class IpcReceiver:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc-in")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rings: OrderedDict[str, torch.Tensor] = OrderedDict()  # ring id -> the opened buffer, newest last
+        # messages handed to the worker (opening a one-off buffer's handle takes ~1 ms), and done there; while some are
+        # left, later messages queue behind them. Each counter is written by one thread only.
+        self._queued = 0
+        self._dequeued = 0
         self.fallback = endpoint.on_control
         self.received = 0
         endpoint.on_control = self.handle
@@ -177,7 +182,18 @@ class IpcReceiver:
                 self.fallback(message)
             return
         self._loop = asyncio.get_running_loop()
-        self._worker.submit(self._receive, control["header"], control.get("ring"), control.get("handle"))
+        header, ring, handle = control["header"], control.get("ring"), control.get("handle")
+        if handle is None and self._queued == self._dequeued:  # a ring copy is µs on an idle stream: no thread hop
+            self._receive(header, ring, None)
+            return
+        self._queued += 1
+        self._worker.submit(self._receive_queued, header, ring, handle)
+
+    def _receive_queued(self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None) -> None:
+        try:
+            self._receive(header, ring, handle)
+        finally:
+            self._dequeued += 1  # after its delivery was scheduled: what the loop delivers next comes after it
 
     def _receive(self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None) -> None:
         try:
@@ -193,7 +209,7 @@ class IpcReceiver:
             log.warning("CUDA IPC relay from %s failed: %s", header.sender, exc)
             message = _failed(header, f"relay from {header.sender} failed: {exc}")
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.endpoint.deliver, message)
+            self._loop.call_soon_threadsafe(self.endpoint.deliver, message)  # in order, also from the loop thread
 
     def _open(self, handle: tuple[Any, ...]) -> torch.Tensor:
         args = list(handle)

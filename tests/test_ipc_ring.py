@@ -1,11 +1,20 @@
-"""The CUDA IPC ring's space bookkeeping (`RingSpace`): live messages never overlap, space comes back only up to
-the consumer's acknowledgement, the ring wraps, and what does not fit is refused (it then goes in its own buffer)."""
+"""The CUDA IPC relay's mechanisms that need no GPU: the ring's space bookkeeping (`RingSpace`: live messages never
+overlap, space comes back only up to the consumer's acknowledgement, the ring wraps, what does not fit is refused)
+and the receiver's ordering (ring copies skip the worker thread, but never overtake a one-off buffer ahead of them).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from typing import Any
 
-from omni_ray.relay.ipc import RingSpace
+import torch
+
+from omni_ray.relay import RelayEndpoint, RelayItem, RelayMessage
+from omni_ray.relay.collective import _control, flatten, pack
+from omni_ray.relay.ipc import IpcReceiver, RingSpace
 
 
 def _overlaps(records: list[tuple[int, int, int]]) -> bool:
@@ -46,3 +55,39 @@ def test_random_traffic_never_overlaps_live_messages_and_keeps_order() -> None:
             space.release(acked)
             assert all(seq > acked for seq, _, _ in space.records)
     assert 0 < refused < 5000 and space.seq > 2000
+
+
+def test_receiver_delivers_in_arrival_order_behind_a_slow_one_off_buffer() -> None:
+    """Message 0 comes in a one-off buffer (opening its handle is slow, so a worker thread does it); messages 1-3
+    come through the ring, which is copied on the loop thread only while nothing is queued in the worker. The
+    device copies are replaced by the flattened bytes (this test is about order, not CUDA)."""
+
+    async def main() -> list[RelayItem]:
+        endpoint = RelayEndpoint()
+        receiver = IpcReceiver(endpoint, "cpu")
+        buffers: dict[int, torch.Tensor] = {}
+
+        def one_off(handle: tuple[Any, ...]) -> torch.Tensor:
+            time.sleep(0.3)
+            return buffers[handle[0]]
+
+        receiver._copy_out = one_off  # type: ignore[method-assign]
+        receiver._copy_from_ring = lambda ring_id, handle, seq, offset, nbytes: buffers[seq]  # type: ignore[method-assign]
+        got: list[RelayItem] = []
+        endpoint.claim("r", got.append)
+        for seq in range(4):
+            header, tensors, nbytes = pack(RelayMessage("p", [RelayItem("r", tensors={"x": torch.full((3,), seq)}, seq=seq)]))
+            buffers[seq] = flatten(tensors, nbytes, torch.device("cpu"))
+            place = {"handle": (seq,)} if seq == 0 else {"ring": ("ring", (), seq, 0, nbytes)}
+            endpoint.deliver(_control("p", "ipc", "", header=header, **place))
+            if seq == 2:
+                await asyncio.sleep(0.5)  # the worker is done: message 3 is copied inline
+        for _ in range(100):
+            if len(got) == 4:
+                break
+            await asyncio.sleep(0.02)
+        return got
+
+    got = asyncio.run(main())
+    assert [item.seq for item in got] == [0, 1, 2, 3]
+    assert [item.tensors["x"].tolist() for item in got] == [[seq] * 3 for seq in range(4)]

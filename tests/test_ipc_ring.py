@@ -72,11 +72,12 @@ def test_receiver_delivers_in_arrival_order_behind_a_slow_one_off_buffer() -> No
             return buffers[handle[0]]
 
         receiver._copy_out = one_off  # type: ignore[method-assign]
-        receiver._copy_from_ring = lambda ring_id, handle, seq, offset, nbytes: buffers[seq]  # type: ignore[method-assign]
+        receiver._copy_from_ring = lambda ring_id, handle, seq, off, size: buffers[seq]  # type: ignore[method-assign]
         got: list[RelayItem] = []
         endpoint.claim("r", got.append)
         for seq in range(4):
-            header, tensors, nbytes = pack(RelayMessage("p", [RelayItem("r", tensors={"x": torch.full((3,), seq)}, seq=seq)]))
+            item = RelayItem("r", tensors={"x": torch.full((3,), seq)}, seq=seq)
+            header, tensors, nbytes = pack(RelayMessage("p", [item]))
             buffers[seq] = flatten(tensors, nbytes, torch.device("cpu"))
             place = {"handle": (seq,)} if seq == 0 else {"ring": ("ring", (), seq, 0, nbytes)}
             endpoint.deliver(_control("p", "ipc", "", header=header, **place))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -132,9 +132,10 @@ def sample(
 ) -> torch.Tensor:
     """One token per row of logits [B, V] → [B] long, on the device, with no host sync.
 
-    noise: Exp(1) draws [B, V] or their `CounterNoise` (ignored by greedy rows; None when every row is greedy); seen [B, V] bool: tokens the repetition penalty applies to;
-    banned [B, V] or [V] bool: never picked. `filtered=False` skips top-k/top-p (when no row uses them);
-    `top_k_cap` (see `top_k_cap()`) filters only that many candidates per row."""
+    noise: Exp(1) draws [B, V] or their `CounterNoise` (ignored by greedy rows; None when every row is greedy);
+    seen [B, V] bool: tokens the repetition penalty applies to; banned [B, V] or [V] bool: never picked.
+    `filtered=False` skips top-k/top-p (when no row uses them); `top_k_cap` (see `top_k_cap()`) filters only that
+    many candidates per row."""
     x = logits.to(torch.float32)
     if banned is not None:
         x = x.masked_fill(banned, float("-inf"))
@@ -156,9 +157,12 @@ def sample(
 MASK32 = 0xFFFFFFFF
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2^32): the multipliers are below
-    2^31, so no product overflows int64."""
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+
+
+def mix32(x: IntOrTensor) -> IntOrTensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of values in [0, 2^32): Python ints on the host, int64
+    tensors on the device. The multipliers are below 2^31, so no product overflows int64."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & MASK32
     x = x ^ (x >> 15)
@@ -166,20 +170,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _mix32_int(x: int) -> int:
-    """`mix32` of one Python int (for the row keys on the host)."""
-    x ^= x >> 16
-    x = (x * 0x21F0AAAD) & MASK32
-    x ^= x >> 15
-    x = (x * 0x735A2D97) & MASK32
-    return x ^ (x >> 15)
-
-
 def row_key(seed: int, draw: int) -> tuple[int, int]:
     """The two 32-bit keys of a row's `draw`-th draw under `seed` (any int; only its low 64 bits count)."""
     low, high = seed & MASK32, (seed >> 32) & MASK32
-    first = _mix32_int(low ^ _mix32_int(high ^ 0x9E3779B9))
-    return first, _mix32_int(first ^ _mix32_int((draw & MASK32) ^ 0x85EBCA6B))
+    first = mix32(low ^ mix32(high ^ 0x9E3779B9))
+    return first, mix32(first ^ mix32((draw & MASK32) ^ 0x85EBCA6B))
 
 
 def exponential_from_hash(keys: torch.Tensor, ids: torch.Tensor, offset: int) -> torch.Tensor:

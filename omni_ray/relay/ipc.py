@@ -29,7 +29,7 @@ from omni_ray.relay.tcp import TcpTransport
 log = logging.getLogger(__name__)
 
 RING_BYTES = 64 << 20  # one ring per consumer; a message over half of it goes in a buffer of its own
-ACK_BYTES = 256  # the ring's head: the consumer's last copied sequence number (int64), then padding to ALIGN
+ACK_BYTES = 256  # the ring's head: the consumer's last copied sequence number (int64), padded to the ring's alignment
 COLLECT_EVERY = 256  # one-off buffers between `torch.cuda.ipc_collect()` calls (frees blocks consumers released)
 OPEN_RINGS = 16  # rings a consumer keeps open (one per producer replica that sends to it)
 _DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument
@@ -120,7 +120,9 @@ class IpcTransport:
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         header, tensors, nbytes = pack(message)
-        place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes)) if nbytes else {}
+        place: dict[str, Any] = {}
+        if nbytes:
+            place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes))
         await self.control.send(peer, _control(message.sender, "ipc", "", header=header, **place))
 
     def _share(self, replica_id: str, tensors: list[tuple[int, torch.Tensor]], nbytes: int) -> dict[str, Any]:
@@ -189,7 +191,9 @@ class IpcReceiver:
         self._queued += 1
         self._worker.submit(self._receive_queued, header, ring, handle)
 
-    def _receive_queued(self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None) -> None:
+    def _receive_queued(
+        self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None
+    ) -> None:
         try:
             self._receive(header, ring, handle)
         finally:
@@ -216,7 +220,9 @@ class IpcReceiver:
         args[_DEVICE_ARG] = self.device.index if self.device.index is not None else torch.cuda.current_device()
         return rebuild_cuda_tensor(*args)  # a view of the producer's buffer (same physical GPU)
 
-    def _copy_from_ring(self, ring_id: str, handle: tuple[Any, ...], seq: int, offset: int, nbytes: int) -> torch.Tensor:
+    def _copy_from_ring(
+        self, ring_id: str, handle: tuple[Any, ...], seq: int, offset: int, nbytes: int
+    ) -> torch.Tensor:
         shared = self._rings.get(ring_id)
         if shared is None:
             shared = self._rings[ring_id] = self._open(handle)

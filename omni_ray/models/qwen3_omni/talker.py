@@ -365,7 +365,8 @@ class TalkerRunner:
         logits = self.model.codec_head(hidden)
         group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), CounterNoise(noise_keys), self.seen[slots],
                         banned, mode.filtered, mode.group0_top_k_cap)
-        codes = self._complete_frames(hidden, group0, SamplingBatch.from_dict(params, "mtp_"), CounterNoise(mtp_noise_keys), mode)
+        mtp_params = SamplingBatch.from_dict(params, "mtp_")
+        codes = self._complete_frames(hidden, group0, mtp_params, CounterNoise(mtp_noise_keys), mode)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
 
     def _complete_frames(

@@ -60,7 +60,7 @@ def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_when_asked_else_
     assert ipc.select(peer_gpu0) is ipc.ipc and not ipc.needs_host_tensors(peer_gpu0)  # one GPU: CUDA IPC
     assert ipc.select(peer_gpu1) is ipc.collective  # another GPU: NCCL, as auto
     assert ipc.select(RelayPeer("e", "tcp://127.0.0.1:1")) is ipc.tcp
-    assert auto.ipc is None  # auto leaves one-GPU pairs on the host path until IPC is measured
+    assert auto.ipc is None  # auto keeps one-GPU pairs on the host path (faster for step-sized messages)
     LOCAL_ENDPOINTS["here"] = RelayEndpoint()
     try:
         assert forced.select(RelayPeer("here", "tcp://127.0.0.1:1")) is forced.local  # same process wins

@@ -15,14 +15,16 @@ from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 
 
 def _reply(
     checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
-    lengths: tuple[int, ...] = (64,), compile_layers: bool = False,
+    lengths: tuple[int, ...] = (64,), compile_layers: bool = False, talker_sampling: SamplingParams = TALKER_GREEDY,
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
     """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch (shorter
-    ones leave early, so the cache compacts mid-run); plus how many graphs ran."""
+    ones leave early, so the cache compacts mid-run); plus how many graphs ran. A seeded `talker_sampling` gives
+    request i the seed seed + i."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tc = config.thinker_config.text_config
@@ -50,8 +52,9 @@ def _reply(
     talker.warmup(4)
     speeches = []
     for i, seq in enumerate(seqs):
-        speech = TalkerSequence(seq.request_id, SamplingParams(temperature=0.0, repetition_penalty=1.05), 2302,
-                                max_frames=lengths[i])
+        sampling = talker_sampling if talker_sampling.seed is None else \
+            talker_sampling.model_copy(update={"seed": talker_sampling.seed + i})
+        speech = TalkerSequence(seq.request_id, sampling, 2302, max_frames=lengths[i])
         talker.admit(speech)
         for out in outputs[seq.request_id]:
             speech.prefix = out.talker_prefix or speech.prefix
@@ -97,6 +100,22 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
     assert graph_tokens == eager_tokens
     assert [[f[0] for f in frames] for frames in graph_frames] == [[f[0] for f in frames] for frames in eager_frames]
     assert graph_frames == eager_frames
+
+
+def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path) -> None:
+    """The service's Talker sampling (group 0: top-k 50 and a repetition penalty; MTP: top-k 50, top-p 0.8), seeded:
+    the noise is made inside the frame graph from each request's keys, so graph replay draws eager's codes, frame by
+    frame, for a batch of four; another seed draws other codes."""
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
+    lengths = (48, 32, 48, 17)
+    served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)
+    _, eager, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths, talker_sampling=served)
+    _, replayed, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, talker_sampling=served)
+    other = served.model_copy(update={"seed": 1000})
+    _, reseeded, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, talker_sampling=other)
+    assert graphs["talker"] >= 4 and [len(f) for f in replayed] == list(lengths)
+    assert replayed == eager
+    assert reseeded != replayed
 
 
 def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:

@@ -37,7 +37,7 @@ def test_decode_positions_put_dummy_rows_at_the_last_position() -> None:
     cache = _cache(num_slots=5, max_len=100)
     for _ in range(3):
         cache.allocate()
-    positions, kv_len = decode_positions([(0, 7), (2, 20)], cache, CPU)  # slot 1 does not decode this step
+    positions, kv_len = decode_positions([(0, 7), (2, 20)], cache)  # slot 1 does not decode this step
     assert positions.tolist() == [7, 99, 20, 99]  # 3 slots in use → 4 rows
     assert kv_len == 32
 

@@ -83,7 +83,7 @@ def test_draws_follow_the_distribution() -> None:
     logits = torch.log(probs) * temperature  # softmax(logits / T) == probs
     params = SamplingParams(temperature=temperature, seed=5)
     sources = [NoiseSource(params.model_copy(update={"seed": seed})) for seed in range(8000)]
-    noise = CounterNoise(draw_keys(sources, "cpu"))
+    noise = CounterNoise(draw_keys(sources))
     picks = sample(logits.expand(8000, -1), SamplingBatch.of([params] * 8000, "cpu"), noise)
     freq = torch.bincount(picks, minlength=4).float() / 8000
     assert torch.allclose(freq, probs, atol=0.02), freq
@@ -215,7 +215,7 @@ def test_padding_rows_are_greedy() -> None:
     batch = SamplingBatch.of([SamplingParams(temperature=0.5, top_k=3)], "cpu", rows=4)
     assert batch.temperature.tolist() == [0.5, 0.0, 0.0, 0.0]
     assert batch.top_k.tolist() == [3, 0, 0, 0]
-    keys = draw_keys([NoiseSource(SamplingParams(temperature=0.5, seed=1))], "cpu", rows=4)
+    keys = draw_keys([NoiseSource(SamplingParams(temperature=0.5, seed=1))], rows=4)
     assert keys.shape == (4, 2) and keys[0].tolist() != [0, 0] and keys[1:].eq(0).all()
 
 
@@ -277,10 +277,10 @@ def test_counter_noise_is_exponential_and_independent_across_rows_draws_and_toke
     """The hash-made noise: mean and variance of Exp(1), no correlation between neighbouring tokens, rows or
     consecutive draws of one row, and the noise of a token does not depend on which other tokens are asked."""
     source = NoiseSource(SamplingParams(seed=3))
-    first, second = (CounterNoise(draw_keys([source], "cpu")).dense(200_000)[0] for _ in range(2))
+    first, second = (CounterNoise(draw_keys([source])).dense(200_000)[0] for _ in range(2))
     for noise in (first, second):
         assert noise.min() > 0 and abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.02
-    rows = CounterNoise(draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)], "cpu")).dense(200_000)
+    rows = CounterNoise(draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)])).dense(200_000)
 
     def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
@@ -288,7 +288,7 @@ def test_counter_noise_is_exponential_and_independent_across_rows_draws_and_toke
     assert abs(correlation(first[:-1], first[1:])) < 0.01  # neighbouring tokens
     assert abs(correlation(first, second)) < 0.01  # consecutive draws
     assert abs(correlation(rows[0], rows[1])) < 0.01  # seeds 0 and 1
-    keys = draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)], "cpu")
+    keys = draw_keys([NoiseSource(SamplingParams(seed=s)) for s in range(2)])
     ids = torch.tensor([[7, 199_999, 3], [5, 0, 123_456]])
     dense = CounterNoise(keys).dense(200_000)
     assert torch.equal(CounterNoise(keys).at(ids), dense.gather(-1, ids))  # a token's noise alone = in the whole row

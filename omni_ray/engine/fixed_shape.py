@@ -38,17 +38,17 @@ def pad_prefill(prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCach
     return padded, slot_t
 
 
-def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache, device: torch.device) -> tuple[torch.Tensor, int]:
+def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache) -> tuple[torch.Tensor, int]:
     """A decode batch over slots 0..R-1 (R: the power-of-two bucket of the slots in use), row r being slot r:
     seqs holds (slot, position) of the rows that decode; every other row is a dummy writing at the last cache
-    position, which a sequence always overwrites before reading. Returns positions [R] (one host→device copy)
-    and the key-range bucket covering every real row."""
+    position, which a sequence always overwrites before reading. Returns positions [R] on the host (for
+    `host_inputs.upload` with the step's other inputs) and the key-range bucket covering every real row."""
     rows = bucket_pow2(cache.used_slots)
     positions = [cache.max_len - 1] * rows
     for slot, position in seqs:
         positions[slot] = position
     kv_len = bucket_length(max(p for _, p in seqs) + 1, cache.max_len)
-    return torch.tensor(positions, dtype=torch.long).to(device), kv_len
+    return torch.tensor(positions, dtype=torch.long), kv_len
 
 
 def warmup_shapes(

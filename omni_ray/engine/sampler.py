@@ -18,6 +18,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_ray.engine.host_inputs import upload
+
 log = logging.getLogger(__name__)
 
 
@@ -49,23 +51,25 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     penalty: torch.Tensor  # [B] float32
 
-    @classmethod
-    def of(cls, params: Sequence[SamplingParams], device: torch.device | str, rows: int | None = None) -> "SamplingBatch":
-        """Rows past len(params) (batch padding) are greedy. One host→device copy."""
+    @staticmethod
+    def table(params: Sequence[SamplingParams], rows: int | None = None) -> torch.Tensor:
+        """[rows, 4] float64 on the host: temperature, top_k, top_p, penalty per row; rows past len(params) (batch
+        padding) are greedy."""
         rows = len(params) if rows is None else rows
-        table = torch.tensor(
+        return torch.tensor(
             [[p.temperature, p.top_k, p.top_p, p.repetition_penalty] for p in params]
             + [[0.0, 0.0, 1.0, 1.0]] * (rows - len(params)),
             dtype=torch.float64,
-        ).reshape(rows, 4).to(device)
-        return cls(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float())
-
-    def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}{name}": getattr(self, name) for name in ("temperature", "top_k", "top_p", "penalty")}
+        ).reshape(rows, 4)
 
     @classmethod
-    def from_dict(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "SamplingBatch":
-        return cls(*(tensors[f"{prefix}{name}"] for name in ("temperature", "top_k", "top_p", "penalty")))
+    def from_table(cls, table: torch.Tensor) -> "SamplingBatch":
+        return cls(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float())
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str, rows: int | None = None) -> "SamplingBatch":
+        """`table(params, rows)` on `device` (one host→device copy)."""
+        return cls.from_table(cls.table(params, rows).to(device))
 
 
 def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -241,11 +245,12 @@ class NoiseSource:
         return key
 
 
-def draw_keys(sources: Sequence[NoiseSource], device: torch.device | str, rows: int | None = None) -> torch.Tensor:
-    """[rows, 2] int64: each source's next draw's keys (its draw count advances); padding rows get zeros."""
+def draw_keys(sources: Sequence[NoiseSource], rows: int | None = None) -> torch.Tensor:
+    """[rows, 2] int64 on the host: each source's next draw's keys (its draw count advances); padding rows get
+    zeros."""
     rows = len(sources) if rows is None else rows
     keys = [source.next_key() for source in sources] + [(0, 0)] * (rows - len(sources))
-    return torch.tensor(keys, dtype=torch.int64).to(device)
+    return torch.tensor(keys, dtype=torch.int64).reshape(rows, 2)
 
 
 def needs_filter(params: Sequence[SamplingParams]) -> bool:
@@ -258,10 +263,13 @@ def sample_rows(
     seen: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eager convenience: sample [B, V] logits for B requests given their noise sources."""
+    """Eager: sample [B, V] logits for B requests given their noise sources (their parameters and keys reach the
+    device without waiting for it)."""
     params = [s.params for s in sources]
-    batch = SamplingBatch.of(params, logits.device)
-    noise = CounterNoise(draw_keys(sources, logits.device)) if any(not p.greedy for p in params) else None
+    host = {"table": SamplingBatch.table(params), "keys": draw_keys(sources)}
+    inputs = upload(host, logits.device)
+    batch = SamplingBatch.from_table(inputs["table"])
+    noise = CounterNoise(inputs["keys"]) if any(not p.greedy for p in params) else None
     if seen is not None and all(p.repetition_penalty == 1.0 for p in params):
         seen = None
     return sample(logits, batch, noise, seen, banned, needs_filter(params), top_k_cap(params))

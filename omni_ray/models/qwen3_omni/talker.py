@@ -22,6 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
+from omni_ray.engine.host_inputs import upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, needs_filter, sample, top_k_cap,
@@ -216,7 +217,8 @@ class TalkerRunner:
             run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
         mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
         for rows in sorted({r for r, _ in decode}):
-            inputs = self._frame_inputs([], torch.zeros(0, width, dtype=dtype, device=self.device), rows)
+            host = upload(self._frame_host_inputs([], rows), self.device)
+            inputs = self._frame_inputs(torch.zeros(0, width, dtype=dtype, device=self.device), rows, host)
             for mode in (FrameSampling(False), FrameSampling(True), FrameSampling(True, mtp_cap, mtp_cap)):
                 self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         capture_prefills(self.graphs, self.cache, prefill, width, dtype, self._prefill_forward)
@@ -249,15 +251,23 @@ class TalkerRunner:
             self.max_prefill_tokens,
         )
         decoding = [s for s in seqs if s.num_cached > 0 and s.finish_reason is None]
+        stepping = prefilling + decoding
+        if not stepping:
+            return outputs
+        # Every small input of the step goes to the device before the first graph launch, in one non-blocking copy
+        # per dtype: the host then runs ahead of the GPU until the frame's codes are read.
+        host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
+        kv_len = 0
+        if decoding:
+            host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
+            host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
+        inputs = upload(host, self.device)
         hiddens = []
         if prefilling:
             hiddens.append(self._prefill(prefilling))
         if decoding:
-            hiddens.append(self._decode(decoding))
-        stepping = prefilling + decoding
-        if not stepping:
-            return outputs
-        frames, feedback = self._frames(stepping, torch.cat(hiddens))
+            hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
+        frames, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
         for i, (seq, codes) in enumerate(zip(stepping, frames)):
             if codes[0] == self.eos:
                 seq.finish_reason = "stop"
@@ -308,19 +318,21 @@ class TalkerRunner:
         rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
         pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
         if pending:
-            raw = torch.stack([seqs[j].text_embeds[index[j]].to(self.device) for j in pending]).to(dtype=self.assets.tts_pad.dtype)
-            for j, projected in zip(pending, self.model.text_projection(raw)):
+            raw = torch.stack([seqs[j].text_embeds[index[j]] for j in pending])
+            if raw.device != self.device:  # relayed on the host path
+                raw = upload({"raw": raw}, self.device)["raw"]
+            for j, projected in zip(pending, self.model.text_projection(raw.to(dtype=self.assets.tts_pad.dtype))):
                 rows[j] = projected
         return torch.stack(rows)
 
     def _decode_forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
         return {"hidden": decode_forward(self.model.model, self.cache, embeds, positions, kv_len)}
 
-    def _decode(self, seqs: list[TalkerSequence]) -> torch.Tensor:
-        """Decode over the first slots of the cache (row r = slot r); returns the hidden states of `seqs` in order."""
-        positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache, self.device)
-        embeds = torch.zeros(positions.shape[0], 1, self.assets.tts_pad.shape[-1], dtype=self.assets.tts_pad.dtype, device=self.device)
-        rows = torch.tensor([s.slot for s in seqs], device=self.device)
+    def _decode(self, seqs: list[TalkerSequence], positions: torch.Tensor, kv_len: int, rows: torch.Tensor) -> torch.Tensor:
+        """Decode over the first slots of the cache (row r = slot r, `rows` = the slots of `seqs`, `positions` and
+        `kv_len` from `decode_positions`); returns the hidden states of `seqs` in order."""
+        pad = self.assets.tts_pad
+        embeds = torch.zeros(positions.shape[0], 1, pad.shape[-1], dtype=pad.dtype, device=self.device)
         embeds[rows, 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
         out = run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
         for s in seqs:
@@ -328,44 +340,52 @@ class TalkerRunner:
             s.steps += 1
         return out["hidden"][rows]
 
-    def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
-        """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads."""
+    def _frames(
+        self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads.
+        `host`: `_frame_host_inputs(seqs, rows)`, uploaded."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
-        inputs = self._frame_inputs(seqs, hidden, rows)
+        inputs = self._frame_inputs(hidden, rows, host)
         mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
         out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         # outside the graph: capture must not change what it reads
         self.seen[inputs["slots"], out["codes"][:, 0]] = True
         return out["codes"][:count].tolist(), out["feedback"][:count].clone()
 
-    def _frame_inputs(self, seqs: list[TalkerSequence], hidden: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
-        """The frame graph's inputs for `seqs` padded to `rows` (padding rows: scratch slot, greedy)."""
+    def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:
+        """What the frame graph reads that the host decides, for `seqs` padded to `rows` (padding rows: scratch
+        slot, greedy), as host tensors: slots, EOS allowed or not, noise keys (each row's draw count advances) and
+        sampling tables."""
         count = len(seqs)
-        padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        padded[:count] = hidden
-        slots = torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)).to(self.device)
-        banned = self.banned.expand(rows, -1).clone()
-        no_eos = [i for i, s in enumerate(seqs) if s.ignore_eos]
-        if no_eos:
-            banned[no_eos, self.eos] = True
         return {
-            "hidden": padded, "slots": slots, "banned": banned,
-            "noise_keys": draw_keys([s.noise for s in seqs], self.device, rows),  # type: ignore[misc]
-            "mtp_noise_keys": draw_keys([s.mtp_noise for s in seqs], self.device, rows),  # type: ignore[misc]
-            **SamplingBatch.of([s.sampling for s in seqs], self.device, rows).as_dict("group0_"),
-            **SamplingBatch.of([s.mtp_sampling for s in seqs], self.device, rows).as_dict("mtp_"),
+            "slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count), dtype=torch.long),
+            "no_eos": torch.tensor([s.ignore_eos for s in seqs] + [False] * (rows - count), dtype=torch.bool),
+            "noise_keys": draw_keys([s.noise for s in seqs], rows),  # type: ignore[misc]
+            "mtp_noise_keys": draw_keys([s.mtp_noise for s in seqs], rows),  # type: ignore[misc]
+            "group0_sampling": SamplingBatch.table([s.sampling for s in seqs], rows),
+            "mtp_sampling": SamplingBatch.table([s.mtp_sampling for s in seqs], rows),
         }
+
+    def _frame_inputs(self, hidden: torch.Tensor, rows: int, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frame graph's inputs: `hidden` padded to `rows`, the banned-token rows, and the uploaded host inputs."""
+        padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        padded[: hidden.shape[0]] = hidden
+        banned = self.banned.expand(rows, -1).clone()
+        banned[:, self.eos] |= host["no_eos"]
+        names = ("slots", "noise_keys", "mtp_noise_keys", "group0_sampling", "mtp_sampling")
+        return {"hidden": padded, "banned": banned, **{name: host[name] for name in names}}
 
     def _frame_forward(
         self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise_keys: torch.Tensor,
-        mtp_noise_keys: torch.Tensor, mode: FrameSampling, **params: torch.Tensor,
+        mtp_noise_keys: torch.Tensor, group0_sampling: torch.Tensor, mtp_sampling: torch.Tensor, mode: FrameSampling,
     ) -> dict[str, torch.Tensor]:
         """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
         `mode` says which filtering the batch's rows need (a graph per mode); the noise is made here, from keys."""
         logits = self.model.codec_head(hidden)
-        group0 = sample(logits, SamplingBatch.from_dict(params, "group0_"), CounterNoise(noise_keys), self.seen[slots],
+        group0 = sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys), self.seen[slots],
                         banned, mode.filtered, mode.group0_top_k_cap)
-        mtp_params = SamplingBatch.from_dict(params, "mtp_")
+        mtp_params = SamplingBatch.from_table(mtp_sampling)
         codes = self._complete_frames(hidden, group0, mtp_params, CounterNoise(mtp_noise_keys), mode)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
 

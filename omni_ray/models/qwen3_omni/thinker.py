@@ -22,6 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
+from omni_ray.engine.host_inputs import upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import NoiseSource, SamplingParams, sample_rows
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -237,26 +238,28 @@ class ThinkerRunner:
 
     def _decode(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Decode over the first slots of the cache (row r = slot r); returns the logits of `seqs` in order."""
-        positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache, self.device)
+        positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache)
         ids = [0] * positions.shape[0]
         for seq in seqs:
             ids[seq.slot] = seq.output_ids[-1]
-        out = run_decode(self.graphs, self._decode_forward, kv_len,
-                         {"ids": torch.tensor(ids).to(self.device), "positions": positions})
         talking = [s for s in seqs if s.for_talker]
+        inputs = upload({"ids": torch.tensor(ids, dtype=torch.long), "positions": positions,
+                         "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long),
+                         "talking": torch.tensor([s.slot for s in talking], dtype=torch.long)}, self.device)
+        out = run_decode(self.graphs, self._decode_forward, kv_len, {"ids": inputs["ids"], "positions": inputs["positions"]})
         talker_embeds: dict[str, torch.Tensor] = {}
         if talking:
-            embeds = out["embeds"][[s.slot for s in talking]].float()  # the relay moves them to the CPU if needed
+            embeds = out["embeds"][inputs["talking"]].float()  # the relay moves them to the CPU if needed
             talker_embeds = {s.request_id: embeds[j] for j, s in enumerate(talking)}
         for seq in seqs:
             seq.num_cached += 1
-        return out["logits"][[s.slot for s in seqs]], talker_embeds
+        return out["logits"][inputs["rows"]], talker_embeds
 
     def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> list[int]:
         """One batched draw for every sampled row of the step; one host sync."""
         if not seqs:
             return []
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        slots = upload({"slots": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)["slots"]
         penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
         tokens = sample_rows(torch.cat(logits), [s.noise for s in seqs], self.seen[slots] if penalized else None)  # type: ignore[misc]
         self.seen[slots, tokens] = True

@@ -51,12 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--ticks", type=int, default=80, help="Talker steps (frames per stream)")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--cudnn-autotune", action="store_true", help="as `streaming.cudnn_autotune: true`")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]
     schedule = ChunkSchedule((1, 2, 4), 8, 25)
     module = load_code2wav(None, config, args.device, DTYPES[args.dtype])
+    torch.backends.cudnn.benchmark = args.cudnn_autotune
     codec = Code2WavCodec(module, cuda_graphs=not args.no_graphs, max_streams=max(streams))
     codec.warmup(decode_window_lengths(schedule), max(streams), step_shapes(schedule))
     rows = []

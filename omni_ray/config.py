@@ -60,6 +60,12 @@ class VocoderSettings(_Strict):
         "streams); false re-decodes `left_context` frames with each chunk",
     )
     max_streams: int = Field(default=256, ge=1, description="stateful: streams one replica holds state for at once")
+    cudnn_autotune: bool = Field(
+        default=False,
+        description="let cuDNN time its convolution algorithms for each decode shape at warm-up (CUDA only; for the "
+        "whole replica process). Opt-in until measured: in a profile inside the service, its default choice for "
+        "Code2Wav included a non-tensor-core convolution and many layout conversions",
+    )
 
 
 class TalkerSettings(EngineSettings):

@@ -318,6 +318,8 @@ class VocoderStage(StageBase):
         config = files.config
         res, streaming = stage.resources, stage.streaming
         module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
+        if streaming.cudnn_autotune and self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # before the first decode: warm-up times each shape once
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
                               max_streams=streaming.max_streams if streaming.stateful else 0)

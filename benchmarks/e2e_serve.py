@@ -135,7 +135,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
-             "the level's requests; server-side ones are means from `/metrics`.", "",
+             "the level's requests; server-side ones are means from `/metrics`. The client's TTFT is its first "
+             "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
+             "token is the one to read.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
              "server: first token / first frame / first audio / at ingress, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s |",

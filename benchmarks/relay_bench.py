@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     process = ctx.Process(target=consumer, args=(args.consumer, args.iterations, modes, theirs), daemon=True)
     process.start()
     try:
+        deadline = time.monotonic() + 120
+        while not ours.poll(1):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the consumer process did not start (exit code {process.exitcode})")
         peer = ours.recv()
         rows = asyncio.run(produce(args.producer, peer, args.iterations, modes, ours))
     finally:

@@ -52,11 +52,18 @@ class RingSpace:
         if not self.records:
             self.head = 0
 
+    def _size(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // self.align) * self.align
+
+    def too_big(self, nbytes: int) -> bool:
+        """Over half the ring: such a message always goes in a buffer of its own."""
+        return self._size(nbytes) > self.capacity // 2
+
     def reserve(self, nbytes: int) -> tuple[int, int] | None:
         """(seq, offset) for a message of nbytes, or None when it does not fit now."""
-        size = -(-max(nbytes, 1) // self.align) * self.align
-        if size > self.capacity // 2:
+        if self.too_big(nbytes):
             return None
+        size = self._size(nbytes)
         offset = self._fit(size)
         if offset is None:
             return None
@@ -91,6 +98,8 @@ class SharedRing:
     def reserve(self, nbytes: int, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor] | None:
         """(seq, the message's bytes in the ring) or None. Reads the consumer's acknowledgement (on `stream`, not
         waiting for compute) only when the message does not fit in what is known to be free."""
+        if self.space.too_big(nbytes):
+            return None  # no acknowledgement can make room for it
         placed = self.space.reserve(nbytes)
         if placed is None and self.space.records:
             with torch.cuda.stream(stream):

@@ -111,7 +111,8 @@ def test_client_disconnect_frees_every_stage_within_a_second(serve_url: str) -> 
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{serve_url}/v1/audio/speech", json=body) as response:
             assert response.status_code == 200
-            next(response.iter_bytes())  # first audio arrived: the request is live
+            chunks = response.iter_bytes()  # held until the block ends: a dropped iterator closes the connection
+            next(chunks)  # first audio arrived: the request is live
             deadline = time.monotonic() + 3  # replicas report every 0.25 s
             busy: dict[str, float] = {}
             while busy.get("talker", 0) == 0 and time.monotonic() < deadline:

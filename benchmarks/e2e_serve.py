@@ -63,6 +63,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
     return out
 
 
+def mps_running() -> bool:
+    """Is an MPS control daemon up (the stage processes then share each GPU's time instead of taking turns)?"""
+    return subprocess.run(["pgrep", "-f", "nvidia-cuda-mps-control"], capture_output=True).returncode == 0
+
+
 def wait_ready(timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -131,7 +136,9 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> str:
     lines = [f"# End to end through HTTP ({meta['gpu']}, {meta['date']})", "",
-             f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
+             + (f", overrides `{' '.join(meta['overrides'])}`" if meta.get("overrides") else "")
+             + (", under the MPS daemon" if meta.get("mps") else ", no MPS"), "",
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
     meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, overrides=args.set,
-                    max_tokens=args.max_tokens,
+                    max_tokens=args.max_tokens, mps=mps_running(),
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
     return 0

@@ -5,11 +5,13 @@
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
-# step), vocoder (window vs stateful vocoder, with and without cuDNN autotuning), ipc (CUDA IPC vs host path, one
+# step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN autotuning), ipc (CUDA IPC vs host path, one
 # GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end to end), e2e1 (the 1-GPU layout under MPS),
 # baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
-# `--set KEY=VALUE ...` for e2e), STEP_TIMEOUT (seconds per step, default 280).
+# `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
+# step, default 280). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
+# adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1 runs it under MPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -25,27 +27,38 @@ export PYTHONUNBUFFERED=1
 run_step() {  # name, command...
   local name=$1; shift
   local started=$SECONDS
-  timeout "$LIMIT" "$@" > "$OUT/logs/$name.log" 2>&1
+  timeout "$LIMIT" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - started))s"
 }
 
+mps_on() { nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/$1.log"; }
+mps_off() { echo quit | nvidia-cuda-mps-control; }
+
 for step in "${@:-tests engine vocoder e2e}"; do
-  for name in $step; do
+  for tagged in $step; do
+    name=${tagged%%:*}
+    tag=${tagged/:/_}
+    extra_var="SET_$tag" mps_var="MPS_$tag"
+    extra="${E2E_SET:-} ${!extra_var:-}"
+    mps=${!mps_var:-${E2E_MPS:-0}}
     case $name in
       tests) run_step tests python -m pytest -rA tests/test_gpu_engine.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py \
                tests/test_gpu_relay.py ;;  # the last needs two GPUs (skipped on one)
       engine) run_step engine python -m omni_ray.bench --compile --talker-sampling served --out "$OUT/results/engine" ;;
-      profile) run_step profile python -m benchmarks.profile_step --compile ;;
+      profile) run_step profile python -m benchmarks.profile_step --compile --served ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"
                run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;
       relay) run_step relay python -m benchmarks.relay_bench --out "$OUT/results/relay" ;;
-      e2e) # shellcheck disable=SC2086
-           run_step e2e python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml ${E2E_SET:-} --out "$OUT/results/e2e" ;;
-      e2e1) nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/e2e1.log"
-            run_step e2e1 env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml --out "$OUT/results/e2e1"
-            echo quit | nvidia-cuda-mps-control ;;
+      e2e) [ "$mps" = 1 ] && mps_on "$tag"
+           # shellcheck disable=SC2086
+           run_step "$tag" python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml $extra --out "$OUT/results/$tag"
+           [ "$mps" = 1 ] && mps_off ;;
+      e2e1) mps_on "$tag"  # four processes on one GPU: always under MPS
+            # shellcheck disable=SC2086
+            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"
+            mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
       *) echo "unknown step: $name" >&2 ;;
     esac

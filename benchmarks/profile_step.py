@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import FULL_CONFIG, _talker_seqs, benchmark_prompt_ids
+from omni_ray.bench import DEFAULT_TALKER_SAMPLING, FULL_CONFIG, GREEDY_TALKER, _talker_seqs, benchmark_prompt_ids
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, load_talker
@@ -38,6 +38,7 @@ def _profile(name: str, runner: Any, seqs: list[Any], graphs: bool) -> None:
 
 def main() -> None:
     compiled = "--compile" in sys.argv[1:]  # fuse each decoder layer with torch.compile
+    served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
@@ -54,7 +55,9 @@ def main() -> None:
                           SlotKVCache(talker_text.num_hidden_layers, 32, 256, talker_text.num_key_value_heads, talker_text.head_dim,
                                       torch.bfloat16, "cuda"), 32, compile_layers=compiled)
     for batch in (1, 32):
-        _profile("talker decode + frame", talker, _talker_seqs(config, batch, 100, 20), True)
+        sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
+        _profile(f"talker decode + frame ({'served' if served else 'greedy'} sampling)", talker,
+                 _talker_seqs(config, batch, 100, 20, sampling), True)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
                 self._slot = None
 
     def _append(self, codes: torch.Tensor) -> None:
-        self._pending = torch.cat([self._pending, codes], dim=1)
+        self._pending = torch.cat([self._pending, codes.to(self._pending.device)], dim=1)
 
     def _decode_next(self, size: int) -> torch.Tensor:
         with self._lock:

@@ -89,12 +89,20 @@ def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None)
 
 
 def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
-    """The layout with `a.b.c=value` settings applied to its first application's args (values read as YAML),
-    written next to the results."""
+    """The layout with `a.b.c=value` settings applied to its first application's args, or with
+    `deployments.NAME.key=value` to that deployment's options (values read as YAML), written next to the results."""
     raw = yaml.safe_load(layout.read_text())
+    app = raw["applications"][0]
     for setting in settings:
         key, _, value = setting.partition("=")
-        node = raw["applications"][0].setdefault("args", {})
+        node = app.setdefault("args", {})
+        if key.startswith("deployments."):
+            _, name, key = key.split(".", 2)
+            deployments = app.setdefault("deployments", [])
+            node = next((d for d in deployments if d.get("name") == name), None)
+            if node is None:
+                node = {"name": name}
+                deployments.append(node)
         *parents, leaf = key.split(".")
         for name in parents:
             node = node.setdefault(name, {})
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--baseline", action="store_true", help="also run transformers' generate() (batch 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override the layout's application args, e.g. pipeline.stages.vocoder.streaming.stateful=true")
+                        help="override the layout's application args, e.g. pipeline.stages.vocoder.streaming.stateful=true, or a "
+                        "deployment's options, e.g. deployments.talker.num_replicas=2")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch

@@ -22,3 +22,18 @@ def test_overrides_reach_the_pipeline_config(layout: Path, tmp_path: Path) -> No
     assert config.stages.vocoder.streaming.stateful is True and config.stages.thinker.relay == "ipc"
     assert config.stages.thinker.engine.compile_layers is True  # the layout's own settings are kept
     assert args["limits"]["max_completion_tokens"] == 512
+
+
+def test_deployment_overrides_reach_serves_options(tmp_path: Path) -> None:
+    from omni_ray.serve.app import app_from_serve_config
+
+    layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
+    used = with_overrides(layout, ["deployments.talker.num_replicas=2", "deployments.thinker.max_ongoing_requests=32",
+                                   "pipeline.stages.talker.resources.num_gpus=0.5"], tmp_path)
+    app = yaml.safe_load(used.read_text())["applications"][0]
+    options = {d["name"]: d for d in app["deployments"]}
+    assert options["talker"]["num_replicas"] == 2 and options["talker"]["max_queued_requests"] == 256  # others kept
+    assert options["thinker"]["max_ongoing_requests"] == 32 and options["ingress"]["num_replicas"] == 1
+    assert app["args"]["pipeline"]["stages"]["talker"]["resources"]["num_gpus"] == 0.5
+    _, spec = app_from_serve_config(used)  # the whole file still builds an application
+    assert spec["name"] == "omni"

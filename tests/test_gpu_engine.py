@@ -102,17 +102,19 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
     assert graph_frames == eager_frames
 
 
-def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-ops", "compiled-layers+fused-sampling"])
+def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path, compiled: bool) -> None:
     """The service's Talker sampling (group 0: top-k 50 and a repetition penalty; MTP: top-k 50, top-p 0.8), seeded:
     the noise is made inside the frame graph from each request's keys, so graph replay draws eager's codes, frame by
-    frame, for a batch of four; another seed draws other codes."""
+    frame, for a batch of four; another seed draws other codes. Compiled: the same layers and fused sampler run
+    eagerly and replayed."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
     lengths = (48, 32, 48, 17)
     served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)
-    _, eager, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths, talker_sampling=served)
-    _, replayed, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, talker_sampling=served)
+    _, eager, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths, compiled, served)
+    _, replayed, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, compiled, served)
     other = served.model_copy(update={"seed": 1000})
-    _, reseeded, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, talker_sampling=other)
+    _, reseeded, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, compiled, other)
     assert graphs["talker"] >= 4 and [len(f) for f in replayed] == list(lengths)
     assert replayed == eager
     assert reseeded != replayed

@@ -7,6 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from omni_ray.engine.sampler import (
+    GREEDY,
     CounterNoise,
     NoiseSource,
     SamplingBatch,
@@ -293,3 +294,27 @@ def test_counter_noise_is_exponential_and_independent_across_rows_draws_and_toke
     dense = CounterNoise(keys).dense(200_000)
     assert torch.equal(CounterNoise(keys).at(ids), dense.gather(-1, ids))  # a token's noise alone = in the whole row
     assert torch.equal(CounterNoise(keys, offset=100).at(ids[:, :1]), dense.gather(-1, ids[:, :1] + 100))
+
+
+def test_fused_sample_draws_what_eager_sampling_draws() -> None:
+    """The compiled sampler (the Talker's frame graph uses it with compiled layers) makes the same top-k/top-p
+    decisions and noise as eager `sample`, with and without a repetition penalty and banned tokens, across draw
+    offsets (one compiled graph serves them all)."""
+    from omni_ray.engine.sampler import fused_sample
+
+    torch.manual_seed(0)
+    rows, vocab = 16, 2048
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.8, repetition_penalty=1.05)] * (rows - 2) + [GREEDY] * 2
+    batch = SamplingBatch.from_table(SamplingBatch.table(params))
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[-100:] = True
+    for draw in range(4):
+        keys = torch.randint(0, 2**32, (rows, 2))
+        logits = torch.randn(rows, vocab) * 3
+        seen = torch.rand(rows, vocab) < 0.05
+        noise = CounterNoise(keys, draw * vocab)
+        fused = fused_sample(logits, batch, noise, seen, banned, True, 64)
+        assert torch.equal(fused, sample(logits, batch, noise, seen, banned, True, 64))
+        assert not banned[fused].any()
+        assert torch.equal(fused_sample(logits, batch, noise, filtered=True, top_k_cap=64),
+                           sample(logits, batch, noise, filtered=True, top_k_cap=64))

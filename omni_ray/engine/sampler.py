@@ -189,25 +189,29 @@ def exponential_from_hash(keys: torch.Tensor, ids: torch.Tensor, offset: int) ->
     return -torch.log(uniform)
 
 
-_FUSED: list[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = []
+Fn = TypeVar("Fn", bound=Callable[..., torch.Tensor])
 
 
-def _fused_noise() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-    """`exponential_from_hash` compiled by inductor into one kernel, made on first use (any shape), eager if the
-    compiler fails."""
-    if not _FUSED:
-        compiled = torch.compile(exponential_from_hash, dynamic=True, fullgraph=True)
+def compiled_or_eager(fn: Fn, what: str) -> Fn:
+    """`fn` compiled by inductor on its first call (dynamic shapes, one graph per guard set, no graph breaks); if
+    compiling fails, `fn` eagerly from then on."""
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    eager = False
 
-        def fused(keys: torch.Tensor, ids: torch.Tensor, offset: int) -> torch.Tensor:
+    def run(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal eager
+        if not eager:
             try:
-                return compiled(keys, ids, offset)
-            except Exception:  # no working compiler here: the same ops, eagerly, from now on
-                log.warning("compiling the sampling noise failed; it runs eagerly", exc_info=True)
-                _FUSED[0] = exponential_from_hash
-                return exponential_from_hash(keys, ids, offset)
+                return compiled(*args, **kwargs)
+            except Exception:  # no working compiler here: the same ops, eagerly
+                log.warning("compiling %s failed; it runs eagerly", what, exc_info=True)
+                eager = True
+        return fn(*args, **kwargs)
 
-        _FUSED.append(fused)
-    return _FUSED[0]
+    return run  # type: ignore[return-value]
+
+
+fused_noise = compiled_or_eager(exponential_from_hash, "the sampling noise")
 
 
 @dataclass
@@ -220,9 +224,11 @@ class CounterNoise:
 
     def at(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, K] long → [B, K] float32 noise, each strictly positive (24-bit uniforms, never 0 or 1).
-        On CUDA one fused kernel (about 30 elementwise ops otherwise, and a frame draws 16 times)."""
-        fn = _fused_noise() if ids.is_cuda else exponential_from_hash
-        return fn(self.keys, ids, self.offset)
+        On CUDA one fused kernel (about 30 elementwise ops otherwise, and a frame draws 16 times); inside a compiled
+        caller (`fused_sample`), part of the caller's kernels."""
+        if ids.is_cuda and not torch.compiler.is_compiling():
+            return fused_noise(self.keys, ids, self.offset)
+        return exponential_from_hash(self.keys, ids, self.offset)
 
     def dense(self, vocab: int) -> torch.Tensor:
         return self.at(torch.arange(vocab, device=self.keys.device).expand(self.keys.shape[0], -1))
@@ -255,6 +261,11 @@ def draw_keys(sources: Sequence[NoiseSource], rows: int | None = None) -> torch.
 
 def needs_filter(params: Sequence[SamplingParams]) -> bool:
     return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+
+
+# `sample` as a few inductor kernels (about 20 otherwise, for a top-k draw): for the Talker's frame graph, which draws
+# 16 times per step.
+fused_sample = compiled_or_eager(sample, "sampling")
 
 
 def sample_rows(

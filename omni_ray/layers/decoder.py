@@ -136,11 +136,16 @@ class DecoderStack(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         batch: AttentionBatch,
         capture: tuple[int, ...] = (),
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """embeds [B, T, H]; positions [B, T] or [3, B, T] for M-RoPE."""
-        if self.spec.mrope_section is not None and positions.dim() == 2:
-            positions = positions.unsqueeze(0).expand(3, -1, -1)
-        cos, sin = self.rotary(positions, embeds.dtype)
+        """embeds [B, T, H]; positions [B, T] or [3, B, T] for M-RoPE. `rope`: their (cos, sin) [B, T, head_dim],
+        when the caller has them already (positions are then ignored)."""
+        if rope is not None:
+            cos, sin = rope
+        else:
+            if self.spec.mrope_section is not None and positions.dim() == 2:
+                positions = positions.unsqueeze(0).expand(3, -1, -1)
+            cos, sin = self.rotary(positions, embeds.dtype)
         batch.grouped_mask(self.spec.num_heads // self.spec.num_kv_heads)  # built once here, not in each layer
         captured: dict[int, torch.Tensor] = {}
         x = embeds

@@ -25,7 +25,8 @@ from omni_ray.engine.fixed_shape import (
 from omni_ray.engine.host_inputs import upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
-    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, needs_filter, sample, top_k_cap,
+    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, needs_filter, sample,
+    top_k_cap,
 )
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
@@ -86,6 +87,16 @@ class FrameSampling:
         if not needs_filter(group0 + mtp):
             return cls(False)
         return cls(True, top_k_cap(group0), top_k_cap(mtp))
+
+
+@dataclass
+class MtpSubStep:
+    """What one MTP sub-step reads besides its tokens, the same in every frame: where its tokens go in the per-frame
+    cache, and their rotary tables."""
+
+    batch: AttentionBatch
+    cos: torch.Tensor  # [rows, T, head_dim]
+    sin: torch.Tensor
 
 
 @dataclass
@@ -199,9 +210,12 @@ class TalkerRunner:
         )
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
+        self._mtp_plans: dict[int, list[MtpSubStep]] = {}
+        self._sample = sample
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers()
             self.model.code_predictor.model.compile_layers()
+            self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
@@ -383,8 +397,8 @@ class TalkerRunner:
         """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
         `mode` says which filtering the batch's rows need (a graph per mode); the noise is made here, from keys."""
         logits = self.model.codec_head(hidden)
-        group0 = sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys), self.seen[slots],
-                        banned, mode.filtered, mode.group0_top_k_cap)
+        group0 = self._sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys),
+                              self.seen[slots], banned, mode.filtered, mode.group0_top_k_cap)
         mtp_params = SamplingBatch.from_table(mtp_sampling)
         codes = self._complete_frames(hidden, group0, mtp_params, CounterNoise(mtp_noise_keys), mode)
         return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
@@ -393,20 +407,35 @@ class TalkerRunner:
         self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: CounterNoise, mode: FrameSampling
     ) -> torch.Tensor:
         """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
-        rows = hidden.shape[0]
         cp = self.model.code_predictor
-        slots = torch.arange(rows, device=hidden.device)
         embeds = torch.stack([hidden, self.model.model.codec_embedding(group0)], dim=1)  # [B, 2, h]
         codes = [group0]
-        start, length = 0, 2
-        for k in range(self.num_groups - 1):
-            batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length, rows_are_slots=True)
-            positions = (start + torch.arange(length, device=hidden.device))[None].expand(rows, -1)
-            out, _ = cp.model(embeds, positions, self.mtp_cache.layers, batch)
-            code = sample(cp.lm_head[k](out[:, -1]), params, noise.shifted(k * self.mtp_vocab), filtered=mode.filtered,
-                          top_k_cap=mode.mtp_top_k_cap)
+        for k, sub in enumerate(self._mtp_plan(hidden.shape[0])):
+            out, _ = cp.model(embeds, None, self.mtp_cache.layers, sub.batch, rope=(sub.cos, sub.sin))
+            code = self._sample(cp.lm_head[k](out[:, -1]), params, noise.shifted(k * self.mtp_vocab),
+                                filtered=mode.filtered, top_k_cap=mode.mtp_top_k_cap)
             codes.append(code)
             if k + 1 < self.num_groups - 1:
                 embeds = cp.model.codec_embedding[k](code)[:, None]
-                start, length = start + length, 1
         return torch.stack(codes, dim=1)
+
+    def _mtp_plan(self, rows: int) -> list[MtpSubStep]:
+        """The MTP's sub-steps for `rows` rows: the first reads [talker hidden, group-0 embedding] at positions 0-1,
+        sub-step k >= 1 one code embedding at position k + 1. Built on first use (a graph's eager warm-up run) and
+        kept, so replays read them instead of recomputing masks and rotary tables in every frame."""
+        plan = self._mtp_plans.get(rows)
+        if plan is None:
+            stack = self.model.code_predictor.model
+            slots = torch.arange(rows, device=self.device)
+            dtype = self.assets.tts_pad.dtype
+            plan, start, length = [], 0, 2
+            for _ in range(self.num_groups - 1):
+                batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length,
+                                                    rows_are_slots=True)
+                batch.grouped_mask(stack.spec.num_heads // stack.spec.num_kv_heads)
+                positions = (start + torch.arange(length, device=self.device))[None].expand(rows, -1)
+                cos, sin = stack.rotary(positions, dtype)
+                plan.append(MtpSubStep(batch, cos, sin))
+                start, length = start + length, 1
+            self._mtp_plans[rows] = plan
+        return plan

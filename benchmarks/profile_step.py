@@ -42,7 +42,7 @@ def main() -> None:
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
-                            SlotKVCache(text.num_hidden_layers, 32, 256, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"),
+                            SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"),
                             compile_layers=compiled)
     for batch in (1, 32):
         seqs = [ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100), SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
@@ -52,7 +52,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
-                          SlotKVCache(talker_text.num_hidden_layers, 32, 256, talker_text.num_key_value_heads, talker_text.head_dim,
+                          SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
                                       torch.bfloat16, "cuda"), 32, compile_layers=compiled)
     for batch in (1, 32):
         sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER

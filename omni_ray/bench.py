@@ -86,12 +86,13 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False,
+    compiled: bool = False, max_seq_len: int = 0,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
+    slot_len = max(prompt + steps + 8, max_seq_len)
     runner = ThinkerRunner(
         load_thinker(None, config, device, dtype), config,
-        SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads, text.head_dim, dtype, device),
+        SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
         cuda_graphs=graphs, compile_layers=compiled,
     )
     rows = []
@@ -107,12 +108,13 @@ def bench_thinker(
 
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER,
+    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
+    slot_len = max(prompt + steps + 16, max_seq_len)
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
-        SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 16, text.num_key_value_heads, text.head_dim, dtype, device),
+        SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
         max(batches), cuda_graphs=graphs, compile_layers=compiled,
     )
     rows = []
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
     parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
                         help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
+    parser.add_argument("--max-seq-len", type=int, default=2048,
+                        help="KV slot length, as in the benchmark layouts (a step that touched the whole cache would "
+                        "show it here)")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -169,14 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     stages = args.stages.split(",")
     rows = []
     if "thinker" in stages:
-        rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile)
+        rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
+                              args.max_seq_len)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                             sampling)
+                             sampling, args.max_seq_len)
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
-                    + (", layers compiled" if args.compile else "") + f", Talker sampling {args.talker_sampling}",
+                    + (", layers compiled" if args.compile else "") + f", Talker sampling {args.talker_sampling}"
+                    + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0

@@ -43,11 +43,6 @@ class EngineSettings(_Strict):
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )
-    gil_switch_interval_ms: float | None = Field(
-        default=None, gt=0, le=100,
-        description="Python's thread switch interval in this replica's process (default: Python's 5 ms). The engine "
-        "thread waits up to this long for the GIL while the replica's event loop is busy streaming events",
-    )
 
 
 class VocoderSettings(_Strict):

@@ -291,17 +291,3 @@ def test_abort_that_arrives_before_the_request_still_applies(make: Callable[...,
     h.wait_finished("other")
     assert "early" not in [rid for batch in h.runner.batches for rid in batch]
 
-
-def test_switch_interval_setting_applies_to_the_replica_process_on_start() -> None:
-    import sys
-
-    before = sys.getswitchinterval()
-    loop: EngineLoop[object, object] = EngineLoop(object(), lambda outputs: None, lambda rid, exc: None, 1,
-                                                  switch_interval_ms=0.5)
-    try:
-        assert sys.getswitchinterval() == before  # nothing changes until the loop starts
-        loop.start()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        loop.stop()
-        sys.setswitchinterval(before)

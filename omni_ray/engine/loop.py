@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -45,7 +44,6 @@ class EngineLoop(Generic[S, O]):
         on_failure: Callable[[str, Exception], None],
         max_batch: int,
         name: str = "engine",
-        switch_interval_ms: float | None = None,
     ) -> None:
         self.runner = runner
         self.on_outputs = on_outputs
@@ -62,11 +60,8 @@ class EngineLoop(Generic[S, O]):
         self.max_batch_seen = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
-        self.switch_interval_ms = switch_interval_ms
 
     def start(self) -> None:
-        if self.switch_interval_ms is not None:  # process-wide: how long a thread waiting for the GIL lets its holder run
-            sys.setswitchinterval(self.switch_interval_ms / 1000)
         self._thread.start()
 
     def stop(self) -> None:

@@ -129,8 +129,7 @@ class ThinkerStage(StageBase):
         cache = _kv_cache(config.thinker_config.text_config, engine, res)
         runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers)
         runner.warmup(engine.max_batch)
-        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
-                                 engine.gil_switch_interval_ms)
+        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
         self._talkers: dict[str, RelayPeer] = {}
         self.start_reporting()
@@ -222,8 +221,7 @@ class TalkerStage(StageBase):
         runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens,
                               engine.compile_layers)
         runner.warmup(engine.max_batch)
-        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker",
-                                 engine.gil_switch_interval_ms)
+        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
         self._sequences: dict[str, TalkerSequence] = {}

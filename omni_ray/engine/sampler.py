@@ -195,13 +195,15 @@ Fn = TypeVar("Fn", bound=Callable[..., torch.Tensor])
 def compiled_or_eager(fn: Fn, what: str) -> Fn:
     """`fn` compiled by inductor on its first call (dynamic shapes, one graph per guard set, no graph breaks); if
     compiling fails, `fn` eagerly from then on."""
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled: Callable[..., torch.Tensor] | None = None  # made on first use: importing the compiler takes a while
     eager = False
 
     def run(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal eager
+        nonlocal compiled, eager
         if not eager:
             try:
+                if compiled is None:
+                    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
                 return compiled(*args, **kwargs)
             except Exception:  # no working compiler here: the same ops, eagerly
                 log.warning("compiling %s failed; it runs eagerly", what, exc_info=True)

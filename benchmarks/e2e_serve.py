@@ -27,7 +27,8 @@ URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {"first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
               "first_audio": "omni_time_to_first_audio_seconds",
-              "first_audio_received": "omni_time_to_first_audio_received_seconds"}
+              "first_audio_received": "omni_time_to_first_audio_received_seconds",
+              "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_batch_mean")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames")  # cumulative: per level as a rate
 
@@ -142,6 +143,14 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     return rows
 
 
+def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
+    """The client's mean TTFA less its way in (X-Request-Start → ingress) and the server's time until it handed the
+    first audio on: what the reply's first audio spent between the ingress and the client (ms; it also holds the
+    ingress's own parsing before it submits the request)."""
+    ttfa, way_in, sent = stats["ttfa_s"].get("mean"), server.get("mean_request_path_ms"), server.get("mean_first_audio_sent_ms")
+    return None if ttfa is None or way_in is None or sent is None else 1000 * ttfa - way_in - sent
+
+
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> str:
     lines = [f"# End to end through HTTP ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
@@ -150,13 +159,16 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
-             "the level's requests; server-side ones are means from `/metrics`. The client's TTFT is its first "
+             "the level's requests; server-side ones are means from `/metrics`, from the ingress submitting the request; "
+             "the client's way in is from its X-Request-Start header to the ingress handler, and its way out what "
+             "its mean TTFA spent after the ingress handed the first audio on. The client's TTFT is its first "
              "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
              "token is the one to read.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
-             "server: first token / first frame / first audio / at ingress, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
+             "server: first token / first frame / first audio / at ingress / handed on, mean (ms) | "
+             "client's way in / out, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -172,7 +184,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
             f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
-            f"{num(srv.get('mean_first_audio_received_ms'))} | "
+            f"{num(srv.get('mean_first_audio_received_ms'))} / {num(srv.get('mean_first_audio_sent_ms'))} | "
+            f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
             f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} |")

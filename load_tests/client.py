@@ -138,7 +138,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, scenario: str, 
     retry_after: str | None = None
     start = time.perf_counter()
     try:
-        async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        headers = {"X-Request-Start": f"t={time.time_ns() // 1000}"}  # the server measures the way in from it
+        async with session.post(f"{url}{path}", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             status = resp.status
             retry_after = resp.headers.get("Retry-After")
             if status != 200:

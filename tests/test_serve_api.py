@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from typing import Any
 
 import openai
@@ -123,11 +124,30 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
     assert httpx.get(f"{serve_url}/ready").status_code == 200
     metrics = httpx.get(f"{serve_url}/metrics").text
     for name in ("omni_requests_total", "omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds",
-                 "omni_time_to_first_audio_received_seconds",
+                 "omni_time_to_first_audio_received_seconds", "omni_time_to_first_audio_sent_seconds",
+                 "omni_request_path_seconds",
                  "omni_real_time_factor", "omni_stage_waiting", "omni_stage_running"):
         assert name in metrics, name
     assert 'omni_stage_replicas{stage="talker"} 1.0' in metrics
+    counts = _counts(metrics)
+    # the earlier streamed replies with audio say when their first chunk was handed on
+    assert counts["omni_time_to_first_audio_sent_seconds_count"] > 0
+    # a request that says when it left (X-Request-Start) gets its way in measured
+    started = time.time_ns() // 1000
+    reply = httpx.post(f"{serve_url}/v1/chat/completions", headers={"X-Request-Start": f"t={started}"}, timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert reply.status_code == 200
+    after = _counts(httpx.get(f"{serve_url}/metrics").text)
+    assert after["omni_request_path_seconds_count"] == counts["omni_request_path_seconds_count"] + 1
+    way_in = after["omni_request_path_seconds_sum"] - counts["omni_request_path_seconds_sum"]
+    assert 0 <= way_in < time.time() - started / 1e6
     # the earlier tests of this module spoke: the vocoder reports the work its decode thread has done
     vocoder = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith(("omni_stage_decode_busy_s{", "omni_stage_decode_frames{")) and 'stage="vocoder"' in line}
     assert vocoder["omni_stage_decode_busy_s"] > 0 and vocoder["omni_stage_decode_frames"] > 0, vocoder
+
+
+def _counts(metrics: str) -> dict[str, float]:
+    """Unlabelled samples of a /metrics page by name."""
+    return {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line and not line.startswith("#") and "{" not in line.split(" ")[0]}

@@ -57,6 +57,11 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code)
 
 
+def _with_sent(timing: dict[str, float], first_sent: float | None) -> dict[str, float]:
+    """A streamed reply's timing plus when its first audio chunk was handed to the HTTP response."""
+    return timing if first_sent is None else {**timing, "first_audio_sent": first_sent}
+
+
 @serve.ingress(app)
 class OmniIngress:
     """Parses and validates requests, runs them through the orchestrator over the stage deployments."""
@@ -132,6 +137,7 @@ class OmniIngress:
         return samples, final
 
     async def _guard(self, endpoint: str, handler: Any, request: Request) -> Response:
+        self.metrics.observe_request_path(request.headers.get("x-request-start"), time.time())
         self.metrics.in_flight.inc()
         try:
             response = await handler(await request.body())
@@ -177,6 +183,7 @@ class OmniIngress:
         audio_id = f"audio_{rid}"
         yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}))
         seconds = 0.0
+        first_sent: float | None = None
         event = first
         while event is not None:
             if isinstance(event, TextDelta):
@@ -186,10 +193,11 @@ class OmniIngress:
                 yield oai.sse(oai.chat_chunk(rid, self.model_name, created, delta))
             elif isinstance(event, AudioChunk):
                 seconds += len(event.pcm) / event.sample_rate
+                first_sent = first_sent or time.time()
                 yield oai.sse(oai.chat_chunk(rid, self.model_name, created, oai.audio_delta(audio_id, event.pcm)))
             elif isinstance(event, Finished):
                 usage = oai.usage_dict(event.usage["prompt_tokens"], event.usage["completion_tokens"], event.usage.get("audio_frames"))
-                self.metrics.observe_reply(event.timing, seconds, event.t)
+                self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
                 yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {}, event.finish_reason, usage))
             event = await anext(events, None)
         yield oai.SSE_DONE
@@ -220,13 +228,15 @@ class OmniIngress:
         if wav:
             yield wav_stream_header(OUTPUT_SAMPLE_RATE)
         seconds = 0.0
+        first_sent: float | None = None
         event = first
         while event is not None:
             if isinstance(event, AudioChunk):
                 seconds += len(event.pcm) / event.sample_rate
+                first_sent = first_sent or time.time()
                 yield encode_audio(event.pcm, event.sample_rate, "pcm16")
             elif isinstance(event, Finished):
-                self.metrics.observe_reply(event.timing, seconds, event.t)
+                self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
             event = await anext(events, None)
 
     # ---- service -------------------------------------------------------------------------------------------

@@ -20,6 +20,22 @@ STAGE_GAUGES = {
 }
 
 
+def parse_request_start(header: str | None) -> float | None:
+    """An `X-Request-Start` header (`t=<epoch>` or a bare epoch, in seconds, milliseconds or microseconds, as load
+    balancers and APM agents write it) → epoch seconds; None when absent or unreadable."""
+    if not header:
+        return None
+    try:
+        value = float(header.strip().removeprefix("t="))
+    except ValueError:
+        return None
+    if value > 1e14:  # microseconds
+        return value / 1e6
+    if value > 1e11:  # milliseconds
+        return value / 1e3
+    return value
+
+
 class ServiceMetrics:
     """A private registry, rendered by GET /metrics (one ingress replica's view plus every stage replica)."""
 
@@ -36,6 +52,13 @@ class ServiceMetrics:
         self.ttfa_received = Histogram("omni_time_to_first_audio_received_seconds",
                                        "time until the first audio chunk reached the ingress (vs made by the vocoder)",
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa_sent = Histogram("omni_time_to_first_audio_sent_seconds",
+                                   "time until the ingress handed the first audio chunk to the HTTP response",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.request_path = Histogram("omni_request_path_seconds",
+                                      "from the client's X-Request-Start header to the ingress handler: the HTTP proxy "
+                                      "and request routing (requests that send the header)",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram("omni_real_time_factor", "wall time / audio seconds of a reply", buckets=RTF_BUCKETS, registry=r)
         self.audio_seconds = Counter("omni_audio_seconds", "seconds of audio produced", registry=r)
         self.stage = {
@@ -56,9 +79,17 @@ class ServiceMetrics:
             self.ttfa.observe(timing["first_audio"] - submitted)
         if "first_audio_received" in timing:
             self.ttfa_received.observe(timing["first_audio_received"] - submitted)
+        if "first_audio_sent" in timing:
+            self.ttfa_sent.observe(timing["first_audio_sent"] - submitted)
         if audio_seconds > 0:
             self.audio_seconds.inc(audio_seconds)
             self.rtf.observe((finished_at - submitted) / audio_seconds)
+
+    def observe_request_path(self, request_start: str | None, received: float) -> None:
+        """The request's way from the client to the ingress handler, when it says when it left (X-Request-Start)."""
+        started = parse_request_start(request_start)
+        if started is not None and 0 <= received - started < 3600:  # clocks of one host, or synchronised ones
+            self.request_path.observe(received - started)
 
     def render(self, stage_stats: dict[str, dict[str, Any]]) -> bytes:
         for gauge in self.stage.values():

@@ -1,0 +1,45 @@
+"""The ingress's latency metrics: the client's way in from X-Request-Start, and the reply's time-to-X histograms."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_ray.serve.metrics import ServiceMetrics, parse_request_start
+
+
+def _sample(metrics: ServiceMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+@pytest.mark.parametrize("header", ["t=1764500000123456", "1764500000123456", "t=1764500000123", "1764500000.123456"])
+def test_request_start_in_any_unit_reads_as_epoch_seconds(header: str) -> None:
+    assert parse_request_start(header) == pytest.approx(1764500000.123, abs=1e-3)
+
+
+@pytest.mark.parametrize("header", [None, "", "t=", "yesterday", "t=12ab"])
+def test_unreadable_request_start_is_ignored(header: str | None) -> None:
+    assert parse_request_start(header) is None
+
+
+def test_request_path_observes_only_plausible_headers() -> None:
+    metrics = ServiceMetrics()
+    metrics.observe_request_path("t=1764500000000000", 1764500000.25)  # 250 ms on the way in
+    metrics.observe_request_path(None, 1764500000.25)  # no header
+    metrics.observe_request_path("t=1764500001000000", 1764500000.25)  # a clock ahead of ours: not a duration
+    metrics.observe_request_path("garbage", 1764500000.25)
+    assert _sample(metrics, "omni_request_path_seconds_count") == 1
+    assert _sample(metrics, "omni_request_path_seconds_sum") == pytest.approx(0.25)
+
+
+def test_reply_timing_fills_each_time_to_x_histogram_from_submission() -> None:
+    metrics = ServiceMetrics()
+    timing = {"submitted": 100.0, "first_token": 100.1, "first_frame": 100.2, "first_audio": 100.3,
+              "first_audio_received": 100.31, "first_audio_sent": 100.32}
+    metrics.observe_reply(timing, audio_seconds=2.0, finished_at=101.0)
+    for name, seconds in (("omni_time_to_first_token_seconds", 0.1), ("omni_time_to_first_frame_seconds", 0.2),
+                          ("omni_time_to_first_audio_seconds", 0.3),
+                          ("omni_time_to_first_audio_received_seconds", 0.31),
+                          ("omni_time_to_first_audio_sent_seconds", 0.32), ("omni_real_time_factor", 0.5)):
+        assert _sample(metrics, f"{name}_sum") == pytest.approx(seconds), name

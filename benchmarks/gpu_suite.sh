@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
-# step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN autotuning), ipc (CUDA IPC vs host path, one
-# GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end to end), e2e1 (the 1-GPU layout under MPS),
+# prefill and decode step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN
+# autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
+# to end), e2e1 (the 1-GPU layout under MPS),
 # baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per

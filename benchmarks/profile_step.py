@@ -1,9 +1,9 @@
-"""Profile graph-replayed Thinker and Talker(+MTP) steps of full-size Qwen3-Omni (random weights): GPU kernels by time."""
+"""Profile graph-replayed Thinker and Talker(+MTP) prefill and decode steps of full-size Qwen3-Omni (random weights): GPU kernels by time."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,24 +16,44 @@ from omni_ray.models.qwen3_omni.talker import TalkerRunner, load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 
-def _profile(name: str, runner: Any, seqs: list[Any], graphs: bool) -> None:
-    for seq in seqs:
-        runner.admit(seq)
-    for _ in range(5):
-        runner.step(seqs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            runner.step(seqs)
-        torch.cuda.synchronize()
-    for seq in seqs:
-        runner.release(seq)
+def _report(title: str, prof: Any, steps: int) -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    kernels = sum(e.count for e in events) / 3
-    gpu_ms = sum(e.self_device_time_total for e in events) / 3 / 1000
-    print(f"## {name}, batch {len(seqs)}, {'graphs' if graphs else 'eager'}: {gpu_ms:.2f} ms GPU time and {kernels:.0f} kernels per step")
+    kernels = sum(e.count for e in events) / steps
+    gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1000
+    print(f"## {title}: {gpu_ms:.2f} ms GPU time and {kernels:.0f} kernels per step")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
     sys.stdout.flush()
+
+
+def _profiled(run: Callable[[], Any]) -> Any:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return prof
+
+
+def _profile(name: str, runner: Any, make_seqs: Callable[[], list[Any]]) -> None:
+    """The batch's prefill step (the Talker's includes its first frame), then three of its decode steps, each replayed
+    from graphs captured by an untimed pass of the same batch."""
+    warm = make_seqs()
+    for seq in warm:
+        runner.admit(seq)
+    for _ in range(6):
+        runner.step(warm)
+    for seq in warm:
+        runner.release(seq)
+    seqs = make_seqs()
+    for seq in seqs:
+        runner.admit(seq)
+    prefill = _profiled(lambda: runner.step(seqs))
+    for _ in range(4):
+        runner.step(seqs)
+    decode = _profiled(lambda: [runner.step(seqs) for _ in range(3)])
+    for seq in seqs:
+        runner.release(seq)
+    _report(f"{name} prefill step, batch {len(seqs)}, graphs", prefill, 1)
+    _report(f"{name} decode, batch {len(seqs)}, graphs", decode, 3)
 
 
 def main() -> None:
@@ -44,20 +64,21 @@ def main() -> None:
     thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
                             SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"),
                             compile_layers=compiled)
+    prompt = benchmark_prompt_ids(config, 100)
     for batch in (1, 32):
-        seqs = [ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100), SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
-                for i in range(batch)]
-        _profile("thinker decode", thinker, seqs, True)
+        _profile("thinker", thinker, lambda batch=batch: [
+            ThinkerSequence(f"p{i}", prompt, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
+            for i in range(batch)])
     del thinker
     torch.cuda.empty_cache()
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
                                       torch.bfloat16, "cuda"), 32, compile_layers=compiled)
+    sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
     for batch in (1, 32):
-        sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
-        _profile(f"talker decode + frame ({'served' if served else 'greedy'} sampling)", talker,
-                 _talker_seqs(config, batch, 100, 20, sampling), True)
+        _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,
+                 lambda batch=batch: _talker_seqs(config, batch, 100, 20, sampling))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
 # prefill and decode step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
-# to end), e2e1 (the 1-GPU layout under MPS),
-# baseline (transformers' generate()).
+# to end), e2e1 (the 1-GPU layout under MPS), baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,

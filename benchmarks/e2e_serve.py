@@ -146,7 +146,7 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
 def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
     """The client's mean TTFA less its way in (X-Request-Start → ingress) and the server's time until it handed the
     first audio on: what the reply's first audio spent between the ingress and the client (ms; it also holds the
-    ingress's own parsing before it submits the request)."""
+    ingress reading and parsing the request before it submits it)."""
     ttfa, way_in, sent = stats["ttfa_s"].get("mean"), server.get("mean_request_path_ms"), server.get("mean_first_audio_sent_ms")
     return None if ttfa is None or way_in is None or sent is None else 1000 * ttfa - way_in - sent
 

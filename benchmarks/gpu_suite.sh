@@ -7,7 +7,8 @@
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
 # prefill and decode step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
-# to end), e2e1 (the 1-GPU layout under MPS), baseline (transformers' generate()).
+# to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
+# MPS), baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
@@ -55,6 +56,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
            # shellcheck disable=SC2086
            run_step "$tag" python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml $extra --out "$OUT/results/$tag"
            [ "$mps" = 1 ] && mps_off ;;
+      e2eprof) # where each stage replica's time goes in the service: 20 steps at batch >= 24, one round at c=32
+           run_step "$tag" env OMNI_RAY_PROFILE_DIR="$OUT/results/$tag/profiles" OMNI_RAY_PROFILE_MIN_BATCH=24 \
+             python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --concurrency 32 --rounds 1 \
+             $extra --out "$OUT/results/$tag" ;;
       e2e1) mps_on "$tag"  # four processes on one GPU: always under MPS
             # shellcheck disable=SC2086
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"

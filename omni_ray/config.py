@@ -74,6 +74,11 @@ class TalkerSettings(EngineSettings):
     max_frames: int = Field(default=4096, ge=1)
     frames_per_text_token: float = Field(default=6.0, ge=0)
     frame_budget_base: int = Field(default=25, ge=0)
+    lanes: int = Field(
+        default=1, ge=1, le=8,
+        description="engine loops in the replica, each with max_batch/lanes of the requests, its own KV slots, CUDA "
+        "graphs and CUDA stream, sharing the weights: their latency-bound steps overlap on the GPU",
+    )
 
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]

@@ -291,3 +291,47 @@ def test_abort_that_arrives_before_the_request_still_applies(make: Callable[...,
     h.wait_finished("other")
     assert "early" not in [rid for batch in h.runner.batches for rid in batch]
 
+
+
+def test_lanes_spread_requests_and_hear_every_abort() -> None:
+    """Engine lanes: each request goes to the lane with the fewest, steps only there, and finishes there; an abort
+    reaches the lane that holds its request (and one that arrives first still applies); stats add up."""
+    from omni_ray.engine.lanes import EngineLanes
+
+    runners = [FakeRunner(gated=True), FakeRunner(gated=True)]
+    outputs: list[tuple[str, int]] = []
+    done = threading.Condition()
+
+    def on_outputs(out: list[tuple[str, int]]) -> None:
+        with done:
+            outputs.extend(out)
+            done.notify_all()
+
+    lanes: EngineLanes[FakeSeq, tuple[str, int]] = EngineLanes(
+        [EngineLoop(runner, on_outputs, lambda rid, exc: None, max_batch=4, name=f"lane{i}") for i, runner in enumerate(runners)]
+    )
+    lanes.start()
+    try:
+        lanes.abort("late")  # before its request exists
+        for rid in ("a", "b", "c", "late"):
+            lanes.add(FakeSeq(rid, steps_needed=3))
+        for runner in runners:
+            runner.wait_batches(1)
+        assert sorted(runners[0].admitted + runners[1].admitted) == ["a", "b", "c"]  # "late" was aborted on arrival
+        assert {len(runners[0].admitted), len(runners[1].admitted)} == {1, 2}  # spread, not stacked
+        assert lanes.stats()["running"] == 3
+        lanes.abort(runners[0].admitted[0])
+        for runner in runners:
+            runner.allow(10)
+        with done:
+            assert done.wait_for(lambda: {rid for rid, n in outputs if n == 3} >= set(runners[1].admitted), timeout=TIMEOUT)
+        for runner in runners:  # a request only ever stepped in its own lane
+            stepped = {rid for batch in runner.batches for rid in batch}
+            assert stepped <= set(runner.admitted)
+        assert runners[0].admitted[0] in runners[0].released
+        stats = lanes.stats()
+        assert stats["steps"] == sum(loop.steps for loop in lanes.loops) and stats["waiting"] == 0
+    finally:
+        for runner in runners:
+            runner.allow(100)
+        lanes.stop()

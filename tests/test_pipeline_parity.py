@@ -122,3 +122,31 @@ def test_stateful_vocoder_streams_the_one_shot_decode(ray_cluster: str, pipeline
     assert reply.pcm.shape == window.pcm.shape == one_shot.shape == (60 * 1920 - 555,)  # past 25 frames of context
     assert np.abs(reply.pcm - one_shot).max() < 1e-4 * max(1.0, float(np.abs(one_shot).max()))
     assert snr_db(one_shot, reply.pcm) > 80 > snr_db(one_shot, window.pcm) > 30  # the window path is only close
+
+
+def test_talker_lanes_serve_each_request_as_one_lane_does(ray_cluster: str, hf_model: Any) -> None:
+    """`engine.lanes: 2` runs two Talker engine loops in the replica, each with half the batch, its own KV slots and
+    graphs, over one copy of the weights. Concurrent requests are spread over both lanes; each reply still equals
+    transformers' greedy reference."""
+    from omni_ray.config import PipelineConfig
+    from omni_ray.pipeline import Pipeline
+
+    cases = [
+        ([{"role": "user", "content": "Hi."}], 40, 12),
+        ([{"role": "user", "content": "Tell me about the sea and the wind at night."}], 50, 9),
+        ([{"role": "user", "content": "Count to five, please."}], 45, 14),
+    ]
+    laned = Pipeline(PipelineConfig.model_validate({"stages": {"talker": {"engine": {"max_batch": 4, "lanes": 2}}}}))
+    try:
+        async def all_requests() -> list[Any]:
+            return await asyncio.gather(*(run_pipeline(laned, m, t, f) for m, t, f in cases))
+
+        replies = asyncio.run(all_requests())
+        stats = asyncio.run(laned.stats())["talker"]
+    finally:
+        laned.shutdown()
+    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
+        tokens, codes, wav = run_transformers(hf_model, laned.prompts.build(messages).ids, max_tokens, max_frames, None)
+        _check(reply, tokens, codes, wav)
+    assert stats["lanes"] == 2 and stats["kv_total"] == 4 and stats["running"] == 0  # two lanes of two slots
+    assert stats["max_batch_seen"] == 3  # 2 + 1: both lanes stepped requests (one lane holds at most 2)

@@ -7,7 +7,10 @@ import statistics
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from typing import Any, Callable, Generic, Protocol, TypeVar
+
+import torch
 
 from omni_ray.engine.profiling import StepProfiler
 
@@ -34,7 +37,8 @@ class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
 
     `on_outputs(outputs)` is called from the loop thread after each step; `on_failure(request_id, error)`
-    when a request cannot be admitted or its step raised. Neither may block.
+    when a request cannot be admitted or its step raised. Neither may block. With a `stream`, the loop thread queues
+    all its GPU work there (one loop per stream: see `EngineLanes`).
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class EngineLoop(Generic[S, O]):
         on_failure: Callable[[str, Exception], None],
         max_batch: int,
         name: str = "engine",
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.runner = runner
         self.on_outputs = on_outputs
@@ -60,6 +65,7 @@ class EngineLoop(Generic[S, O]):
         self.max_batch_seen = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
+        self.stream = stream
 
     def start(self) -> None:
         self._thread.start()
@@ -84,6 +90,11 @@ class EngineLoop(Generic[S, O]):
         """Wake the loop: new input arrived for a sequence that was waiting on it."""
         with self._cond:
             self._cond.notify()
+
+    def load(self) -> int:
+        """Sequences running or waiting here."""
+        with self._cond:
+            return len(self._running) + len(self._waiting)
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -124,6 +135,10 @@ class EngineLoop(Generic[S, O]):
         return [s for s in self._running if self._ready(s)]
 
     def _run(self) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():  # this thread's stream
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 if self._stopped:

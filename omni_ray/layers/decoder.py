@@ -121,6 +121,9 @@ class DecoderStack(nn.Module):
         inductor compiles each layer, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
         residuals). Every layer shares one compiled graph per shape class (decode, prefill, batch 1): compile time is
         paid once per stack, not per layer. Called before CUDA-graph capture, which then records the fused kernels."""
+        if getattr(self, "_layers_compiled", False):  # a second runner over the same model (engine lanes)
+            return
+        self._layers_compiled = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for layer in self.layers:
             layer.self_attn.fuse_projections()

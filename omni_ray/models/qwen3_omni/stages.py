@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -22,6 +23,7 @@ from omni_ray.config import (
     VocoderStageConfig,
 )
 from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.lanes import EngineLanes
 from omni_ray.engine.loop import EngineLoop
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.model_files import resolve_model
@@ -62,9 +64,11 @@ class TalkerRequest:
 
 
 
-def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any]) -> dict[str, Any]:
+def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any] | EngineLanes[Any, Any]) -> dict[str, Any]:
     stats = {**StageBase.load_stats(stage), **engine.stats(), **stage.endpoint.stats()}
-    stats["kv_used"], stats["kv_total"] = engine.runner.cache.used_slots, engine.runner.cache.num_slots
+    runners = engine.runners if isinstance(engine, EngineLanes) else [engine.runner]
+    stats["kv_used"] = sum(runner.cache.used_slots for runner in runners)
+    stats["kv_total"] = sum(runner.cache.num_slots for runner in runners)
     stats["load"] = stats["running"] + stats["waiting"]
     return stats
 
@@ -217,11 +221,18 @@ class TalkerStage(StageBase):
         res, engine = stage.resources, stage.engine
         self.settings = engine
         assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype])
-        cache = _kv_cache(self.config.talker_config.text_config, engine, res)
-        runner = TalkerRunner(assets, self.config, cache, engine.max_batch, engine.cuda_graphs, engine.max_prefill_tokens,
-                              engine.compile_layers)
-        runner.warmup(engine.max_batch)
-        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "talker")
+        per_lane = -(-engine.max_batch // engine.lanes)
+        lane_settings = engine.model_copy(update={"max_batch": per_lane})
+        loops = []
+        for lane in range(engine.lanes):  # one lane: the plain engine loop, on the default stream
+            stream = torch.cuda.Stream(self.device) if engine.lanes > 1 and self.device.type == "cuda" else None
+            cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
+            runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
+                                  engine.compile_layers)
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                runner.warmup(per_lane)
+            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, f"talker{lane}", stream))
+        self.engine = EngineLanes(loops)
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}
         self._sequences: dict[str, TalkerSequence] = {}

@@ -18,13 +18,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 
 
-def _reply(
-    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
-    lengths: tuple[int, ...] = (64,), compile_layers: bool = False, talker_sampling: SamplingParams = TALKER_GREEDY,
-) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
-    """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch (shorter
-    ones leave early, so the cache compacts mid-run); plus how many graphs ran. A seeded `talker_sampling` gives
-    request i the seed seed + i."""
+def _think(
+    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, prompts: tuple[str, ...], lengths: tuple[int, ...],
+    compile_layers: bool,
+) -> tuple[list[ThinkerSequence], dict[str, list[Any]], int]:
+    """Greedy Thinker replies of `lengths` tokens, all in one batch (shorter ones leave early, so the cache compacts
+    mid-run): the sequences, each one's step outputs, and how many graphs ran."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tc = config.thinker_config.text_config
@@ -45,16 +44,30 @@ def _reply(
         for seq in seqs:  # as the engine loop does: a finished request frees its slot
             if seq.finish_reason is not None and seq.slot >= 0:
                 thinker.release(seq)
+    return seqs, outputs, len(thinker.graphs)
+
+
+def _talker(checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, compile_layers: bool,
+            assets: Any = None, rows: int = 4) -> TalkerRunner:
+    """A warmed-up Talker runner with `rows` KV slots (over `assets` when given: lanes share one model)."""
+    config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     kc = config.talker_config.text_config
-    talker = TalkerRunner(load_talker(checkpoint, config, device, dtype), config,
-                          SlotKVCache(kc.num_hidden_layers, 4, 512, kc.num_key_value_heads, kc.head_dim, dtype, device), 4,
-                          cuda_graphs=cuda_graphs, compile_layers=compile_layers)
-    talker.warmup(4)
+    talker = TalkerRunner(assets or load_talker(checkpoint, config, device, dtype), config,
+                          SlotKVCache(kc.num_hidden_layers, rows, 512, kc.num_key_value_heads, kc.head_dim, dtype, device),
+                          rows, cuda_graphs=cuda_graphs, compile_layers=compile_layers)
+    talker.warmup(rows)
+    return talker
+
+
+def _speak(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str, list[Any]], lengths: dict[str, int],
+           talker_sampling: SamplingParams = TALKER_GREEDY) -> dict[str, list[list[int]]]:
+    """Speech of `lengths[request]` frames for each Thinker reply, all in one batch on `talker`. A seeded
+    `talker_sampling` gives request i the seed seed + i."""
     speeches = []
     for i, seq in enumerate(seqs):
         sampling = talker_sampling if talker_sampling.seed is None else \
             talker_sampling.model_copy(update={"seed": talker_sampling.seed + i})
-        speech = TalkerSequence(seq.request_id, sampling, 2302, max_frames=lengths[i])
+        speech = TalkerSequence(seq.request_id, sampling, 2302, max_frames=lengths[seq.request_id])
         talker.admit(speech)
         for out in outputs[seq.request_id]:
             speech.prefix = out.talker_prefix or speech.prefix
@@ -70,7 +83,19 @@ def _reply(
         for speech in speeches:
             if speech.finish_reason is not None and speech.slot >= 0:
                 talker.release(speech)
-    graphs = {"thinker": len(thinker.graphs), "talker": len(talker.graphs)}
+    return frames
+
+
+def _reply(
+    checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
+    lengths: tuple[int, ...] = (64,), compile_layers: bool = False, talker_sampling: SamplingParams = TALKER_GREEDY,
+) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
+    """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch; plus how
+    many graphs ran. A seeded `talker_sampling` gives request i the seed seed + i."""
+    seqs, outputs, thinker_graphs = _think(checkpoint, device, dtype, cuda_graphs, prompts, lengths, compile_layers)
+    talker = _talker(checkpoint, device, dtype, cuda_graphs, compile_layers)
+    frames = _speak(talker, seqs, outputs, {s.request_id: n for s, n in zip(seqs, lengths)}, talker_sampling)
+    graphs = {"thinker": thinker_graphs, "talker": len(talker.graphs)}
     return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
 
 
@@ -136,3 +161,43 @@ def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
             # bf16 keeps ~3 significant digits; the two paths round and sum in different orders.
             error = (grouped.float() - looped.float()).norm() / looped.float().norm()
             assert error < 1e-2, error
+
+
+def test_talker_lanes_on_their_own_streams_step_as_they_do_one_after_the_other(tiny_checkpoint: Path) -> None:
+    """Engine lanes: two Talker runners over one model (compiled layers, fused sampling, graphs), two requests each,
+    stepping at the same time from two threads on their own CUDA streams, make exactly the codes they make one lane
+    after the other on the default stream: no lane reads another's buffers, graphs or caches mid-step."""
+    import threading
+
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
+    lengths = (48, 40, 48, 24)
+    seqs, outputs, _ = _think(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, True)
+    frames_of = {s.request_id: n for s, n in zip(seqs, lengths)}
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    assets = load_talker(tiny_checkpoint, config, "cuda", torch.bfloat16)
+    halves = (seqs[:2], seqs[2:])
+
+    one_after_the_other: dict[str, list[list[int]]] = {}
+    for half in halves:
+        lane = _talker(tiny_checkpoint, "cuda", torch.bfloat16, True, True, assets, rows=2)
+        one_after_the_other.update(_speak(lane, half, outputs, frames_of))
+
+    lanes = [_talker(tiny_checkpoint, "cuda", torch.bfloat16, True, True, assets, rows=2) for _ in halves]
+    together: dict[str, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def run(lane: TalkerRunner, half: list[ThinkerSequence]) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                together.update(_speak(lane, half, outputs, frames_of))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(lane, half)) for lane, half in zip(lanes, halves)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert [len(one_after_the_other[s.request_id]) for s in seqs] == list(lengths)
+    assert together == one_after_the_other

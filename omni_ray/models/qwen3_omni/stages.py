@@ -231,7 +231,8 @@ class TalkerStage(StageBase):
                                   engine.compile_layers)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 runner.warmup(per_lane)
-            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, f"talker{lane}", stream))
+            name = "talker" if engine.lanes == 1 else f"talker{lane}"
+            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._vocoders: dict[str, RelayPeer] = {}

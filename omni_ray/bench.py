@@ -86,14 +86,14 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, max_seq_len: int = 0,
+    compiled: bool = False, max_seq_len: int = 0, compile_mode: str = "default",
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + steps + 8, max_seq_len)
     runner = ThinkerRunner(
         load_thinker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
-        cuda_graphs=graphs, compile_layers=compiled,
+        cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
     )
     rows = []
     prompt_ids = benchmark_prompt_ids(config, prompt)
@@ -108,14 +108,14 @@ def bench_thinker(
 
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
+    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0, compile_mode: str = "default",
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + steps + 16, max_seq_len)
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
-        max(batches), cuda_graphs=graphs, compile_layers=compiled,
+        max(batches), cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
     )
     rows = []
     for batch in batches:
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="inductor's mode for --compile")
     parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
                         help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
     parser.add_argument("--max-seq-len", type=int, default=2048,
@@ -175,14 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                              args.max_seq_len)
+                              args.max_seq_len, args.compile_mode)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                             sampling, args.max_seq_len)
+                             sampling, args.max_seq_len, args.compile_mode)
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
-                    + (", layers compiled" if args.compile else "") + f", Talker sampling {args.talker_sampling}"
+                    + (f", layers compiled ({args.compile_mode})" if args.compile else "")
+                    + f", Talker sampling {args.talker_sampling}"
                     + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))

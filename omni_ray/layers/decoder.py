@@ -116,7 +116,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, mode: str = "default") -> None:
         """Fewer, larger kernels per layer: q/k/v and gate/up (dense and shared-expert MLPs) each become one GEMM, and
         inductor compiles each layer, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
         residuals). Every layer shares one compiled graph per shape class (decode, prefill, batch 1): compile time is
@@ -130,7 +130,7 @@ class DecoderStack(nn.Module):
             for module in layer.mlp.modules():
                 if isinstance(module, GatedMLP):
                     module.fuse_projections()
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, mode=mode)
 
     def forward(
         self,

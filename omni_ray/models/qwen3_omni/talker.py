@@ -185,6 +185,7 @@ class TalkerRunner:
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
+        compile_mode: str = "default",
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -213,8 +214,8 @@ class TalkerRunner:
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self._sample = sample
         if compile_layers and self.device.type == "cuda":
-            self.model.model.compile_layers()
-            self.model.code_predictor.model.compile_layers()
+            self.model.model.compile_layers(compile_mode)
+            self.model.code_predictor.model.compile_layers(compile_mode)
             self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
 
     @torch.inference_mode()

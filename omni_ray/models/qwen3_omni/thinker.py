@@ -93,7 +93,7 @@ class ThinkerRunner:
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
-        compile_layers: bool = False,
+        compile_layers: bool = False, compile_mode: str = "default",
     ) -> None:
         self.model = model
         self.config = config
@@ -107,7 +107,7 @@ class ThinkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         if compile_layers and self.device.type == "cuda":
-            model.model.compile_layers()
+            model.model.compile_layers(compile_mode)
         # tokens each slot has seen (prompt + reply), for the repetition penalty
         self.seen = torch.zeros(cache.rows, model.lm_head.out_features, dtype=torch.bool, device=self.device)
         self.slots: SlotTable[ThinkerSequence] = SlotTable(cache, (self.seen,))

@@ -12,13 +12,14 @@
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
-# adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1 runs it under MPS.
+# adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1 runs it under MPS. DRY_RUN=1 prints each step's
+# command instead of running it (check a plan before spending device time on it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 LIMIT=${STEP_TIMEOUT:-280}
 mkdir -p "$OUT/logs" "$OUT/results"
-if [ -d .whl ] && ! python3 -c "import ray" 2>/dev/null; then  # the GPU image has no Ray: the carried wheel bundle
+if [ "${DRY_RUN:-0}" != 1 ] && [ -d .whl ] && ! python3 -c "import ray" 2>/dev/null; then  # the GPU image has no Ray: the carried wheel bundle
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   find /tmp/site/ray/core -type f ! -name '*.py' -exec chmod +x {} +
   export PYTHONPATH=/tmp/site:$PWD
@@ -27,14 +28,18 @@ export PYTHONUNBUFFERED=1
 
 run_step() {  # name, command...
   local name=$1; shift
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name] $*"; return; fi
   local started=$SECONDS
   timeout "$LIMIT" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - started))s"
 }
 
-mps_on() { nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/$1.log"; }
-mps_off() { echo quit | nvidia-cuda-mps-control; }
+mps_on() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$1] (MPS daemon on)"; return; fi
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/$1.log"
+}
+mps_off() { [ "${DRY_RUN:-0}" = 1 ] || { echo quit | nvidia-cuda-mps-control; }; }
 
 for step in "${@:-tests engine vocoder e2e}"; do
   for tagged in $step; do
@@ -69,5 +74,6 @@ for step in "${@:-tests engine vocoder e2e}"; do
     esac
   done
 done
+[ "${DRY_RUN:-0}" = 1 ] && exit 0
 for table in "$OUT"/results/*/*.md; do [ -e "$table" ] && { echo "== $table"; tail -n 12 "$table"; }; done
 tar -czf /tmp/suite.tar.gz -C "$OUT" logs results && mv /tmp/suite.tar.gz "$OUT/suite.tar.gz"

@@ -79,6 +79,12 @@ class TalkerSettings(EngineSettings):
     max_frames: int = Field(default=4096, ge=1)
     frames_per_text_token: float = Field(default=6.0, ge=0)
     frame_budget_base: int = Field(default=25, ge=0)
+    early_prefill: bool = Field(
+        default=False,
+        description="prefill a text-only request's prompt, all but its last position, as soon as it arrives (the "
+        "Talker keeps the Thinker's token embeddings in host memory for it), so the Talker's prefill overlaps the "
+        "Thinker's; the first Thinker token then costs one decode step (opt-in until measured)",
+    )
     lanes: int = Field(
         default=1, ge=1, le=8,
         description="engine loops in the replica, each with max_batch/lanes of the requests, its own KV slots, CUDA "

@@ -150,3 +150,32 @@ def test_talker_lanes_serve_each_request_as_one_lane_does(ray_cluster: str, hf_m
         _check(reply, tokens, codes, wav)
     assert stats["lanes"] == 2 and stats["kv_total"] == 4 and stats["running"] == 0  # two lanes of two slots
     assert stats["max_batch_seen"] == 3  # 2 + 1: both lanes stepped requests (one lane holds at most 2)
+
+
+def test_early_talker_prefill_keeps_every_reply_equal_to_transformers(ray_cluster: str, hf_model: Any) -> None:
+    """`engine.early_prefill`: for a text-only prompt the Talker prefills as soon as the request arrives, alongside
+    the Thinker's prefill, and waits only for the first reply token. Replies still equal transformers' greedy ones;
+    a prompt with audio takes the usual path (the Thinker's states)."""
+    from omni_ray.audio import AudioFeatureExtractor
+    from omni_ray.config import PipelineConfig
+    from omni_ray.pipeline import Pipeline
+
+    cases = [
+        ([{"role": "user", "content": "What should I cook tonight?"}], 40, 14),
+        ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 30, 8),
+    ]
+    early = Pipeline(PipelineConfig.model_validate({"stages": {"talker": {"engine": {"early_prefill": True}}}}))
+    try:
+        async def all_requests() -> list[Any]:
+            return await asyncio.gather(*(run_pipeline(early, m, t, f) for m, t, f in cases))
+
+        replies = asyncio.run(all_requests())
+        stats = asyncio.run(early.stats())["talker"]
+    finally:
+        early.shutdown()
+    assert stats["early_prefills"] == 1  # the text-only request; the one with audio waited for the Thinker's states
+    extractor = AudioFeatureExtractor(early.checkpoint)
+    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
+        prompt = early.prompts.build(messages)
+        features = extractor(prompt.clips[0])[0] if prompt.clips else None
+        _check(reply, *run_transformers(hf_model, prompt.ids, max_tokens, max_frames, features))

@@ -168,3 +168,39 @@ def test_seeded_sampled_speech_repeats_and_filters_only_top_k_candidates(parts: 
     first = speak(sampling)
     assert len(first) == 8 and speak(sampling) == first  # same seed, same frames
     assert first != speak(GREEDY_TALKER)  # it really sampled
+
+
+def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[str, Any]) -> None:
+    """Early prefill (text-only prompts): the Talker builds the Thinker's prefix from the prompt ids, prefills all
+    but the prompt's last position before the first reply token exists, and runs that position as its first decode
+    step once the token arrives. Its frames are the whole-prompt prefill's; with no reply text it stops."""
+    config, outputs = parts["config"], parts["thinker_outputs"]
+    speaker = config.talker_config.speaker_id["ethan"]
+    whole_runner = _runner(parts)
+    whole = TalkerSequence("w", GREEDY_TALKER, speaker, max_frames=30)
+    whole_runner.admit(whole)
+    _feed(whole, outputs)
+    expected = _run(whole_runner, whole)
+
+    text = config.talker_config.text_config
+    assets = load_talker(parts["checkpoint"], config, "cpu", torch.float32, thinker_embeddings=True)
+    runner = TalkerRunner(assets, config, SlotKVCache(text.num_hidden_layers, 2, 512, text.num_key_value_heads,
+                                                      text.head_dim, torch.float32, "cpu"), max_batch=2)
+    seq = TalkerSequence("e", GREEDY_TALKER, speaker, max_frames=30)
+    runner.admit(seq)
+    seq.prefix, seq.early = assets.prompt_prefix(parts["prompt_ids"], config), True
+    relayed = outputs[0].talker_prefix  # what the Thinker sends after its prefill: the same tensors
+    assert all(torch.equal(seq.prefix[key], relayed[key].cpu()) for key in relayed)
+    assert runner.ready(seq)  # before any reply token
+    assert runner.step([seq]) == []  # prefilled, no frame yet
+    assert not runner.ready(seq)  # the prompt's last position needs the first reply token
+    _feed(seq, outputs[1:])
+    assert _run(runner, seq) == expected and len(expected) == 30
+
+    silent = TalkerSequence("s", GREEDY_TALKER, speaker, max_frames=30)
+    runner.admit(silent)
+    silent.prefix, silent.early = assets.prompt_prefix(parts["prompt_ids"], config), True
+    runner.step([silent])
+    silent.thinker_done = True  # the Thinker ended without a reply token
+    assert runner.ready(silent)
+    assert [(o.codes, o.finish_reason) for o in runner.step([silent])] == [(None, "stop")]

@@ -153,7 +153,8 @@ class Orchestrator:
             if audio:  # consumers first, so each producer knows where its relay messages go
                 vocoder = await open_stream("vocoder", "decode", rid, return_codes)
                 talker = TalkerRequest(
-                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames, thinker.ignore_eos
+                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames, thinker.ignore_eos,
+                    prompt_ids=None if prompt.clips else prompt.ids,
                 )
                 thinker.talker = await open_stream("talker", "speak", talker)
             thinker_peer = await open_stream("thinker", "generate", thinker)

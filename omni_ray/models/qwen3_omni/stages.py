@@ -60,6 +60,7 @@ class TalkerRequest:
     vocoder: RelayPeer
     max_frames: int | None = None
     ignore_eos: bool = False
+    prompt_ids: list[int] | None = None  # a text-only prompt's ids: the Talker can prefill before the first token
 
 
 
@@ -221,7 +222,8 @@ class TalkerStage(StageBase):
         self.config = files.config
         res, engine = stage.resources, stage.engine
         self.settings = engine
-        assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype])
+        assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype], engine.early_prefill)
+        self.assets = assets
         per_lane = -(-engine.max_batch // engine.lanes)
         lane_settings = engine.model_copy(update={"max_batch": per_lane})
         loops = []
@@ -254,6 +256,11 @@ class TalkerStage(StageBase):
             frames_per_text_token=0.0 if request.max_frames else self.settings.frames_per_text_token,
             frame_budget_base=self.settings.frame_budget_base, ignore_eos=request.ignore_eos,
         )
+        if request.prompt_ids is not None and self.assets.thinker_embeddings is not None:
+            try:  # early prefill: the prefix the Thinker would relay, made here from the ids
+                seq.prefix, seq.early = self.assets.prompt_prefix(request.prompt_ids, self.config), True
+            except ValueError:  # not a prompt the Talker can read: the Thinker reports it
+                pass
         self._sequences[rid] = seq
         self.endpoint.claim(rid, lambda item: self._on_thinker_item(seq, item))
         self.engine.add(seq)
@@ -317,7 +324,9 @@ class TalkerStage(StageBase):
         return [(peer, item) for item in items]
 
     def load_stats(self) -> dict[str, Any]:
-        return _engine_stats(self, self.engine)
+        stats = _engine_stats(self, self.engine)
+        stats["early_prefills"] = sum(runner.early_prefills for runner in self.engine.runners)
+        return stats
 
 
 class VocoderStage(StageBase):

@@ -31,7 +31,7 @@ from omni_ray.engine.sampler import (
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import ResizeMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids
+from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids, talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_rows, read_tensors
 
 # The code predictor samples with these when the Talker samples (transformers' fixed choice).
@@ -101,16 +101,30 @@ class MtpSubStep:
 
 @dataclass
 class TalkerAssets:
-    """The Talker model plus the three Thinker embedding rows it needs (tts_bos, tts_eos, tts_pad)."""
+    """The Talker model plus the three Thinker embedding rows it needs (tts_bos, tts_eos, tts_pad), and for early
+    prefill the Thinker's whole token embedding table, in host memory."""
 
     model: TalkerModel
     tts_bos: torch.Tensor
     tts_eos: torch.Tensor
     tts_pad: torch.Tensor
+    thinker_embeddings: torch.Tensor | None = None  # [vocab, thinker hidden] on the CPU
+
+    def prompt_prefix(self, prompt_ids: list[int], config: Any) -> dict[str, torch.Tensor]:
+        """What the Thinker relays for a text-only prompt (its layer-0 states at the user turn's positions and the
+        assistant prefix), made here from the token ids."""
+        assert self.thinker_embeddings is not None
+        positions, assistant_start = talker_prefix_positions(prompt_ids, config)
+        embeds = self.thinker_embeddings[torch.tensor(prompt_ids)]
+        return {"user_states": embeds[positions].float(), "user_multimodal": torch.zeros(len(positions), dtype=torch.bool),
+                "assistant_prefix": embeds[assistant_start : assistant_start + 3].float()}
 
 
-def load_talker(checkpoint: Path | None, config: Any, device: str, dtype: torch.dtype) -> TalkerAssets:
-    """Reads `talker.*` plus three rows of the Thinker's token embedding; random weights when no checkpoint."""
+def load_talker(
+    checkpoint: Path | None, config: Any, device: str, dtype: torch.dtype, thinker_embeddings: bool = False
+) -> TalkerAssets:
+    """Reads `talker.*` plus three rows of the Thinker's token embedding (all of them, into host memory, with
+    `thinker_embeddings`); random weights when no checkpoint."""
     if checkpoint is None:
         model: TalkerModel = random_module(lambda: TalkerModel(config.talker_config), device, dtype)  # type: ignore[assignment]
         rows = torch.randn(3, config.talker_config.thinker_hidden_size, device=device, dtype=dtype) * 0.02
@@ -125,7 +139,14 @@ def load_talker(checkpoint: Path | None, config: Any, device: str, dtype: torch.
         ).to(device=device, dtype=dtype)
     with torch.inference_mode():
         bos, eos, pad = model.text_projection(rows)
-    return TalkerAssets(model, bos, eos, pad)
+    table = None
+    if thinker_embeddings:
+        if checkpoint is None:
+            vocab = config.thinker_config.text_config.vocab_size
+            table = (torch.randn(vocab, config.talker_config.thinker_hidden_size) * 0.02).to(dtype)
+        else:
+            table = read_tensors(checkpoint, "thinker.model.embed_tokens.")["weight"].to(dtype)
+    return TalkerAssets(model, bos, eos, pad, table)
 
 
 @dataclass
@@ -139,6 +160,7 @@ class TalkerSequence:
     frames_per_text_token: float = 0.0  # 0 disables the text-proportional limit
     frame_budget_base: int = 0
     ignore_eos: bool = False  # benchmark mode: codec EOS is never sampled; the frame cap ends the reply
+    early: bool = False  # the prefix came with the request: prefill all but the last position before the first token
     # filled by the relay as the Thinker streams
     prefix: dict[str, torch.Tensor] | None = None
     text_embeds: list[torch.Tensor] = field(default_factory=list)  # Thinker layer-0 embeddings of reply tokens
@@ -201,6 +223,8 @@ class TalkerRunner:
         self.banned[self.vocab - 1024 :] = True
         self.banned[self.eos] = False
         self.seen = torch.zeros(cache.rows, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
+        with torch.inference_mode():  # the codec input of a prompt's last position (early prefill decodes it)
+            self.codec_bos = self.model.model.codec_embedding(torch.tensor(int(tc.codec_bos_id), device=self.device))
         self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen,))
         cp = tc.code_predictor_config
         self.mtp_vocab = int(cp.vocab_size)
@@ -212,6 +236,7 @@ class TalkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
+        self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
@@ -249,24 +274,31 @@ class TalkerRunner:
         self.slots.release(seq)
 
     def ready(self, seq: TalkerSequence) -> bool:
-        """Can this sequence take a step now, or is it waiting on Thinker text?"""
+        """Can this sequence take a step now, or is it waiting on Thinker text? (An early sequence prefills before the
+        first token; its prompt's last position then waits for it, as a decode step: `steps` is -1 until then.)"""
         if seq.num_cached == 0:
-            return seq.prefix is not None and (bool(seq.text_embeds) or seq.thinker_done)
+            return seq.prefix is not None and (bool(seq.text_embeds) or seq.thinker_done or seq.early)
         return seq.steps + 1 < len(seq.text_embeds) or seq.thinker_done
 
     @torch.inference_mode()
     def step(self, seqs: list[TalkerSequence]) -> list[TalkerStepOutput]:
         outputs: list[TalkerStepOutput] = []
         for seq in seqs:
-            if seq.num_cached == 0 and not seq.text_embeds:  # the Thinker finished after one token: nothing to speak
-                seq.finish_reason = "stop"
+            if (seq.num_cached == 0 or seq.steps < 0) and not seq.text_embeds and seq.thinker_done:
+                seq.finish_reason = "stop"  # the Thinker finished after one token: nothing to speak
                 outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
-        prefilling = within_prefill_budget(
+        new = within_prefill_budget(
             [s for s in seqs if s.num_cached == 0 and s.finish_reason is None], self._prompt_length, self.cache,
             self.max_prefill_tokens,
         )
+        # Decided once: the relay may append the first token while this step runs.
+        first_token = {s.request_id: bool(s.text_embeds) for s in new}
+        early = [s for s in new if not first_token[s.request_id]]  # all but the prompt's last position; no frame yet
+        prefilling = [s for s in new if first_token[s.request_id]]
         decoding = [s for s in seqs if s.num_cached > 0 and s.finish_reason is None]
         stepping = prefilling + decoding
+        if early:
+            self._prefill(early, early=True)
         if not stepping:
             return outputs
         # Every small input of the step goes to the device before the first graph launch, in one non-blocking copy
@@ -297,10 +329,11 @@ class TalkerRunner:
 
     def _prompt_length(self, seq: TalkerSequence) -> int:
         assert seq.prefix is not None
-        return int(seq.prefix["user_states"].shape[0]) + 9
+        return int(seq.prefix["user_states"].shape[0]) + (9 if seq.text_embeds else 8)
 
-    def _prompt(self, seq: TalkerSequence) -> torch.Tensor:
-        """Talker prefill embeddings [T, h] from the Thinker's prefix states and first reply token."""
+    def _prompt(self, seq: TalkerSequence, early: bool = False) -> torch.Tensor:
+        """Talker prefill embeddings [T, h] from the Thinker's prefix states and first reply token; `early` (before
+        that token): all but the last position."""
         assert seq.prefix is not None
         m, a = self.model, self.assets
         dtype = a.tts_pad.dtype
@@ -308,27 +341,34 @@ class TalkerRunner:
         mm = seq.prefix["user_multimodal"].to(self.device)
         user = torch.where(mm[:, None], m.hidden_projection(states), m.text_projection(states))
         assistant = m.text_projection(seq.prefix["assistant_prefix"].to(self.device, dtype))
-        first = m.text_projection(seq.text_embeds[0].to(self.device, dtype))
         codec = m.model.codec_embedding(torch.tensor(codec_prefix_ids(self.config, seq.speaker_id), device=self.device))
+        if early:
+            return assemble_talker_prompt(user, assistant, torch.zeros_like(a.tts_pad), a.tts_bos, a.tts_pad, codec)[:-1]
+        first = m.text_projection(seq.text_embeds[0].to(self.device, dtype))
         return assemble_talker_prompt(user, assistant, first, a.tts_bos, a.tts_pad, codec)
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"hidden": prefill_forward(self.model.model, self.cache, embeds, slots)[0]}
 
-    def _prefill(self, seqs: list[TalkerSequence]) -> torch.Tensor:
-        """All new sequences in one padded batch → each one's last hidden state [N, h]."""
-        prompts = [self._prompt(s) for s in seqs]
+    def _prefill(self, seqs: list[TalkerSequence], early: bool = False) -> torch.Tensor:
+        """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
+        prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
+        first reply token), whose frame is the first."""
+        prompts = [self._prompt(s, early) for s in seqs]
         for prompt in prompts:
-            self.cache.check_fits(prompt.shape[0] + 1)
+            self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
         embeds, slots = pad_prefill(prompts, [s.slot for s in seqs], self.cache)
         out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
+            if early:
+                seq.steps, seq.feedback = -1, self.codec_bos
+                self.early_prefills += 1
         return last_positions(out["hidden"], list(range(len(seqs))), [p.shape[0] for p in prompts])
 
     def _trailing_texts(self, seqs: list[TalkerSequence]) -> torch.Tensor:
         """Text input of each row's decode step `steps`: reply token steps+2 (projected), then tts_eos once,
-        then tts_pad. [B, h]"""
+        then tts_pad (an early sequence's step -1, its prompt's last position: the first reply token). [B, h]"""
         index = [s.steps + 1 for s in seqs]
         rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
         pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]

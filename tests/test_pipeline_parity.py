@@ -124,58 +124,57 @@ def test_stateful_vocoder_streams_the_one_shot_decode(ray_cluster: str, pipeline
     assert snr_db(one_shot, reply.pcm) > 80 > snr_db(one_shot, window.pcm) > 30  # the window path is only close
 
 
-def test_talker_lanes_serve_each_request_as_one_lane_does(ray_cluster: str, hf_model: Any) -> None:
-    """`engine.lanes: 2` runs two Talker engine loops in the replica, each with half the batch, its own KV slots and
-    graphs, over one copy of the weights. Concurrent requests are spread over both lanes; each reply still equals
-    transformers' greedy reference."""
+def _variant_replies(settings: dict[str, Any], cases: list[tuple[list[dict[str, Any]], int, int]]) -> tuple[list[Any], dict[str, Any]]:
+    """`cases` (messages, max tokens, max frames) all at once on a pipeline built with `settings`, which is then shut
+    down: the replies and the Talker's stats."""
     from omni_ray.config import PipelineConfig
     from omni_ray.pipeline import Pipeline
 
+    variant = Pipeline(PipelineConfig.model_validate(settings))
+    try:
+        async def all_requests() -> list[Any]:
+            return await asyncio.gather(*(run_pipeline(variant, m, t, f) for m, t, f in cases))
+
+        replies = asyncio.run(all_requests())
+        stats = asyncio.run(variant.stats())["talker"]
+    finally:
+        variant.shutdown()
+    return replies, stats
+
+
+def _check_all(hf_model: Any, pipeline: Any, cases: list[tuple[list[dict[str, Any]], int, int]], replies: list[Any]) -> None:
+    from omni_ray.audio import AudioFeatureExtractor
+
+    extractor = AudioFeatureExtractor(pipeline.checkpoint)
+    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
+        prompt = pipeline.prompts.build(messages)
+        features = extractor(prompt.clips[0])[0] if prompt.clips else None
+        _check(reply, *run_transformers(hf_model, prompt.ids, max_tokens, max_frames, features))
+
+
+def test_talker_lanes_serve_each_request_as_one_lane_does(ray_cluster: str, pipeline: Any, hf_model: Any) -> None:
+    """`engine.lanes: 2` runs two Talker engine loops in the replica, each with half the batch, its own KV slots and
+    graphs, over one copy of the weights. Concurrent requests are spread over both lanes; each reply still equals
+    transformers' greedy reference."""
     cases = [
         ([{"role": "user", "content": "Hi."}], 40, 12),
         ([{"role": "user", "content": "Tell me about the sea and the wind at night."}], 50, 9),
         ([{"role": "user", "content": "Count to five, please."}], 45, 14),
     ]
-    laned = Pipeline(PipelineConfig.model_validate({"stages": {"talker": {"engine": {"max_batch": 4, "lanes": 2}}}}))
-    try:
-        async def all_requests() -> list[Any]:
-            return await asyncio.gather(*(run_pipeline(laned, m, t, f) for m, t, f in cases))
-
-        replies = asyncio.run(all_requests())
-        stats = asyncio.run(laned.stats())["talker"]
-    finally:
-        laned.shutdown()
-    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
-        tokens, codes, wav = run_transformers(hf_model, laned.prompts.build(messages).ids, max_tokens, max_frames, None)
-        _check(reply, tokens, codes, wav)
+    replies, stats = _variant_replies({"stages": {"talker": {"engine": {"max_batch": 4, "lanes": 2}}}}, cases)
+    _check_all(hf_model, pipeline, cases, replies)
     assert stats["lanes"] == 2 and stats["kv_total"] == 4 and stats["running"] == 0  # two lanes of two slots
     assert stats["max_batch_seen"] == 3  # 2 + 1: both lanes stepped requests (one lane holds at most 2)
 
 
-def test_early_talker_prefill_keeps_every_reply_equal_to_transformers(ray_cluster: str, hf_model: Any) -> None:
+def test_early_talker_prefill_keeps_every_reply_equal_to_transformers(ray_cluster: str, pipeline: Any, hf_model: Any) -> None:
     """`engine.early_prefill`: for a text-only prompt the Talker prefills as soon as the request arrives, alongside
     the Thinker's prefill, and waits only for the first reply token. Replies still equal transformers' greedy ones;
     a prompt with audio takes the usual path (the Thinker's states)."""
-    from omni_ray.audio import AudioFeatureExtractor
-    from omni_ray.config import PipelineConfig
-    from omni_ray.pipeline import Pipeline
-
     cases = [
         ([{"role": "user", "content": "What should I cook tonight?"}], 40, 14),
         ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 30, 8),
     ]
-    early = Pipeline(PipelineConfig.model_validate({"stages": {"talker": {"engine": {"early_prefill": True}}}}))
-    try:
-        async def all_requests() -> list[Any]:
-            return await asyncio.gather(*(run_pipeline(early, m, t, f) for m, t, f in cases))
-
-        replies = asyncio.run(all_requests())
-        stats = asyncio.run(early.stats())["talker"]
-    finally:
-        early.shutdown()
+    replies, stats = _variant_replies({"stages": {"talker": {"engine": {"early_prefill": True}}}}, cases)
     assert stats["early_prefills"] == 1  # the text-only request; the one with audio waited for the Thinker's states
-    extractor = AudioFeatureExtractor(early.checkpoint)
-    for (messages, max_tokens, max_frames), reply in zip(cases, replies):
-        prompt = early.prompts.build(messages)
-        features = extractor(prompt.clips[0])[0] if prompt.clips else None
-        _check(reply, *run_transformers(hf_model, prompt.ids, max_tokens, max_frames, features))
+    _check_all(hf_model, pipeline, cases, replies)

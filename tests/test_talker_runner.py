@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +138,17 @@ def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> Non
     runner.admit(seq)
     outputs = parts["thinker_outputs"]
     assert not runner.ready(seq)  # nothing yet
-    _feed(seq, outputs[:1], done=False)  # prefill states only: the first reply token's embedding is missing
+    _feed(seq, [replace(outputs[0], talker_embed=None)], done=False)  # prefill states only: no reply token yet
     assert not runner.ready(seq)
-    _feed(seq, outputs[1:3], done=False)  # embeddings of reply tokens 1 and 2
+    _feed(seq, outputs[:1], done=False)  # the Thinker's prefill step relays reply token 0's embedding with them
     assert runner.ready(seq)
     runner.step([seq])  # prefill, frame 1
-    assert runner.ready(seq)  # step 0 needs reply token 2: present
-    runner.step([seq])
-    assert not runner.ready(seq)  # step 1 needs reply token 3: not sent yet
+    assert not runner.ready(seq)  # step 0 needs reply token 1: not sent yet
+    _feed(seq, outputs[1:3], done=False)  # embeddings of reply tokens 1 and 2
+    for _ in range(2):
+        assert runner.ready(seq)
+        runner.step([seq])
+    assert not runner.ready(seq)  # step 2 needs reply token 3
     seq.thinker_done = True
     assert runner.ready(seq)  # the Thinker finished: tts_eos, then tts_pad
 
@@ -194,7 +198,7 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
     assert runner.ready(seq)  # before any reply token
     assert runner.step([seq]) == []  # prefilled, no frame yet
     assert not runner.ready(seq)  # the prompt's last position needs the first reply token
-    _feed(seq, outputs[1:])
+    _feed(seq, outputs)
     assert _run(runner, seq) == expected and len(expected) == 30
 
     silent = TalkerSequence("s", GREEDY_TALKER, speaker, max_frames=30)

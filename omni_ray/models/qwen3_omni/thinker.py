@@ -82,7 +82,7 @@ class ThinkerStepOutput:
     finish_reason: str | None
     # prefill: Talker prefix states (layer-0 embeddings at text positions, accept-layer hidden at audio positions)
     talker_prefix: dict[str, torch.Tensor] | None = None
-    # decode: layer-0 embedding of the step's input token (the previously generated token)
+    # layer-0 embedding of the step's new token, unless it ends the reply (the Talker reads reply tokens 0..N-2)
     talker_embed: torch.Tensor | None = None
 
 
@@ -155,28 +155,37 @@ class ThinkerRunner:
         if forced:
             outputs += self._advance_forced(forced)
         if decoding:
-            decode_logits, talker_embeds = self._decode(decoding)
-            outputs += [ThinkerStepOutput(s.request_id, -1, None, talker_embed=talker_embeds.get(s.request_id)) for s in decoding]
+            logits.append(self._decode(decoding))
+            outputs += [ThinkerStepOutput(s.request_id, -1, None) for s in decoding]
             sampled += decoding
-            logits.append(decode_logits)
         tokens = dict(zip((s.request_id for s in sampled), self._sample(sampled, logits)))
         by_id = {s.request_id: s for s in prefilling + decoding}
         for out in outputs:
             if out.request_id in by_id:
                 out.token = self._accept(by_id[out.request_id], tokens.get(out.request_id))
                 out.finish_reason = by_id[out.request_id].finish_reason
+        self._attach_talker_embeds(outputs, {s.request_id for s in seqs if s.for_talker})
         return outputs
+
+    def _attach_talker_embeds(self, outputs: list[ThinkerStepOutput], speaking: set[str]) -> None:
+        """The Talker's text input: each new token's layer-0 embedding, relayed with the step that made it (the
+        first one with the prefill), so the Talker never waits a Thinker step for it. A reply's last token is not
+        spoken."""
+        new = [out for out in outputs if out.request_id in speaking and out.finish_reason is None]
+        if not new:
+            return
+        ids = upload({"ids": torch.tensor([out.token for out in new], dtype=torch.long)}, self.device)["ids"]
+        for out, embed in zip(new, self.model.embed(ids).float()):
+            out.talker_embed = embed
 
     def _advance_forced(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
         """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0
         embeddings. No forward pass is needed for them (the Talker reads no hidden state at text positions)."""
-        ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
-        embeds = self.model.embed(ids).float()
         outputs = []
-        for seq, embed in zip(seqs, embeds):
+        for seq in seqs:
             seq.num_cached += 1
             token = self._accept(seq, None)
-            outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_embed=embed))
+            outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason))
         return outputs
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -232,28 +241,21 @@ class ThinkerRunner:
         }
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        embeds = self.model.embed(ids[:, None])
-        hidden = decode_forward(self.model.model, self.cache, embeds, positions, kv_len)
-        return {"logits": self.model.lm_head(hidden), "embeds": embeds[:, 0]}
+        hidden = decode_forward(self.model.model, self.cache, self.model.embed(ids[:, None]), positions, kv_len)
+        return {"logits": self.model.lm_head(hidden)}
 
-    def _decode(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _decode(self, seqs: list[ThinkerSequence]) -> torch.Tensor:
         """Decode over the first slots of the cache (row r = slot r); returns the logits of `seqs` in order."""
         positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache)
         ids = [0] * positions.shape[0]
         for seq in seqs:
             ids[seq.slot] = seq.output_ids[-1]
-        talking = [s for s in seqs if s.for_talker]
         inputs = upload({"ids": torch.tensor(ids, dtype=torch.long), "positions": positions,
-                         "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long),
-                         "talking": torch.tensor([s.slot for s in talking], dtype=torch.long)}, self.device)
+                         "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)
         out = run_decode(self.graphs, self._decode_forward, kv_len, {"ids": inputs["ids"], "positions": inputs["positions"]})
-        talker_embeds: dict[str, torch.Tensor] = {}
-        if talking:
-            embeds = out["embeds"][inputs["talking"]].float()  # the relay moves them to the CPU if needed
-            talker_embeds = {s.request_id: embeds[j] for j, s in enumerate(talking)}
         for seq in seqs:
             seq.num_cached += 1
-        return out["logits"][inputs["rows"]], talker_embeds
+        return out["logits"][inputs["rows"]]
 
     def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> list[int]:
         """One batched draw for every sampled row of the step; one host sync."""

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 PROMPT_FILE = HERE / "prompt_100_tokens.txt"
 URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
-HISTOGRAMS = {"first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
+HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds", "first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
               "first_audio": "omni_time_to_first_audio_seconds",
               "first_audio_received": "omni_time_to_first_audio_received_seconds",
               "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
@@ -165,7 +165,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
              "token is the one to read.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
-             "server: first token / first frame / first audio / at ingress / handed on, mean (ms) | "
+             "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -183,7 +183,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
         lines.append(
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
-            f"{num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
+            f"{num(srv.get('mean_streams_open_ms'))} / {num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
             f"{num(srv.get('mean_first_audio_received_ms'))} / {num(srv.get('mean_first_audio_sent_ms'))} | "
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "

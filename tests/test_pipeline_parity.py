@@ -99,6 +99,7 @@ def test_first_audio_leaves_before_the_thinker_finishes(pipeline: Any) -> None:
     assert len(reply.token_ids) == 400
     assert timing["first_audio"] < timing["last_token"]
     assert timing["first_audio"] <= timing["first_audio_received"]  # made by the vocoder, then relayed to the caller
+    assert timing["submitted"] < timing["streams_open"] < timing["first_token"]  # every stage held it before a token
     assert np.isfinite(reply.pcm).all() and reply.pcm.size == 30 * 1920 - 555
 
 

@@ -45,6 +45,9 @@ class ServiceMetrics:
         self.requests = Counter("omni_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
         self.in_flight = Gauge("omni_requests_in_flight", "requests being served by this ingress", registry=r)
+        self.streams_open = Histogram("omni_time_to_streams_open_seconds",
+                                      "time until every stage of the reply had opened its stream (the Thinker starts then)",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
         self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -71,6 +74,8 @@ class ServiceMetrics:
         submitted = timing.get("submitted")
         if submitted is None:
             return
+        if "streams_open" in timing:
+            self.streams_open.observe(timing["streams_open"] - submitted)
         if "first_token" in timing:
             self.ttft.observe(timing["first_token"] - submitted)
         if "first_frame" in timing:

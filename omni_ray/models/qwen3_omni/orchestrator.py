@@ -158,6 +158,7 @@ class Orchestrator:
                 )
                 thinker.talker = await open_stream("talker", "speak", talker)
             thinker_peer = await open_stream("thinker", "generate", thinker)
+            timing["streams_open"] = time.time()  # every stage holds the request; the Thinker starts on it
             if prompt.clips:
                 tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, thinker_peer, events)))
             while len(done) < len(streams):

@@ -201,3 +201,37 @@ def test_talker_lanes_on_their_own_streams_step_as_they_do_one_after_the_other(t
     assert not errors, errors
     assert [len(one_after_the_other[s.request_id]) for s in seqs] == list(lengths)
     assert together == one_after_the_other
+
+
+def test_early_talker_prefill_replayed_from_graphs_speaks_what_the_whole_prompt_prefill_speaks(tiny_checkpoint: Path) -> None:
+    """fp32, graphs: prefilling all but the prompt's last position before the first reply token (from the prompt
+    ids), then running that position as a decode step, gives the whole-prompt prefill's frames for a batch of two."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts, lengths = ("Hello there!", "Tell me a story about a dog."), (40, 24)
+    seqs, outputs, _ = _think(tiny_checkpoint, "cuda", torch.float32, True, prompts, lengths, False)
+    frames_of = {s.request_id: n for s, n in zip(seqs, lengths)}
+    whole = _speak(_talker(tiny_checkpoint, "cuda", torch.float32, True, False), seqs, outputs, frames_of)
+
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    assets = load_talker(tiny_checkpoint, config, "cuda", torch.float32, thinker_embeddings=True)
+    talker = _talker(tiny_checkpoint, "cuda", torch.float32, True, False, assets)
+    speeches = []
+    for seq in seqs:
+        speech = TalkerSequence(seq.request_id, TALKER_GREEDY, 2302, max_frames=frames_of[seq.request_id])
+        talker.admit(speech)
+        speech.prefix, speech.early = assets.prompt_prefix(seq.prompt_ids, config), True
+        speeches.append(speech)
+    assert talker.step(speeches) == [] and talker.early_prefills == 2  # prefilled before any reply token
+    for speech, seq in zip(speeches, seqs):
+        speech.text_embeds += [out.talker_embed for out in outputs[seq.request_id] if out.talker_embed is not None]
+        speech.thinker_done = True
+    early: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
+    while any(s.finish_reason is None for s in speeches):
+        for out in talker.step([s for s in speeches if s.finish_reason is None]):
+            if out.codes is not None:
+                early[out.request_id].append(out.codes)
+        for speech in speeches:
+            if speech.finish_reason is not None and speech.slot >= 0:
+                talker.release(speech)
+    assert [len(whole[s.request_id]) for s in seqs] == list(lengths)
+    assert early == whole

@@ -47,3 +47,47 @@ def test_an_error_ends_the_stream_and_counts_as_failed() -> None:
     batches, stage = asyncio.run(scenario())
     assert [[e["type"] for e in b] for b in batches] == [["token", "error"]]
     assert stage.failed == 1 and stage.completed == 0
+
+
+def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them() -> None:
+    """A producer opened before its consumer holds the request's relay items until the consumer announces itself,
+    then sends them in order and the later ones straight away. A request that ends first keeps its items for a late
+    consumer; an aborted one drops them; a request with no consumer relays nothing."""
+    import torch
+
+    from omni_ray.relay import RelayItem, RelayMessage, RelayPeer
+
+    stage = StageBase("producer")
+    sent: list[tuple[str, str, int]] = []
+    stage.relay_step = lambda items: sent.extend((p.replica_id, i.request_id, i.meta["n"]) for p, i in items)  # type: ignore[method-assign]
+    stage._transport_control = lambda message: sent.append(("transport", message.control["op"], 0))  # type: ignore[index]
+    consumer = RelayPeer("talker-1", "tcp://127.0.0.1:1")
+
+    def announce(rid: str) -> None:
+        stage._on_control(RelayMessage("talker-1", [], control={"op": "consumer", "request": rid, "peer": consumer}))
+
+    def step(rid: str, n: int) -> None:
+        stage._route([(None, RelayItem(rid, tensors={"x": torch.zeros(1)}, meta={"n": n}))])
+
+    stage.consume_with("a", None, announced=True)
+    step("a", 0)
+    step("a", 1)
+    assert sent == []  # held
+    announce("a")
+    step("a", 2)
+    assert sent == [("talker-1", "a", 0), ("talker-1", "a", 1), ("talker-1", "a", 2)]
+
+    sent.clear()
+    stage.consume_with("short", None, announced=True)
+    step("short", 0)
+    stage.forget_consumer("short", finished=True)  # its reply ended before the consumer opened
+    announce("short")
+    stage.consume_with("aborted", None, announced=True)
+    step("aborted", 0)
+    stage.forget_consumer("aborted")
+    announce("aborted")
+    stage.consume_with("text-only", None)
+    step("text-only", 0)
+    stage._on_control(RelayMessage("x", [], control={"op": "join"}))  # transport signalling still reaches transports
+    assert sent == [("talker-1", "short", 0), ("transport", "join", 0)]
+    assert not stage.has_consumer("short") and not stage.has_consumer("aborted") and not stage.has_consumer("text-only")

@@ -46,7 +46,7 @@ class ServiceMetrics:
         self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
         self.in_flight = Gauge("omni_requests_in_flight", "requests being served by this ingress", registry=r)
         self.streams_open = Histogram("omni_time_to_streams_open_seconds",
-                                      "time until every stage of the reply had opened its stream (the Thinker starts then)",
+                                      "time until every stage of the reply had opened its stream",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
         self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",

@@ -9,13 +9,16 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from omni_ray.relay import LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender, RelayServer
+from omni_ray.relay import (
+    LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender, RelayServer,
+)
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.tcp import node_ip
 from omni_ray.relay.transports import RelayMode, gpu_uuid
 
 FINAL_TYPES = frozenset({"final", "error"})
+HELD_AFTER_END_S = 60.0  # how long a finished request's relay items wait for a consumer that has not announced itself
 
 
 class StageBase:
@@ -36,9 +39,13 @@ class StageBase:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._sender: RelaySender | None = None
         self._self_peer: RelayPeer | None = None
+        self._consumers: dict[str, RelayPeer] = {}  # request id -> the replica its relay items go to
+        self._held: dict[str, list[RelayItem]] = {}  # items of requests whose consumer has not announced itself yet
+        self._held_after_end: dict[str, float] = {}  # finished requests still holding items: until when
         self.completed = 0
         self.failed = 0
         self._reporter: Any = None
+        self._transport_control: Any = None  # the transports' own control handler
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
@@ -74,6 +81,8 @@ class StageBase:
                 self._receiver = CollectiveReceiver(self.endpoint, self.device)
                 if self.device.type == "cuda":  # producers on this GPU may share buffers through CUDA IPC
                     self._ipc_receiver = IpcReceiver(self.endpoint, self.device)
+                self._transport_control = self.endpoint.on_control
+                self.endpoint.on_control = self._on_control
                 LOCAL_ENDPOINTS[self.replica_id] = self.endpoint
                 self._self_peer = RelayPeer(self.replica_id, address, str(self.device), gpu_uuid(self.device))
         return self._self_peer
@@ -171,6 +180,81 @@ class StageBase:
             "ipc_received": self._ipc_receiver.received if self._ipc_receiver is not None else 0,
         }
 
+    # ---- where a request's relay items go ----------------------------------------------------------------
+    def consume_with(self, request_id: str, peer: RelayPeer | None, announced: bool = False) -> None:
+        """The request's items go to `peer`; or, when its consumer will `announce` itself, they are held until it
+        does (a consumer opened after its producer, so that the producer starts sooner). Call on the event loop."""
+        if peer is not None:
+            self._consumers[request_id] = peer
+        elif announced:
+            self._held[request_id] = []
+        now = time.monotonic()
+        for rid in [r for r, until in self._held_after_end.items() if until < now]:  # their consumer never came
+            self._held_after_end.pop(rid)
+            self._held.pop(rid, None)
+
+    def forget_consumer(self, request_id: str, finished: bool = False) -> None:
+        """The request's stream here ended. A `finished` one whose consumer has not announced itself yet keeps its
+        held items a while (a short reply can end before its consumer's stream opens); an aborted one drops them."""
+        self._consumers.pop(request_id, None)
+        if finished and request_id in self._held:
+            self._held_after_end[request_id] = time.monotonic() + HELD_AFTER_END_S
+        else:
+            self._held.pop(request_id, None)
+
+    async def announce(self, producer: RelayPeer, request_id: str) -> None:
+        """Tell the replica that produces this request's input to send it here (on the host path)."""
+        control = {"op": "consumer", "request": request_id, "peer": await self.relay_peer()}
+        await self.sender.transport.tcp.send(producer, RelayMessage(self.replica_id, [], control=control))
+
+    def _on_control(self, message: RelayMessage) -> None:
+        control = message.control or {}
+        if control.get("op") != "consumer":
+            if self._transport_control is not None:
+                self._transport_control(message)
+            return
+        rid, peer = control["request"], control["peer"]
+        held = self._held.pop(rid, None)
+        if held is None:  # the request is gone already
+            return
+        self._consumers[rid] = peer
+        self._route([(None, item) for item in held])
+        if self._held_after_end.pop(rid, None) is not None:  # its stream here has ended: nothing more will come
+            self._consumers.pop(rid, None)
+
+    def relay_to_consumers(self, items: list[RelayItem]) -> None:
+        """From an engine thread: each item to its request's consumer. Tensors bound for a host-path peer are copied
+        to the CPU here, so the event loop never waits on the device; a collective peer gets them as they are."""
+        if self._event_loop is None or not items:
+            return
+        transport = self.sender.transport
+        routed = []
+        for item in items:
+            peer = self._consumers.get(item.request_id)
+            routed.append((peer, host_copy(item) if peer is not None and transport.needs_host_tensors(peer) else item))
+        self._event_loop.call_soon_threadsafe(self._route, routed)
+
+    def send_to_consumer(self, request_id: str, kind: str = "end", **meta: Any) -> None:
+        """An end or error marker for the request's consumer. Call on the event loop."""
+        self._route([(None, RelayItem(request_id, kind=kind, meta=meta))])
+
+    def has_consumer(self, request_id: str) -> bool:
+        return request_id in self._consumers or request_id in self._held
+
+    def _route(self, routed: list[tuple[RelayPeer | None, RelayItem]]) -> None:
+        """On the event loop: ship what has a consumer, hold what waits for one, drop the rest (requests without one)."""
+        ready = []
+        transport = self.sender.transport
+        for peer, item in routed:
+            if peer is None and (peer := self._consumers.get(item.request_id)) is not None:
+                item = host_copy(item) if transport.needs_host_tensors(peer) else item
+            if peer is not None:
+                ready.append((peer, item))
+            elif item.request_id in self._held:
+                self._held[item.request_id].append(item)
+        if ready:
+            self.relay_step(ready)
+
     def relay_step(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
         """Ship one engine step's relay items: one message per consumer replica, with every request bound there.
         Call on the event loop thread."""
@@ -179,15 +263,6 @@ class StageBase:
             batches.setdefault(peer.replica_id, (peer, []))[1].append(item)
         for peer, group in batches.values():
             self.sender.send(peer, group)
-
-    def relay_step_threadsafe(self, items: list[tuple[RelayPeer, RelayItem]]) -> None:
-        """relay_step from an engine thread. Tensors bound for a host-path peer are copied to the CPU here, in the
-        engine thread, so the event loop never waits on the device; a collective peer gets them as they are."""
-        if self._event_loop is None or not items:
-            return
-        transport = self.sender.transport
-        items = [(peer, host_copy(item) if transport.needs_host_tensors(peer) else item) for peer, item in items]
-        self._event_loop.call_soon_threadsafe(self.relay_step, items)
 
     def send_end(self, peer: RelayPeer | None, request_id: str, kind: str = "end", **meta: Any) -> None:
         if peer is not None:

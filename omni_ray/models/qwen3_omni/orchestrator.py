@@ -150,17 +150,20 @@ class Orchestrator:
         token_ids: list[int] = []
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         try:
-            if audio:  # consumers first, so each producer knows where its relay messages go
-                vocoder = await open_stream("vocoder", "decode", rid, return_codes)
-                talker = TalkerRequest(
-                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, vocoder, max_audio_frames, thinker.ignore_eos,
-                    prompt_ids=None if prompt.clips else prompt.ids,
-                )
-                thinker.talker = await open_stream("talker", "speak", talker)
+            # Producers first, so the Thinker starts at once: each consumer then announces itself to its producer over
+            # the relay, which holds what it makes until then (a producer needs its consumer only after a step).
+            thinker.speaks = audio
             thinker_peer = await open_stream("thinker", "generate", thinker)
-            timing["streams_open"] = time.time()  # every stage holds the request; the Thinker starts on it
             if prompt.clips:
                 tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, thinker_peer, events)))
+            if audio:
+                talker = TalkerRequest(
+                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, thinker_peer, max_audio_frames,
+                    thinker.ignore_eos, prompt_ids=None if prompt.clips else prompt.ids,
+                )
+                talker_peer = await open_stream("talker", "speak", talker)
+                await open_stream("vocoder", "decode", rid, talker_peer, return_codes)
+            timing["streams_open"] = time.time()  # every stage holds the request
             while len(done) < len(streams):
                 name, event = await events.get()
                 kind = event["type"]

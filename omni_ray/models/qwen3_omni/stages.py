@@ -47,7 +47,7 @@ class ThinkerRequest:
     max_tokens: int
     stop_ids: list[int]
     expects_audio: bool = False
-    talker: RelayPeer | None = None  # where the Talker-bound states go; None for text-only replies
+    speaks: bool = False  # a Talker replica will announce itself (relay) to receive the Talker-bound states
     forced_ids: list[int] | None = None  # teacher-forced reply (speech): emitted instead of sampled
     ignore_eos: bool = False
 
@@ -57,7 +57,7 @@ class TalkerRequest:
     request_id: str
     sampling: SamplingParams
     speaker: str
-    vocoder: RelayPeer
+    thinker: RelayPeer  # the Thinker replica to announce this replica to
     max_frames: int | None = None
     ignore_eos: bool = False
     prompt_ids: list[int] | None = None  # a text-only prompt's ids: the Talker can prefill before the first token
@@ -137,14 +137,12 @@ class ThinkerStage(StageBase):
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
         self.engine.start()
-        self._talkers: dict[str, RelayPeer] = {}
         self.start_reporting()
 
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
         self.open_stream(rid)
-        if request.talker is not None:
-            self._talkers[rid] = request.talker
+        self.consume_with(rid, None, announced=request.speaks)  # the Talker is opened after this replica starts
         finished = False
         try:
             yield [await self.ready_event()]
@@ -152,7 +150,7 @@ class ThinkerStage(StageBase):
             self.engine.add(
                 ThinkerSequence(
                     rid, list(request.prompt_ids), request.sampling, request.max_tokens, frozenset(request.stop_ids),
-                    audio_embeds=audio, for_talker=request.talker is not None, forced_ids=request.forced_ids,
+                    audio_embeds=audio, for_talker=request.speaks, forced_ids=request.forced_ids,
                     ignore_eos=request.ignore_eos,
                 )
             )
@@ -163,8 +161,8 @@ class ThinkerStage(StageBase):
             self.endpoint.release(rid)
             if not finished:
                 self.engine.abort(rid)
-                self.send_end(self._talkers.get(rid), rid, kind="error", message="aborted")
-            self._talkers.pop(rid, None)
+                self.send_to_consumer(rid, "error", message="aborted")
+            self.forget_consumer(rid, finished)
 
     async def _await_audio(self, rid: str) -> torch.Tensor:
         arrived: asyncio.Future[RelayItem] = asyncio.get_running_loop().create_future()
@@ -181,22 +179,21 @@ class ThinkerStage(StageBase):
         self.fail(request_id, str(error))
         if self._event_loop is not None:
             self._event_loop.call_soon_threadsafe(
-                lambda: self.send_end(self._talkers.get(request_id), request_id, kind="error", message=str(error))
+                lambda: self.send_to_consumer(request_id, "error", message=str(error))
             )
 
     def _on_outputs(self, outputs: list[ThinkerStepOutput]) -> None:
-        # Relay first: once the final event is out, the request's stream may close and forget its Talker peer.
-        self.relay_step_threadsafe([item for out in outputs for item in self._talker_items(out)])
+        # Relay first: once the final event is out, the request's stream may close and forget its Talker.
+        self.relay_to_consumers([item for out in outputs for item in self._talker_items(out)])
         for out in outputs:
             event: dict[str, Any] = {"type": "token", "token": out.token}
             self.emit(out.request_id, event)
             if out.finish_reason is not None:
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason})
 
-    def _talker_items(self, out: ThinkerStepOutput) -> list[tuple[RelayPeer, RelayItem]]:
-        """What the Talker consumes from this step: prefill states, the input token's embedding, the end."""
-        peer = self._talkers.get(out.request_id)
-        if peer is None:
+    def _talker_items(self, out: ThinkerStepOutput) -> list[RelayItem]:
+        """What the Talker consumes from this step: prefill states, the new token's embedding, the end."""
+        if not self.has_consumer(out.request_id):
             return []
         items = []
         if out.talker_prefix is not None:
@@ -205,7 +202,7 @@ class ThinkerStage(StageBase):
             items.append(RelayItem(out.request_id, tensors={"text_embed": out.talker_embed}))
         if out.finish_reason is not None:
             items.append(RelayItem(out.request_id, kind="end"))
-        return [(peer, item) for item in items]
+        return items
 
     def load_stats(self) -> dict[str, Any]:
         return _engine_stats(self, self.engine)
@@ -238,7 +235,6 @@ class TalkerStage(StageBase):
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream))
         self.engine = EngineLanes(loops)
         self.engine.start()
-        self._vocoders: dict[str, RelayPeer] = {}
         self._sequences: dict[str, TalkerSequence] = {}
         self._first_frame: dict[str, float] = {}  # when each request's first frame was made (epoch s)
         self.start_reporting()
@@ -249,7 +245,7 @@ class TalkerStage(StageBase):
         if speaker_id is None:
             raise ValueError(f"unknown voice '{request.speaker}'")
         self.open_stream(rid)
-        self._vocoders[rid] = request.vocoder
+        self.consume_with(rid, None, announced=True)  # the vocoder is opened after this replica
         cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
         seq = TalkerSequence(
             rid, request.sampling, int(speaker_id), cap,
@@ -267,6 +263,7 @@ class TalkerStage(StageBase):
         finished = False
         try:
             yield [await self.ready_event()]
+            await self.announce(request.thinker, rid)
             async for batch in self.stream(rid):
                 finished = batch[-1]["type"] in FINAL_TYPES
                 yield batch
@@ -276,8 +273,8 @@ class TalkerStage(StageBase):
             self._first_frame.pop(rid, None)
             if not finished or seq.finish_reason is None:
                 self.engine.abort(rid)
-                self.send_end(self._vocoders.get(rid), rid, kind="error", message="aborted")
-            self._vocoders.pop(rid, None)
+                self.send_to_consumer(rid, "error", message="aborted")
+            self.forget_consumer(rid, finished)
 
     def _on_thinker_item(self, seq: TalkerSequence, item: RelayItem) -> None:
         if item.kind == "error":
@@ -299,8 +296,8 @@ class TalkerStage(StageBase):
         self.fail(request_id, str(error))
 
     def _on_outputs(self, outputs: list[TalkerStepOutput]) -> None:
-        # Relay first: once the final event is out, the request's stream may close and forget its vocoder peer.
-        self.relay_step_threadsafe([item for out in outputs for item in self._vocoder_items(out)])
+        # Relay first: once the final event is out, the request's stream may close and forget its vocoder.
+        self.relay_to_consumers([item for out in outputs for item in self._vocoder_items(out)])
         now = time.time()
         for out in outputs:
             if out.codes is not None:
@@ -311,17 +308,16 @@ class TalkerStage(StageBase):
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames,
                                            "first_frame_t": self._first_frame.pop(out.request_id, None)})
 
-    def _vocoder_items(self, out: TalkerStepOutput) -> list[tuple[RelayPeer, RelayItem]]:
+    def _vocoder_items(self, out: TalkerStepOutput) -> list[RelayItem]:
         """The step's frame (all code groups) and, when the request ended, the end marker."""
-        peer = self._vocoders.get(out.request_id)
-        if peer is None:
+        if not self.has_consumer(out.request_id):
             return []
         items = []
         if out.codes is not None:
             items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]}))
         if out.finish_reason is not None:
             items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))
-        return [(peer, item) for item in items]
+        return items
 
     def load_stats(self) -> dict[str, Any]:
         stats = _engine_stats(self, self.engine)
@@ -362,8 +358,11 @@ class VocoderStage(StageBase):
         worker = self.codec.worker
         return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames}
 
-    async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
-        """Streams audio events, then a final event (with every frame's codes when `return_codes`)."""
+    async def decode(
+        self, request_id: str, talker: RelayPeer, return_codes: bool = False
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Streams audio events, then a final event (with every frame's codes when `return_codes`). The `talker`
+        replica learns to send this request's frames here."""
         self.open_stream(request_id)
         received: list[torch.Tensor] = []
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
@@ -373,6 +372,7 @@ class VocoderStage(StageBase):
             decoder = (StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
                        else StreamingDecoder(self.codec, self.schedule))
             yield [await self.ready_event()]
+            await self.announce(talker, request_id)
             while True:
                 item = await inbox.get()
                 if item.kind == "error":

@@ -75,6 +75,11 @@ def _speak(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str,
                 speech.text_embeds.append(out.talker_embed)
         speech.thinker_done = True
         speeches.append(speech)
+    return _run_to_end(talker, speeches)
+
+
+def _run_to_end(talker: TalkerRunner, speeches: list[TalkerSequence]) -> dict[str, list[list[int]]]:
+    """Step the batch until every request ends, releasing each as it does; each request's frames."""
     frames: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
     while any(s.finish_reason is None for s in speeches):
         for out in talker.step([s for s in speeches if s.finish_reason is None]):
@@ -225,13 +230,6 @@ def test_early_talker_prefill_replayed_from_graphs_speaks_what_the_whole_prompt_
     for speech, seq in zip(speeches, seqs):
         speech.text_embeds += [out.talker_embed for out in outputs[seq.request_id] if out.talker_embed is not None]
         speech.thinker_done = True
-    early: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
-    while any(s.finish_reason is None for s in speeches):
-        for out in talker.step([s for s in speeches if s.finish_reason is None]):
-            if out.codes is not None:
-                early[out.request_id].append(out.codes)
-        for speech in speeches:
-            if speech.finish_reason is not None and speech.slot >= 0:
-                talker.release(speech)
+    early = _run_to_end(talker, speeches)
     assert [len(whole[s.request_id]) for s in seqs] == list(lengths)
     assert early == whole

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -45,7 +45,7 @@ class StageBase:
         self.completed = 0
         self.failed = 0
         self._reporter: Any = None
-        self._transport_control: Any = None  # the transports' own control handler
+        self._transport_control: Callable[[RelayMessage], None] | None = None  # the transports' own control handler
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""

@@ -60,16 +60,17 @@ def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them()
     stage = StageBase("producer")
     sent: list[tuple[str, str, int]] = []
     stage.relay_step = lambda items: sent.extend((p.replica_id, i.request_id, i.meta["n"]) for p, i in items)  # type: ignore[method-assign]
-    stage._transport_control = lambda message: sent.append(("transport", message.control["op"], 0))  # type: ignore[index]
+    stage.endpoint.on_control(("consumer",), stage._on_consumer)  # as relay_peer() registers it
+    stage.endpoint.on_control(("join",), lambda message: sent.append(("transport", message.control["op"], 0)))  # type: ignore[index]
     consumer = RelayPeer("talker-1", "tcp://127.0.0.1:1")
 
     def announce(rid: str) -> None:
-        stage._on_control(RelayMessage("talker-1", [], control={"op": "consumer", "request": rid, "peer": consumer}))
+        stage.endpoint.deliver(RelayMessage("talker-1", [], control={"op": "consumer", "request": rid, "peer": consumer}))
 
     def step(rid: str, n: int) -> None:
         stage._route([(None, RelayItem(rid, tensors={"x": torch.zeros(1)}, meta={"n": n}))])
 
-    stage.consume_with("a", None, announced=True)
+    stage.expect_consumer("a")
     step("a", 0)
     step("a", 1)
     assert sent == []  # held
@@ -78,16 +79,16 @@ def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them()
     assert sent == [("talker-1", "a", 0), ("talker-1", "a", 1), ("talker-1", "a", 2)]
 
     sent.clear()
-    stage.consume_with("short", None, announced=True)
+    stage.expect_consumer("short")
     step("short", 0)
     stage.forget_consumer("short", finished=True)  # its reply ended before the consumer opened
     announce("short")
-    stage.consume_with("aborted", None, announced=True)
+    stage.expect_consumer("aborted")
     step("aborted", 0)
     stage.forget_consumer("aborted")
     announce("aborted")
-    stage.consume_with("text-only", None)
+    # "text-only" expects no consumer
     step("text-only", 0)
-    stage._on_control(RelayMessage("x", [], control={"op": "join"}))  # transport signalling still reaches transports
+    stage.endpoint.deliver(RelayMessage("x", [], control={"op": "join"}))  # transport signalling still reaches transports
     assert sent == [("talker-1", "short", 0), ("transport", "join", 0)]
     assert not stage.has_consumer("short") and not stage.has_consumer("aborted") and not stage.has_consumer("text-only")

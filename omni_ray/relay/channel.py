@@ -113,14 +113,20 @@ class RelayEndpoint:
         self._expected_seq: dict[str, int] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # released requests: late items are dropped
         self._remember_closed = remember_closed
-        self.on_control: Callable[[RelayMessage], None] | None = None  # set by a transport's receiving side
+        self._control_handlers: dict[str, Callable[[RelayMessage], None]] = {}  # by control op
+
+    def on_control(self, ops: tuple[str, ...], handler: Callable[[RelayMessage], None]) -> None:
+        """Control messages whose op is one of `ops` go to `handler` (a transport's receiving side, or the stage)."""
+        for op in ops:
+            self._control_handlers[op] = handler
 
     def deliver(self, message: RelayMessage) -> None:
         if message.control is not None:
-            if self.on_control is None:
-                log.warning("dropping a relay control message: no transport handles it here")
+            handler = self._control_handlers.get(message.control.get("op", ""))
+            if handler is None:
+                log.warning("dropping a relay control message: nothing handles op %r here", message.control.get("op"))
             else:
-                self.on_control(message)
+                handler(message)
             return
         for item in message.items:
             if item.request_id in self._closed:

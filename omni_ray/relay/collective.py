@@ -220,7 +220,7 @@ class CollectiveReceiver:
         self.pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        endpoint.on_control = self.handle
+        endpoint.on_control(("join", "payload"), self.handle)
 
     def handle(self, message: RelayMessage) -> None:
         """Called on the event loop for each control message, in arrival order."""

@@ -182,16 +182,11 @@ class IpcReceiver:
         # left, later messages queue behind them. Each counter is written by one thread only.
         self._queued = 0
         self._dequeued = 0
-        self.fallback = endpoint.on_control
         self.received = 0
-        endpoint.on_control = self.handle
+        endpoint.on_control(("ipc",), self.handle)
 
     def handle(self, message: RelayMessage) -> None:
         control = message.control or {}
-        if control.get("op") != "ipc":
-            if self.fallback is not None:
-                self.fallback(message)
-            return
         self._loop = asyncio.get_running_loop()
         header, ring, handle = control["header"], control.get("ring"), control.get("handle")
         if handle is None and self._queued == self._dequeued:  # a ring copy is µs on an idle stream: no thread hop

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import torch
 
@@ -45,7 +45,6 @@ class StageBase:
         self.completed = 0
         self.failed = 0
         self._reporter: Any = None
-        self._transport_control: Callable[[RelayMessage], None] | None = None  # the transports' own control handler
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
@@ -81,8 +80,7 @@ class StageBase:
                 self._receiver = CollectiveReceiver(self.endpoint, self.device)
                 if self.device.type == "cuda":  # producers on this GPU may share buffers through CUDA IPC
                     self._ipc_receiver = IpcReceiver(self.endpoint, self.device)
-                self._transport_control = self.endpoint.on_control
-                self.endpoint.on_control = self._on_control
+                self.endpoint.on_control(("consumer",), self._on_consumer)
                 LOCAL_ENDPOINTS[self.replica_id] = self.endpoint
                 self._self_peer = RelayPeer(self.replica_id, address, str(self.device), gpu_uuid(self.device))
         return self._self_peer
@@ -181,13 +179,10 @@ class StageBase:
         }
 
     # ---- where a request's relay items go ----------------------------------------------------------------
-    def consume_with(self, request_id: str, peer: RelayPeer | None, announced: bool = False) -> None:
-        """The request's items go to `peer`; or, when its consumer will `announce` itself, they are held until it
-        does (a consumer opened after its producer, so that the producer starts sooner). Call on the event loop."""
-        if peer is not None:
-            self._consumers[request_id] = peer
-        elif announced:
-            self._held[request_id] = []
+    def expect_consumer(self, request_id: str) -> None:
+        """The request's consumer will `announce` itself (it is opened after its producer, so that the producer starts
+        sooner): hold its items until then. Call on the event loop."""
+        self._held[request_id] = []
         now = time.monotonic()
         for rid in [r for r, until in self._held_after_end.items() if until < now]:  # their consumer never came
             self._held_after_end.pop(rid)
@@ -207,12 +202,8 @@ class StageBase:
         control = {"op": "consumer", "request": request_id, "peer": await self.relay_peer()}
         await self.sender.transport.tcp.send(producer, RelayMessage(self.replica_id, [], control=control))
 
-    def _on_control(self, message: RelayMessage) -> None:
+    def _on_consumer(self, message: RelayMessage) -> None:
         control = message.control or {}
-        if control.get("op") != "consumer":
-            if self._transport_control is not None:
-                self._transport_control(message)
-            return
         rid, peer = control["request"], control["peer"]
         held = self._held.pop(rid, None)
         if held is None:  # the request is gone already

@@ -142,7 +142,8 @@ class ThinkerStage(StageBase):
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
         self.open_stream(rid)
-        self.consume_with(rid, None, announced=request.speaks)  # the Talker is opened after this replica starts
+        if request.speaks:
+            self.expect_consumer(rid)  # the Talker is opened after this replica starts
         finished = False
         try:
             yield [await self.ready_event()]
@@ -245,7 +246,7 @@ class TalkerStage(StageBase):
         if speaker_id is None:
             raise ValueError(f"unknown voice '{request.speaker}'")
         self.open_stream(rid)
-        self.consume_with(rid, None, announced=True)  # the vocoder is opened after this replica
+        self.expect_consumer(rid)  # the vocoder is opened after this replica
         cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
         seq = TalkerSequence(
             rid, request.sampling, int(speaker_id), cap,

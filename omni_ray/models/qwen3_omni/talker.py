@@ -143,7 +143,7 @@ def load_talker(
     if thinker_embeddings:
         if checkpoint is None:
             vocab = config.thinker_config.text_config.vocab_size
-            table = (torch.randn(vocab, config.talker_config.thinker_hidden_size) * 0.02).to(dtype)
+            table = torch.randn(vocab, config.talker_config.thinker_hidden_size, dtype=dtype) * 0.02
         else:
             table = read_tensors(checkpoint, "thinker.model.embed_tokens.")["weight"].to(dtype)
     return TalkerAssets(model, bos, eos, pad, table)

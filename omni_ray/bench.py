@@ -68,19 +68,32 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def _launched_ahead(runner: Any, seqs: list[Any], steps: int) -> None:
+    """`steps` steps as the engine loop runs a runner with launch/collect: step N+1 is queued before step N is read."""
+    pending = runner.launch(seqs)
+    for _ in range(steps - 1):
+        launched = runner.launch(seqs)
+        runner.collect(pending)
+        pending = launched
+    runner.collect(pending)
+
+
 def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, device: str, stage: str) -> dict[str, Any]:
     """One untimed pass (captures this batch's CUDA graphs), then a timed one: the prefill step and `steps` decode
-    steps of the same batch."""
+    steps of the same batch, one at a time; then, for a runner with launch/collect, `steps` more launched ahead (the
+    mean step time of the engine loop's pipelining)."""
+    pipelined = hasattr(runner, "launch")
     for timed in (False, True):
         seqs = make_seqs()
         for seq in seqs:
             runner.admit(seq)
         prefill_ms = _timed(lambda: runner.step(seqs), device)
         times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
+        ahead_ms = _timed(lambda: _launched_ahead(runner, seqs, steps), device) / steps if pipelined else None
         for seq in seqs:
             runner.release(seq)
     return {"stage": stage, "batch": len(seqs), "prefill_ms_total": prefill_ms,
-            "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:]),
+            "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:]), "step_ms_launched_ahead": ahead_ms,
             "graphs": len(runner.graphs), "capture_ms_total": round(runner.graphs.capture_ms)}
 
 
@@ -111,7 +124,7 @@ def bench_talker(
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0, compile_mode: str = "default",
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
-    slot_len = max(prompt + steps + 16, max_seq_len)
+    slot_len = max(prompt + 2 * steps + 16, max_seq_len)
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
@@ -130,10 +143,10 @@ def _talker_seqs(
     hidden = config.talker_config.thinker_hidden_size
     seqs = []
     for i in range(batch):
-        seq = TalkerSequence(f"k{i}", sampling, 2302, max_frames=steps + 4, ignore_eos=True)
+        seq = TalkerSequence(f"k{i}", sampling, 2302, max_frames=2 * steps + 4, ignore_eos=True)
         seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
                       "assistant_prefix": torch.randn(3, hidden) * 0.02}
-        seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(steps + 8)]
+        seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(2 * steps + 8)]
         seqs.append(seq)
     return seqs
 
@@ -141,12 +154,16 @@ def _talker_seqs(
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Engine step times ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, {meta['mode']}", "",
-             "| stage | batch | step p50 (ms) | per request (ms) | floor at batch 1 (ms) | ratio to floor | prefill, all requests (ms) |",
-             "|---|---|---|---|---|---|---|"]
+             "Launched ahead: the mean step when each step is queued before the previous one is read back, as the "
+             "engine loop runs a runner that can (the Talker).", "",
+             "| stage | batch | step p50 (ms) | launched ahead (ms) | per request (ms) | floor at batch 1 (ms) | ratio to floor | prefill, all requests (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = FLOOR_MS[r["stage"]]
+        ahead = "–" if r.get("step_ms_launched_ahead") is None else f"{r['step_ms_launched_ahead']:.1f}"
+        best = min(r["step_ms_p50"], r.get("step_ms_launched_ahead") or r["step_ms_p50"])
         lines.append(f"| {r['stage']}{' + MTP' if r['stage'] == 'talker' else ''} | {r['batch']} | {r['step_ms_p50']:.1f} | "
-                     f"{r['step_ms_p50'] / r['batch']:.2f} | {floor} | {r['step_ms_p50'] / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
+                     f"{ahead} | {best / r['batch']:.2f} | {floor} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -335,3 +335,57 @@ def test_lanes_spread_requests_and_hear_every_abort() -> None:
         for runner in runners:
             runner.allow(100)
         lanes.stop()
+
+
+@dataclass
+class FakePipelinedRunner(FakeRunner):
+    """`launch` queues a step and `collect` reads it, as a GPU runner does; a sequence with `stops_at` learns its end
+    (an EOS) only when that step is collected, so the step launched meanwhile steps it once more and drops its row."""
+
+    calls: list[str] = field(default_factory=list)
+    stops_at: dict[str, int] = field(default_factory=dict)
+
+    def launch(self, seqs: list[FakeSeq]) -> list[tuple[FakeSeq, int]]:
+        self.calls.append("launch " + ",".join(s.request_id for s in seqs))
+        self.batches.append([s.request_id for s in seqs])
+        rows = []
+        for s in seqs:
+            s.done += 1
+            rows.append((s, s.done))
+            if s.done >= s.steps_needed:
+                s.finish_reason = "length"
+        return rows
+
+    def collect(self, rows: list[tuple[FakeSeq, int]]) -> list[tuple[str, int]]:
+        self.calls.append("collect " + ",".join(s.request_id for s, _ in rows))
+        out = []
+        for s, n in rows:
+            if s.finish_reason == "stop" and n > self.stops_at[s.request_id]:
+                continue  # stepped after its end
+            if self.stops_at.get(s.request_id) == n:
+                s.finish_reason = "stop"
+            out.append((s.request_id, n))
+        return out
+
+
+def test_pipelined_runner_launches_the_next_step_before_collecting_the_last() -> None:
+    runner = FakePipelinedRunner(stops_at={"E": 2})
+    h = Harness(runner, max_batch=4)
+    h.needed.update({"A": 3, "E": 2})
+    h.loop.add(FakeSeq("A", steps_needed=3))
+    h.loop.add(FakeSeq("E", steps_needed=10))  # ends at its step 2, learnt when that step is collected
+    try:
+        h.loop.start()
+        h.wait(lambda: len(runner.released) == 2)
+        h.wait(lambda: runner.calls[-1].startswith("collect") and len(h.outputs) == len(runner.batches))
+    finally:
+        h.loop.stop()
+    assert runner.calls == [
+        "launch A,E",
+        "launch A,E", "collect A,E",  # step 2 is queued before step 1 is read back
+        "launch A,E", "collect A,E",  # step 3 steps E once more: its EOS (step 2) is not known yet
+        "collect A,E",  # nothing left to launch: the last step is read back
+    ]
+    assert h.outputs == [[("A", 1), ("E", 1)], [("A", 2), ("E", 2)], [("A", 3)]]  # E's step-3 row is dropped
+    assert Counter(runner.released) == Counter({"A": 1, "E": 1}) and h.failures == []
+    assert h.loop.stats()["steps"] == 3

@@ -1,4 +1,5 @@
-"""The Talker runner in-process: stopping at codec EOS, the text-proportional frame limit, waiting on text."""
+"""The Talker runner in-process: stopping at codec EOS, the text-proportional frame limit, waiting on text, and
+steps launched before the previous one is collected."""
 
 from __future__ import annotations
 
@@ -64,6 +65,22 @@ def _run(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> lis
     return frames
 
 
+def _run_pipelined(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> tuple[list[list[int]], list[Any]]:
+    """As the engine loop runs a pipelined runner: launch step N+1, then collect step N. Returns the frames and every
+    output, in order."""
+    outputs: list[Any] = []
+    pending = None
+    for _ in range(max_steps):
+        launched = runner.launch([seq]) if seq.finish_reason is None else None
+        if pending is not None:
+            outputs += runner.collect(pending)
+        pending = launched
+        if pending is None and seq.finish_reason is not None:
+            break
+    runner.release(seq)
+    return [o.codes for o in outputs if o.codes is not None], outputs
+
+
 def test_frame_limit_is_proportional_to_the_text(parts: dict[str, Any]) -> None:
     runner = _runner(parts)
     speaker = parts["config"].talker_config.speaker_id["ethan"]
@@ -88,7 +105,7 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     # Make codec EOS outscore the group-0 code the model picks for its first frame: a real weight edit.
     eos = config.talker_config.codec_eos_token_id
 
-    def speak_with_eos_favoured(seq: TalkerSequence) -> tuple[int, list[list[int]]]:
+    def speak_with_eos_favoured(seq: TalkerSequence, pipelined: bool = False) -> tuple[int, list[list[int]]]:
         head = runner.model.codec_head.weight
         with torch.no_grad():
             saved = head[eos].clone()
@@ -97,7 +114,12 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
             runner.admit(seq)
             slot = seq.slot
             _feed(seq, parts["thinker_outputs"])
-            return slot, _run(runner, seq)
+            if not pipelined:
+                return slot, _run(runner, seq)
+            frames, outputs = _run_pipelined(runner, seq)
+            # the step launched after the EOS step (before its codes were read) reports nothing
+            assert [o.finish_reason for o in outputs] == [None] * len(frames) + ["stop"]
+            return slot, frames
         finally:
             with torch.no_grad():
                 head[eos] = saved
@@ -107,6 +129,9 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     assert seq.finish_reason == "stop"
     assert len(frames) < 6
     assert bool(runner.seen[slot, eos])  # the step that ended it sampled EOS as its group-0 code
+    late = TalkerSequence("p", GREEDY_TALKER, speaker, max_frames=6)
+    assert speak_with_eos_favoured(late, pipelined=True)[1] == frames  # EOS read a step late: the same reply
+    assert late.finish_reason == "stop" and late.frames == len(frames)
     # Benchmark mode: the same EOS-loving weights, but EOS is never sampled and the frame cap ends the reply.
     forced = TalkerSequence("n", GREEDY_TALKER, speaker, max_frames=6, ignore_eos=True)
     slot, frames = speak_with_eos_favoured(forced)
@@ -208,3 +233,40 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
     silent.thinker_done = True  # the Thinker ended without a reply token
     assert runner.ready(silent)
     assert [(o.codes, o.finish_reason) for o in runner.step([silent])] == [(None, "stop")]
+
+
+def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str, Any]) -> None:
+    """The engine launches step N+1 before it collects step N. The frames and the ends are the same; a Thinker end
+    that arrives between a step's launch and its collection still cuts the reply at the text-proportional limit."""
+    runner = _runner(parts)
+    speaker = parts["config"].talker_config.speaker_id["ethan"]
+
+    def speech(name: str) -> TalkerSequence:
+        seq = TalkerSequence(name, GREEDY_TALKER, speaker, max_frames=4096, frames_per_text_token=2.0, frame_budget_base=3)
+        runner.admit(seq)
+        return seq
+
+    one_at_a_time = speech("a")
+    _feed(one_at_a_time, parts["thinker_outputs"])
+    expected = _run(runner, one_at_a_time)
+    ahead = speech("b")
+    _feed(ahead, parts["thinker_outputs"])
+    frames, outputs = _run_pipelined(runner, ahead)
+    assert frames == expected and len(frames) == 3 + 2 * 11
+    assert [o.finish_reason for o in outputs] == [None] * (len(frames) - 1) + ["length"]
+
+    late = speech("c")  # the Thinker's end arrives after the step making frame 25 was launched
+    _feed(late, parts["thinker_outputs"], done=False)
+    pending = None
+    collected: list[Any] = []
+    while len(collected) < 25:
+        launched = runner.launch([late])
+        if pending is not None:
+            collected += runner.collect(pending)
+        pending = launched
+    late.thinker_done = True
+    collected += runner.collect(pending)  # frame 26 (launched before the end was known) is dropped
+    assert [o.codes for o in collected if o.codes is not None] == expected
+    assert (collected[-1].codes, collected[-1].finish_reason) == (None, "length")
+    assert late.frames == len(expected)
+    runner.release(late)

@@ -25,3 +25,23 @@ def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
             moved[name] = flat[offset : offset + numel].view(tensors[name].shape)
             offset += numel
     return moved
+
+
+class Download:
+    """A device tensor's copy on its way to pinned host memory, queued on the current stream behind the work that
+    makes it: `result()` waits for that copy alone, so the host can queue the next step before reading this one."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tensor.clone()
+
+    def result(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host

@@ -33,8 +33,20 @@ class Runner(Protocol[S, O]):  # type: ignore[misc]
     def step(self, seqs: list[S]) -> list[O]: ...
 
 
+class PipelinedRunner(Runner[S, O], Protocol[S, O]):  # type: ignore[misc]
+    """A runner whose step is queued by `launch` and read back by `collect`. Whatever the next launch needs from a
+    step must stay on the device; a sequence's end learnt in `collect` comes one step late, and `collect` drops the
+    output of a row stepped after its end."""
+
+    def launch(self, seqs: list[S]) -> Any: ...
+    def collect(self, handle: Any) -> list[O]: ...
+
+
 class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
+
+    A runner may split `step` into `launch` (queue the work, return a handle) and `collect` (wait for it, return the
+    outputs); the loop then launches step N+1 before collecting step N.
 
     `on_outputs(outputs)` is called from the loop thread after each step; `on_failure(request_id, error)`
     when a request cannot be admitted or its step raised. Neither may block. With a `stream`, the loop thread queues
@@ -66,6 +78,8 @@ class EngineLoop(Generic[S, O]):
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
         self.stream = stream
+        # a runner with launch/collect lets the loop queue a step before reading the previous one back
+        self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
 
     def start(self) -> None:
         self._thread.start()
@@ -139,34 +153,65 @@ class EngineLoop(Generic[S, O]):
             self._serve()
 
     def _serve(self) -> None:
+        """Each round launches a step for the ready sequences, then collects the step launched the round before (or,
+        for a runner without `launch`/`collect`, this round's own step), so the host prepares step N+1 while the
+        device runs step N."""
+        pending: tuple[list[S], Any] | None = None
         while True:
             with self._cond:
                 if self._stopped:
                     return
                 batch = self._schedule()
-                if not batch:
+                if not batch and pending is None:
                     self._cond.wait(timeout=0.1)
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()
-            try:
-                with self.profiler.step(len(batch)):
-                    outputs = self.runner.step(batch)
-            except Exception as exc:
-                log.exception("%s step failed", self.name)
+            with self.profiler.step(len(batch)):
+                launched = self._launch(batch) if batch else None
+                if pending is not None:
+                    self._collect(*pending)
+                pending = launched
+                if not self.pipelined and pending is not None:
+                    self._collect(*pending)
+                    pending = None
+            if launched is not None:  # a failed step is not counted
+                self.steps += 1
                 with self._cond:
-                    for seq in batch:
-                        if seq in self._running:
-                            self._running.remove(seq)
-                            self.runner.release(seq)
-                for seq in batch:
-                    self.on_failure(seq.request_id, exc)
-                continue
-            self.steps += 1
-            with self._cond:
-                self._recent.append(((time.perf_counter() - started) * 1000, len(batch)))
-                for seq in batch:
-                    if seq.finish_reason is not None and seq in self._running:
-                        self._running.remove(seq)
-                        self.runner.release(seq)
-            self.on_outputs(outputs)
+                    self._recent.append(((time.perf_counter() - started) * 1000, len(batch)))
+
+    def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
+        """Queue a step (or run it whole); sequences it ended leave the batch (their last output is still due)."""
+        try:
+            handle = self.runner.launch(batch) if self.pipelined else self.runner.step(batch)
+        except Exception as exc:
+            self._fail(batch, exc)
+            return None
+        self._retire(batch)
+        return batch, handle
+
+    def _collect(self, batch: list[S], handle: Any) -> None:
+        try:
+            outputs = self.runner.collect(handle) if self.pipelined else handle
+        except Exception as exc:
+            self._fail(batch, exc)
+            return
+        self._retire(batch)
+        self.on_outputs(outputs)
+
+    def _retire(self, batch: list[S]) -> None:
+        with self._cond:
+            for seq in batch:
+                if seq.finish_reason is not None and seq in self._running:
+                    self._running.remove(seq)
+                    self.runner.release(seq)
+
+    def _fail(self, batch: list[S], exc: Exception) -> None:
+        log.exception("%s step failed", self.name)
+        with self._cond:
+            for seq in batch:
+                if seq in self._running:
+                    self._running.remove(seq)
+                    self.runner.release(seq)
+        for seq in batch:
+            self.on_failure(seq.request_id, exc)

@@ -22,7 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import upload
+from omni_ray.engine.host_inputs import Download, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, needs_filter, sample,
@@ -193,6 +193,16 @@ class TalkerStepOutput:
     finish_reason: str | None
 
 
+@dataclass
+class PendingFrames:
+    """A launched Talker step: its rows (sequence, the frame number it makes) and their codes on the way to the
+    host; `outputs` are the ends decided without the device."""
+
+    rows: list[tuple[TalkerSequence, int]] = field(default_factory=list)
+    codes: Download | None = None
+    outputs: list[TalkerStepOutput] = field(default_factory=list)
+
+
 class TalkerRunner:
     """Batched Talker steps: prefill or decode the backbone, then one frame pass that samples group 0 and lets the
     MTP complete groups 1..G-1. Every pass runs at bucketed fixed shapes, replayed from CUDA graphs on a GPU: the
@@ -280,13 +290,21 @@ class TalkerRunner:
             return seq.prefix is not None and (bool(seq.text_embeds) or seq.thinker_done or seq.early)
         return seq.steps + 1 < len(seq.text_embeds) or seq.thinker_done
 
-    @torch.inference_mode()
     def step(self, seqs: list[TalkerSequence]) -> list[TalkerStepOutput]:
-        outputs: list[TalkerStepOutput] = []
+        """One step, read back at once."""
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[TalkerSequence]) -> PendingFrames:
+        """Queue one step's work on the device and return without waiting for it. Everything the next step needs
+        from this one stays on the device (the codec feedback, the group-0 history), so the engine can launch the
+        next step before it `collect`s this one: the host builds step N+1 while the GPU runs step N. Only a codec
+        EOS is learnt late; a row stepped after its EOS is dropped when collected."""
+        pending = PendingFrames()
         for seq in seqs:
             if (seq.num_cached == 0 or seq.steps < 0) and not seq.text_embeds and seq.thinker_done:
                 seq.finish_reason = "stop"  # the Thinker finished after one token: nothing to speak
-                outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
+                pending.outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
         new = within_prefill_budget(
             [s for s in seqs if s.num_cached == 0 and s.finish_reason is None], self._prompt_length, self.cache,
             self.max_prefill_tokens,
@@ -300,7 +318,7 @@ class TalkerRunner:
         if early:
             self._prefill(early, early=True)
         if not stepping:
-            return outputs
+            return pending
         # Every small input of the step goes to the device before the first graph launch, in one non-blocking copy
         # per dtype: the host then runs ahead of the GPU until the frame's codes are read.
         host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
@@ -314,17 +332,38 @@ class TalkerRunner:
             hiddens.append(self._prefill(prefilling))
         if decoding:
             hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
-        frames, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
-        for i, (seq, codes) in enumerate(zip(stepping, frames)):
-            if codes[0] == self.eos:
-                seq.finish_reason = "stop"
-                outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
-                continue
+        codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
+        pending.codes = Download(codes)
+        for i, seq in enumerate(stepping):
             seq.feedback = feedback[i]
             seq.frames += 1
+            pending.rows.append((seq, seq.frames))
             if seq.frames >= seq.frame_limit() or seq.num_cached + 1 > self.cache.max_len:
                 seq.finish_reason = "length"
-            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason))
+        return pending
+
+    def collect(self, pending: PendingFrames) -> list[TalkerStepOutput]:
+        """Wait for a launched step's codes and say what it made: each row's frame, or its end. A row is dropped
+        when its request ended at an earlier frame (a codec EOS seen late) or was aborted since."""
+        outputs = pending.outputs
+        if pending.codes is None:
+            return outputs
+        for (seq, frame), codes in zip(pending.rows, pending.codes.result().tolist()):
+            if frame > seq.frames or (seq.slot < 0 and seq.finish_reason is None):
+                continue
+            if codes[0] == self.eos:
+                seq.frames, seq.finish_reason = frame - 1, "stop"
+                outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
+                continue
+            limit = seq.frame_limit()
+            if seq.finish_reason is None and frame >= limit:  # the Thinker's end came after this step's launch
+                seq.finish_reason, seq.frames = "length", frame
+                if frame > limit:  # past the limit: the previous frame was the last
+                    seq.frames = frame - 1
+                    outputs.append(TalkerStepOutput(seq.request_id, None, "length"))
+                    continue
+            last = seq.finish_reason is not None and frame == seq.frames
+            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason if last else None))
         return outputs
 
     def _prompt_length(self, seq: TalkerSequence) -> int:
@@ -397,16 +436,17 @@ class TalkerRunner:
 
     def _frames(
         self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]
-    ) -> tuple[list[list[int]], torch.Tensor]:
-        """One frame per row: codes (G ints each) and the summed codec embeddings the next decode step reads.
-        `host`: `_frame_host_inputs(seqs, rows)`, uploaded."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame per row, on the device: codes [B, G] and the summed codec embeddings the next decode step reads,
+        both copied out of the graph's buffers (the next replay overwrites them). `host`: `_frame_host_inputs(seqs,
+        rows)`, uploaded."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
         inputs = self._frame_inputs(hidden, rows, host)
         mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
         out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         # outside the graph: capture must not change what it reads
         self.seen[inputs["slots"], out["codes"][:, 0]] = True
-        return out["codes"][:count].tolist(), out["feedback"][:count].clone()
+        return out["codes"][:count].clone(), out["feedback"][:count].clone()
 
     def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:
         """What the frame graph reads that the host decides, for `seqs` padded to `rows` (padding rows: scratch

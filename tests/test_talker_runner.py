@@ -270,3 +270,42 @@ def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str
     assert (collected[-1].codes, collected[-1].finish_reason) == (None, "length")
     assert late.frames == len(expected)
     runner.release(late)
+
+
+def test_thinker_steps_launched_ahead_make_what_steps_run_one_at_a_time(parts: dict[str, Any]) -> None:
+    """Launching Thinker step N+1 before collecting step N gives the same tokens, ends and Talker inputs; a stop
+    token learnt a step late drops the row stepped after it."""
+    config, checkpoint, prompt = parts["config"], parts["checkpoint"], parts["prompt_ids"]
+    text = config.thinker_config.text_config
+    runner = ThinkerRunner(
+        load_thinker(checkpoint, config, "cpu", torch.float32), config,
+        SlotKVCache(text.num_hidden_layers, 2, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu"),
+    )
+
+    def launched_ahead(seq: ThinkerSequence) -> list[Any]:
+        runner.admit(seq)
+        outputs: list[Any] = []
+        pending = None
+        while seq.finish_reason is None or pending is not None:
+            launched = runner.launch([seq]) if seq.finish_reason is None else None
+            if pending is not None:
+                outputs += runner.collect(pending)
+            pending = launched
+        runner.release(seq)
+        return outputs
+
+    expected = parts["thinker_outputs"]  # one step at a time, 12 tokens
+    ahead = launched_ahead(ThinkerSequence("a", prompt, SamplingParams(temperature=0.0), 12, frozenset(), for_talker=True))
+    assert [(o.token, o.finish_reason) for o in ahead] == [(o.token, o.finish_reason) for o in expected]
+    assert ahead[-1].finish_reason == "length" and ahead[-1].talker_embed is None
+    for got, want in zip(ahead, expected):
+        assert (got.talker_embed is None) == (want.talker_embed is None)
+        if want.talker_embed is not None:
+            assert torch.equal(got.talker_embed, want.talker_embed)
+    assert set(ahead[0].talker_prefix) == set(expected[0].talker_prefix)
+
+    third = expected[2].token  # a stop token at the third reply token: the fourth step is already launched then
+    stopping = ThinkerSequence("s", prompt, SamplingParams(temperature=0.0), 12, frozenset({third}))
+    ahead = launched_ahead(stopping)
+    assert [(o.token, o.finish_reason) for o in ahead] == [(o.token, None) for o in expected[:2]] + [(third, "stop")]
+    assert stopping.output_ids == [o.token for o in expected[:3]] and stopping.num_made == 4

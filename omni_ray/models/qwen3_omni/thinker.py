@@ -22,7 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import upload
+from omni_ray.engine.host_inputs import Download, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import NoiseSource, SamplingParams, sample_rows
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -68,6 +68,7 @@ class ThinkerSequence:
     ignore_eos: bool = False  # benchmark mode: stop tokens do not end the reply, only max_tokens does
     slot: int = -1
     num_cached: int = 0
+    num_made: int = 0  # tokens drawn, including those of a launched step not yet collected
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     noise: NoiseSource | None = None
@@ -84,6 +85,19 @@ class ThinkerStepOutput:
     talker_prefix: dict[str, torch.Tensor] | None = None
     # layer-0 embedding of the step's new token, unless it ends the reply (the Talker reads reply tokens 0..N-2)
     talker_embed: torch.Tensor | None = None
+
+
+@dataclass
+class PendingTokens:
+    """A launched Thinker step: its sampled rows (sequence, the token count it reaches), their tokens on the way to the
+    host and, for Talker-bound requests, their layer-0 embeddings on the device; `prefixes` are the prefilled
+    requests' Talker prefix states, `outputs` the teacher-forced ones, known at launch."""
+
+    rows: list[tuple[ThinkerSequence, int]] = field(default_factory=list)
+    tokens: Download | None = None
+    embeds: torch.Tensor | None = None
+    prefixes: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    outputs: list[ThinkerStepOutput] = field(default_factory=list)
 
 
 class ThinkerRunner:
@@ -110,7 +124,8 @@ class ThinkerRunner:
             model.model.compile_layers(compile_mode)
         # tokens each slot has seen (prompt + reply), for the repetition penalty
         self.seen = torch.zeros(cache.rows, model.lm_head.out_features, dtype=torch.bool, device=self.device)
-        self.slots: SlotTable[ThinkerSequence] = SlotTable(cache, (self.seen,))
+        self.next_ids = torch.zeros(cache.rows, dtype=torch.long, device=self.device)  # each slot's last draw
+        self.slots: SlotTable[ThinkerSequence] = SlotTable(cache, (self.seen, self.next_ids))
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
@@ -135,58 +150,87 @@ class ThinkerRunner:
     def release(self, seq: ThinkerSequence) -> None:
         self.slots.release(seq)
 
-    @torch.inference_mode()
     def step(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
+        """One step, read back at once."""
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[ThinkerSequence]) -> PendingTokens:
+        """Queue one step on the device without waiting for it: prefill new sequences, decode the rest, one batched
+        draw for every sampled row. Each draw stays on the device as its sequence's next input, so the engine can
+        launch the next step before it `collect`s this one. A stop token is learnt late; a row stepped after it is
+        dropped when collected. Teacher-forced replies need no device work: their outputs are ready at once."""
         # Partition first: a sequence prefilled in this step must not also decode in it.
         prefilling = within_prefill_budget(
             [s for s in seqs if s.num_cached == 0], lambda s: len(s.prompt_ids), self.cache, self.max_prefill_tokens
         )
         forced = [s for s in seqs if s.num_cached > 0 and s.forced_ids]
         decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
-        outputs: list[ThinkerStepOutput] = []
-        sampled: list[ThinkerSequence] = []
+        pending = PendingTokens()
         logits: list[torch.Tensor] = []
         if prefilling:
-            prefill_logits, prefixes = self._prefill(prefilling)
-            for seq in prefilling:
-                outputs.append(ThinkerStepOutput(seq.request_id, -1, None, talker_prefix=prefixes.get(seq.request_id)))
-            sampled += [s for s in prefilling if not s.forced_ids]
+            prefill_logits, pending.prefixes = self._prefill(prefilling)
             logits.append(prefill_logits)
-        if forced:
-            outputs += self._advance_forced(forced)
+            for seq in prefilling:  # a forced reply's first token is known
+                if seq.forced_ids:
+                    pending.outputs.append(self._forced_output(seq, pending.prefixes.get(seq.request_id)))
+        pending.outputs += [self._forced_output(seq) for seq in forced]
+        self._attach_talker_embeds(pending.outputs, {s.request_id for s in seqs if s.for_talker})
         if decoding:
             logits.append(self._decode(decoding))
-            outputs += [ThinkerStepOutput(s.request_id, -1, None) for s in decoding]
-            sampled += decoding
-        tokens = dict(zip((s.request_id for s in sampled), self._sample(sampled, logits)))
-        by_id = {s.request_id: s for s in prefilling + decoding}
-        for out in outputs:
-            if out.request_id in by_id:
-                out.token = self._accept(by_id[out.request_id], tokens.get(out.request_id))
-                out.finish_reason = by_id[out.request_id].finish_reason
-        self._attach_talker_embeds(outputs, {s.request_id for s in seqs if s.for_talker})
+        sampled = [s for s in prefilling if not s.forced_ids] + decoding
+        if sampled:
+            tokens = self._sample(sampled, logits)
+            pending.tokens = Download(tokens)
+            if any(s.for_talker for s in sampled):
+                pending.embeds = self.model.embed(tokens).float()
+        for seq in sampled:
+            seq.num_made += 1
+            pending.rows.append((seq, seq.num_made))
+            if seq.num_made >= seq.max_tokens:
+                seq.finish_reason = "length"
+        return pending
+
+    def collect(self, pending: PendingTokens) -> list[ThinkerStepOutput]:
+        """Wait for a launched step's tokens and say what it made. A row is dropped when its request stopped at an
+        earlier token (a stop token seen late) or was aborted since."""
+        outputs = pending.outputs
+        if pending.tokens is None:
+            return outputs
+        for i, ((seq, made), token) in enumerate(zip(pending.rows, pending.tokens.result().tolist())):
+            if seq.finish_reason == "stop" or (seq.slot < 0 and seq.finish_reason is None):
+                continue
+            seq.output_ids.append(token)
+            if token in seq.stop_ids and not seq.ignore_eos:
+                seq.finish_reason = "stop"
+            last = seq.finish_reason == "stop" or made >= seq.max_tokens
+            out = ThinkerStepOutput(seq.request_id, token, seq.finish_reason if last else None,
+                                    talker_prefix=pending.prefixes.get(seq.request_id))
+            if seq.for_talker and not last and pending.embeds is not None:
+                out.talker_embed = pending.embeds[i]  # the Talker reads reply tokens 0..N-2
+            outputs.append(out)
         return outputs
 
+    def _forced_output(
+        self, seq: ThinkerSequence, talker_prefix: dict[str, torch.Tensor] | None = None
+    ) -> ThinkerStepOutput:
+        """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0 embeddings. No
+        forward pass is needed for them (the Talker reads no hidden state at text positions)."""
+        token = seq.forced_ids[len(seq.output_ids)]  # type: ignore[index]
+        seq.output_ids.append(token)
+        if len(seq.output_ids) == len(seq.forced_ids):  # type: ignore[arg-type]
+            seq.finish_reason = "stop"
+        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_prefix=talker_prefix)
+
     def _attach_talker_embeds(self, outputs: list[ThinkerStepOutput], speaking: set[str]) -> None:
-        """The Talker's text input: each new token's layer-0 embedding, relayed with the step that made it (the
-        first one with the prefill), so the Talker never waits a Thinker step for it. A reply's last token is not
-        spoken."""
+        """Forced tokens' layer-0 embeddings for the Talker, relayed with the step that made them. A reply's last
+        token is not spoken."""
         new = [out for out in outputs if out.request_id in speaking and out.finish_reason is None]
         if not new:
             return
         ids = upload({"ids": torch.tensor([out.token for out in new], dtype=torch.long)}, self.device)["ids"]
         for out, embed in zip(new, self.model.embed(ids).float()):
             out.talker_embed = embed
-
-    def _advance_forced(self, seqs: list[ThinkerSequence]) -> list[ThinkerStepOutput]:
-        """Teacher forcing: the reply is given, so what the Talker reads is the given tokens' layer-0
-        embeddings. No forward pass is needed for them (the Talker reads no hidden state at text positions)."""
-        outputs = []
-        for seq in seqs:
-            seq.num_cached += 1
-            token = self._accept(seq, None)
-            outputs.append(ThinkerStepOutput(seq.request_id, token, seq.finish_reason))
-        return outputs
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden, captured = prefill_forward(self.model.model, self.cache, embeds, slots, (self.accept_layer,))
@@ -247,38 +291,19 @@ class ThinkerRunner:
     def _decode(self, seqs: list[ThinkerSequence]) -> torch.Tensor:
         """Decode over the first slots of the cache (row r = slot r); returns the logits of `seqs` in order."""
         positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache)
-        ids = [0] * positions.shape[0]
-        for seq in seqs:
-            ids[seq.slot] = seq.output_ids[-1]
-        inputs = upload({"ids": torch.tensor(ids, dtype=torch.long), "positions": positions,
-                         "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)
-        out = run_decode(self.graphs, self._decode_forward, kv_len, {"ids": inputs["ids"], "positions": inputs["positions"]})
+        inputs = upload({"positions": positions, "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)
+        ids = self.next_ids[: positions.shape[0]]  # each slot's last draw, left on the device by `_sample`
+        out = run_decode(self.graphs, self._decode_forward, kv_len, {"ids": ids, "positions": inputs["positions"]})
         for seq in seqs:
             seq.num_cached += 1
         return out["logits"][inputs["rows"]]
 
-    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> list[int]:
-        """One batched draw for every sampled row of the step; one host sync."""
-        if not seqs:
-            return []
+    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> torch.Tensor:
+        """One batched draw for every sampled row of the step, on the device (no host sync): also each slot's next
+        decode input and part of its history."""
         slots = upload({"slots": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)["slots"]
         penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
         tokens = sample_rows(torch.cat(logits), [s.noise for s in seqs], self.seen[slots] if penalized else None)  # type: ignore[misc]
         self.seen[slots, tokens] = True
-        return tokens.tolist()
-
-    def _accept(self, seq: ThinkerSequence, sampled: int | None) -> int:
-        """Take the sampled (or the forced) next token and update the finish state."""
-        if seq.forced_ids:
-            token = seq.forced_ids[len(seq.output_ids)]
-            seq.output_ids.append(token)
-            if len(seq.output_ids) == len(seq.forced_ids):
-                seq.finish_reason = "stop"
-            return token
-        assert sampled is not None
-        seq.output_ids.append(sampled)
-        if sampled in seq.stop_ids and not seq.ignore_eos:
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= seq.max_tokens:
-            seq.finish_reason = "length"
-        return sampled
+        self.next_ids[slots] = tokens
+        return tokens

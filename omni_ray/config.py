@@ -48,6 +48,12 @@ class EngineSettings(_Strict):
         description="inductor's mode for compiled layers; max-autotune tries Triton GEMM templates that can take the "
         "neighbouring small ops into the GEMM (much longer startup; opt-in until measured)",
     )
+    launch_ahead: bool = Field(
+        default=True,
+        description="queue each step on the device before reading the previous one back, so the host's per-step "
+        "work overlaps the GPU's (an end decided by a sampled token is then learnt a step late, and the extra row is "
+        "dropped); false runs each step to the end before the next",
+    )
 
 
 class VocoderSettings(_Strict):

@@ -391,3 +391,18 @@ def test_pipelined_runner_launches_the_next_step_before_collecting_the_last() ->
     assert h.outputs == [[("A", 1), ("E", 1)], [("A", 2), ("E", 2)], [("A", 3)]]  # E's step-3 row is dropped
     assert Counter(runner.released) == Counter({"A": 1, "E": 1}) and h.failures == []
     assert h.loop.stats()["steps"] == 3
+
+
+def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
+    runner = FakePipelinedRunner()
+    h = Harness(runner, max_batch=4)
+    h.loop = EngineLoop(runner, h._on_outputs, h._on_failure, max_batch=4, name="test", launch_ahead=False)
+    h.needed["A"] = 2
+    h.loop.add(FakeSeq("A", steps_needed=2))
+    try:
+        h.loop.start()
+        h.wait_finished("A")
+    finally:
+        h.loop.stop()
+    assert runner.calls == [] and runner.batches == [["A"], ["A"]]  # `step`, never launch/collect
+    assert h.outputs == [[("A", 1)], [("A", 2)]]

@@ -46,7 +46,8 @@ class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
 
     A runner may split `step` into `launch` (queue the work, return a handle) and `collect` (wait for it, return the
-    outputs); the loop then launches step N+1 before collecting step N.
+    outputs): a `PipelinedRunner`. The loop then launches step N+1 before collecting step N, unless `launch_ahead` is
+    off.
 
     `on_outputs(outputs)` is called from the loop thread after each step; `on_failure(request_id, error)`
     when a request cannot be admitted or its step raised. Neither may block. With a `stream`, the loop thread queues
@@ -61,6 +62,7 @@ class EngineLoop(Generic[S, O]):
         max_batch: int,
         name: str = "engine",
         stream: torch.cuda.Stream | None = None,
+        launch_ahead: bool = True,
     ) -> None:
         self.runner = runner
         self.on_outputs = on_outputs
@@ -79,7 +81,7 @@ class EngineLoop(Generic[S, O]):
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
         self.stream = stream
         # a runner with launch/collect lets the loop queue a step before reading the previous one back
-        self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
+        self.pipelined = launch_ahead and hasattr(runner, "launch") and hasattr(runner, "collect")
 
     def start(self) -> None:
         self._thread.start()

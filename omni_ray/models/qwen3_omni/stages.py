@@ -135,7 +135,8 @@ class ThinkerStage(StageBase):
         runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers,
                                engine.compile_mode)
         runner.warmup(engine.max_batch)
-        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker")
+        self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
+                                 launch_ahead=engine.launch_ahead)
         self.engine.start()
         self.start_reporting()
 
@@ -233,7 +234,7 @@ class TalkerStage(StageBase):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
-            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream))
+            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream, engine.launch_ahead))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}

@@ -49,10 +49,10 @@ class EngineSettings(_Strict):
         "neighbouring small ops into the GEMM (much longer startup; opt-in until measured)",
     )
     launch_ahead: bool = Field(
-        default=True,
-        description="queue each step on the device before reading the previous one back, so the host's per-step "
-        "work overlaps the GPU's (an end decided by a sampled token is then learnt a step late, and the extra row is "
-        "dropped); false runs each step to the end before the next",
+        default=False,
+        description="queue each step on the device before reading the previous one back, so that the host's "
+        "per-step work can overlap the GPU's (an end decided by a sampled token is then learnt a step late, and the "
+        "extra row is dropped). Opt-in: measured slower in the 2-GPU service (see the issue-4 summary)",
     )
 
 

@@ -163,8 +163,8 @@ def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Har
     assert h.loop.stats()["waiting"] == 5
     h.loop.start()
     h.runner.wait_batches(1)
-    assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "max_batch_seen": 2, "step_ms_p50": 0.0,
-                              "batch_mean": 0.0}
+    assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "steps_launched_ahead": 0, "max_batch_seen": 2,
+                              "step_ms_p50": 0.0, "batch_mean": 0.0}
     h.runner.allow(2)
     h.runner.wait_batches(3)
     assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1
@@ -373,6 +373,7 @@ class FakePipelinedRunner(FakeRunner):
 def test_pipelined_runner_launches_the_next_step_before_collecting_the_last() -> None:
     runner = FakePipelinedRunner(stops_at={"E": 2})
     h = Harness(runner, max_batch=4)
+    h.loop = EngineLoop(runner, h._on_outputs, h._on_failure, max_batch=4, name="test", launch_ahead=True)
     h.needed.update({"A": 3, "E": 2})
     h.loop.add(FakeSeq("A", steps_needed=3))
     h.loop.add(FakeSeq("E", steps_needed=10))  # ends at its step 2, learnt when that step is collected
@@ -390,13 +391,12 @@ def test_pipelined_runner_launches_the_next_step_before_collecting_the_last() ->
     ]
     assert h.outputs == [[("A", 1), ("E", 1)], [("A", 2), ("E", 2)], [("A", 3)]]  # E's step-3 row is dropped
     assert Counter(runner.released) == Counter({"A": 1, "E": 1}) and h.failures == []
-    assert h.loop.stats()["steps"] == 3
+    assert h.loop.stats()["steps"] == 3 and h.loop.stats()["steps_launched_ahead"] == 2
 
 
 def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     runner = FakePipelinedRunner()
-    h = Harness(runner, max_batch=4)
-    h.loop = EngineLoop(runner, h._on_outputs, h._on_failure, max_batch=4, name="test", launch_ahead=False)
+    h = Harness(runner, max_batch=4)  # launch_ahead is off by default
     h.needed["A"] = 2
     h.loop.add(FakeSeq("A", steps_needed=2))
     try:
@@ -405,4 +405,5 @@ def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     finally:
         h.loop.stop()
     assert runner.calls == [] and runner.batches == [["A"], ["A"]]  # `step`, never launch/collect
+    assert h.loop.stats()["steps_launched_ahead"] == 0
     assert h.outputs == [[("A", 1)], [("A", 2)]]

@@ -128,7 +128,7 @@ def test_stateful_vocoder_streams_the_one_shot_decode(ray_cluster: str, pipeline
 
 def _variant_replies(settings: dict[str, Any], cases: list[tuple[list[dict[str, Any]], int, int]]) -> tuple[list[Any], dict[str, Any]]:
     """`cases` (messages, max tokens, max frames) all at once on a pipeline built with `settings`, which is then shut
-    down: the replies and the Talker's stats."""
+    down: the replies and each stage's stats."""
     from omni_ray.config import PipelineConfig
     from omni_ray.pipeline import Pipeline
 
@@ -138,7 +138,7 @@ def _variant_replies(settings: dict[str, Any], cases: list[tuple[list[dict[str, 
             return await asyncio.gather(*(run_pipeline(variant, m, t, f) for m, t, f in cases))
 
         replies = asyncio.run(all_requests())
-        stats = asyncio.run(variant.stats())["talker"]
+        stats = asyncio.run(variant.stats())
     finally:
         variant.shutdown()
     return replies, stats
@@ -163,8 +163,9 @@ def test_talker_lanes_serve_each_request_as_one_lane_does(ray_cluster: str, pipe
         ([{"role": "user", "content": "Tell me about the sea and the wind at night."}], 50, 9),
         ([{"role": "user", "content": "Count to five, please."}], 45, 14),
     ]
-    replies, stats = _variant_replies({"stages": {"talker": {"engine": {"max_batch": 4, "lanes": 2}}}}, cases)
+    replies, all_stats = _variant_replies({"stages": {"talker": {"engine": {"max_batch": 4, "lanes": 2}}}}, cases)
     _check_all(hf_model, pipeline, cases, replies)
+    stats = all_stats["talker"]
     assert stats["lanes"] == 2 and stats["kv_total"] == 4 and stats["running"] == 0  # two lanes of two slots
     assert stats["max_batch_seen"] == 3  # 2 + 1: both lanes stepped requests (one lane holds at most 2)
 
@@ -178,5 +179,20 @@ def test_early_talker_prefill_keeps_every_reply_equal_to_transformers(ray_cluste
         ([{"role": "user", "content": [wav_part(1.1, 16000, 1, seed=7), {"type": "text", "text": "And this?"}]}], 30, 8),
     ]
     replies, stats = _variant_replies({"stages": {"talker": {"engine": {"early_prefill": True}}}}, cases)
-    assert stats["early_prefills"] == 1  # the text-only request; the one with audio waited for the Thinker's states
+    assert stats["talker"]["early_prefills"] == 1  # the text-only request; the one with audio waited for the Thinker's states
     _check_all(hf_model, pipeline, cases, replies)
+
+
+def test_steps_launched_ahead_keep_every_reply_equal_to_transformers(ray_cluster: str, pipeline: Any, hf_model: Any) -> None:
+    """`engine.launch_ahead` in the Thinker and the Talker: each engine loop queues step N+1 before reading step N
+    back. Concurrent replies of different lengths (ends learnt a step late) still equal transformers' greedy ones."""
+    cases = [
+        ([{"role": "user", "content": "Hi."}], 30, 10),
+        ([{"role": "user", "content": "Tell me about the sea and the wind at night."}], 45, 13),
+        ([{"role": "user", "content": [wav_part(0.9, 16000, 1, seed=3), {"type": "text", "text": "What is it?"}]}], 25, 7),
+    ]
+    ahead = {"engine": {"launch_ahead": True}}
+    replies, stats = _variant_replies({"stages": {"thinker": ahead, "talker": ahead}}, cases)
+    _check_all(hf_model, pipeline, cases, replies)
+    for stage in ("thinker", "talker"):  # both loops really queued steps ahead, and nothing is left running
+        assert stats[stage]["steps_launched_ahead"] > 0 and stats[stage]["running"] == 0

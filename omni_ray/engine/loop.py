@@ -46,8 +46,8 @@ class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
 
     A runner may split `step` into `launch` (queue the work, return a handle) and `collect` (wait for it, return the
-    outputs): a `PipelinedRunner`. The loop then launches step N+1 before collecting step N, unless `launch_ahead` is
-    off.
+    outputs): a `PipelinedRunner`. With `launch_ahead` the loop then launches step N+1 before collecting step N;
+    otherwise it runs `step`.
 
     `on_outputs(outputs)` is called from the loop thread after each step; `on_failure(request_id, error)`
     when a request cannot be admitted or its step raised. Neither may block. With a `stream`, the loop thread queues
@@ -62,7 +62,7 @@ class EngineLoop(Generic[S, O]):
         max_batch: int,
         name: str = "engine",
         stream: torch.cuda.Stream | None = None,
-        launch_ahead: bool = True,
+        launch_ahead: bool = False,
     ) -> None:
         self.runner = runner
         self.on_outputs = on_outputs
@@ -76,6 +76,7 @@ class EngineLoop(Generic[S, O]):
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self.steps = 0
+        self.steps_launched_ahead = 0  # steps queued while the previous one was still to be collected
         self.max_batch_seen = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
@@ -119,6 +120,7 @@ class EngineLoop(Generic[S, O]):
                 "running": len(self._running),
                 "waiting": len(self._waiting),
                 "steps": self.steps,
+                "steps_launched_ahead": self.steps_launched_ahead,
                 "max_batch_seen": self.max_batch_seen,
                 "step_ms_p50": statistics.median(ms for ms, _ in recent) if recent else 0.0,
                 "batch_mean": statistics.fmean(b for _, b in recent) if recent else 0.0,
@@ -171,6 +173,8 @@ class EngineLoop(Generic[S, O]):
             started = time.perf_counter()
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
+                if launched is not None and pending is not None:
+                    self.steps_launched_ahead += 1
                 if pending is not None:
                     self._collect(*pending)
                 pending = launched

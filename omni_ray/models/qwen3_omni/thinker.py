@@ -181,9 +181,10 @@ class ThinkerRunner:
         sampled = [s for s in prefilling if not s.forced_ids] + decoding
         if sampled:
             tokens = self._sample(sampled, logits)
-            pending.tokens = Download(tokens)
             if any(s.for_talker for s in sampled):
                 pending.embeds = self.model.embed(tokens).float()
+            # queued last: once the tokens are on the host, every tensor this step relays is complete
+            pending.tokens = Download(tokens)
         for seq in sampled:
             seq.num_made += 1
             pending.rows.append((seq, seq.num_made))

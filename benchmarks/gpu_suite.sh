@@ -49,7 +49,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
     extra="${E2E_SET:-} ${!extra_var:-}"
     mps=${!mps_var:-${E2E_MPS:-0}}
     case $name in
-      tests) run_step tests python -m pytest -rA tests/test_gpu_engine.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py \
+      tests) run_step tests python -m pytest -rA tests/test_gpu_host_transfers.py tests/test_gpu_engine.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py \
                tests/test_gpu_relay.py ;;  # the last needs two GPUs (skipped on one)
       engine) run_step engine python -m omni_ray.bench --compile --talker-sampling served --out "$OUT/results/engine" ;;
       profile) run_step profile python -m benchmarks.profile_step --compile --served ;;

@@ -24,3 +24,12 @@ def test_upload_packs_per_dtype_and_returns_equal_views() -> None:
     # one buffer per dtype: the int64 inputs share storage
     assert moved["positions"].untyped_storage().data_ptr() == moved["keys"].untyped_storage().data_ptr()
     assert moved["table"].untyped_storage().data_ptr() != moved["keys"].untyped_storage().data_ptr()
+
+
+def test_to_device_and_step_done_on_the_cpu() -> None:
+    from omni_ray.engine.host_inputs import StepDone, to_device
+
+    tensor = torch.tensor([[3, 1], [4, 1]])
+    moved = to_device(tensor, torch.device("cpu"))
+    assert moved.dtype == tensor.dtype and torch.equal(moved, tensor)
+    StepDone(torch.device("cpu")).wait()  # nothing queued: returns at once

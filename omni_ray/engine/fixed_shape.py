@@ -7,6 +7,7 @@ from typing import Callable, TypeVar
 import torch
 
 from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_length, bucket_pow2
+from omni_ray.engine.host_inputs import to_device
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
@@ -34,7 +35,7 @@ def pad_prefill(prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCach
     padded = torch.zeros(rows, length, first.shape[-1], dtype=first.dtype, device=first.device)
     for row, prompt in enumerate(prompts):
         padded[row, : prompt.shape[0]] = prompt
-    slot_t = torch.tensor(slots + [cache.scratch_slot] * (rows - len(slots)), dtype=torch.long).to(first.device)
+    slot_t = to_device(torch.tensor(slots + [cache.scratch_slot] * (rows - len(slots)), dtype=torch.long), first.device)
     return padded, slot_t
 
 
@@ -111,5 +112,5 @@ def decode_forward(
 
 def last_positions(hidden: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
     """The state of row rows[i] at position lengths[i] - 1 of a padded [N_b, T_b, H] batch → [len(rows), H]."""
-    index = torch.tensor([[row, length - 1] for row, length in zip(rows, lengths)], device=hidden.device)
+    index = to_device(torch.tensor([[row, length - 1] for row, length in zip(rows, lengths)]), hidden.device)
     return hidden[index[:, 0], index[:, 1]]

@@ -27,6 +27,29 @@ def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     return moved
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One tensor on `device` without waiting for the work queued there (as `upload`); a device tensor stays as it
+    is (a copy between GPUs is queued behind this stream's work, not the host's)."""
+    if tensor.device == device or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return upload({"tensor": tensor}, device)["tensor"]
+
+
+class StepDone:
+    """An event after everything queued so far on the current stream: `wait()` blocks the host until that work alone
+    is done (not what is queued after it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class Download:
     """A device tensor's copy on its way to pinned host memory, queued on the current stream behind the work that
     makes it: `result()` waits for that copy alone, so the host can queue the next step before reading this one."""

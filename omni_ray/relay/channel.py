@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RelayItem:
-    """One request's share of a step message. `kind`: data | end | error."""
+    """One request's share of a step message. `kind`: data | end | error. Its tensors are complete when it is handed
+    to the relay (the producer has waited for the work that made them): transports copy them on streams of their own,
+    not behind whatever the producer has queued since."""
 
     request_id: str
     kind: str = "data"

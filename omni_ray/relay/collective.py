@@ -117,10 +117,11 @@ class _Pair:
         else:
             self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, self.timeout)
 
-    def send(self, buffer: torch.Tensor) -> None:
+    def send(self, tensors: list[tuple[int, torch.Tensor]], nbytes: int) -> None:
+        """The tensors as one flat buffer, gathered and sent on the pair's stream. They are complete (see RelayItem),
+        so nothing here waits for the work the producer has queued since."""
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.default_stream(self.device))
+            buffer = flatten(tensors, nbytes, self.device)
             work = self.group.send([buffer], 1 - self.rank, 0)
             if not work.wait(self.timeout):
                 raise TimeoutError(f"relay payload to the peer did not complete within {self.timeout}")
@@ -173,8 +174,7 @@ class CollectiveTransport:
             await self.control.send(peer, _control(message.sender, "payload", pair.pair_id, header=header, nbytes=nbytes))
             if nbytes == 0:  # e.g. only end markers: the header is the whole message
                 return
-            buffer = flatten(tensors, nbytes, self.device)
-            payload = asyncio.wrap_future(pair.worker.submit(pair.send, buffer))
+            payload = asyncio.wrap_future(pair.worker.submit(pair.send, tensors, nbytes))
             lost = asyncio.wrap_future(pair.lost)
             await asyncio.wait({payload, lost}, return_when=asyncio.FIRST_COMPLETED)
             if not payload.done():  # NCCL would not notice: the host path saw the peer go

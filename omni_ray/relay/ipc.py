@@ -140,8 +140,7 @@ class IpcTransport:
         if ring is None:
             ring = self._rings[replica_id] = SharedRing(self.device, self.ring_bytes)
         placed = ring.reserve(nbytes, self.stream)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):  # the tensors are complete (see RelayItem): no wait on other streams
             if placed is not None:
                 flatten(tensors, nbytes, self.device, out=placed[1])
             else:

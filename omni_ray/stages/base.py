@@ -260,10 +260,25 @@ class StageBase:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def host_copy(item: RelayItem) -> RelayItem:
+    """The item with its tensors on the CPU, copied on a side stream: they are complete (see RelayItem), and a copy
+    on the producer's stream would wait for everything it has queued since (such as its next step)."""
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
-    return RelayItem(item.request_id, item.kind, {k: t.cpu() for k, t in item.tensors.items()}, item.meta, item.seq)
+    tensors = {}
+    for name, tensor in item.tensors.items():
+        if tensor.device.type != "cuda":
+            tensors[name] = tensor.cpu()
+            continue
+        stream = _COPY_STREAMS.get(tensor.device)
+        if stream is None:
+            stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
+        with torch.cuda.stream(stream):
+            tensors[name] = tensor.cpu()
+    return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
 
 
 def _serve_replica_id() -> str | None:

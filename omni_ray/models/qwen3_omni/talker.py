@@ -22,7 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import Download, upload
+from omni_ray.engine.host_inputs import Download, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, needs_filter, sample,
@@ -376,14 +376,14 @@ class TalkerRunner:
         assert seq.prefix is not None
         m, a = self.model, self.assets
         dtype = a.tts_pad.dtype
-        states = seq.prefix["user_states"].to(self.device, dtype)
-        mm = seq.prefix["user_multimodal"].to(self.device)
+        states = to_device(seq.prefix["user_states"], self.device).to(dtype)
+        mm = to_device(seq.prefix["user_multimodal"], self.device)
         user = torch.where(mm[:, None], m.hidden_projection(states), m.text_projection(states))
-        assistant = m.text_projection(seq.prefix["assistant_prefix"].to(self.device, dtype))
-        codec = m.model.codec_embedding(torch.tensor(codec_prefix_ids(self.config, seq.speaker_id), device=self.device))
+        assistant = m.text_projection(to_device(seq.prefix["assistant_prefix"], self.device).to(dtype))
+        codec = m.model.codec_embedding(to_device(torch.tensor(codec_prefix_ids(self.config, seq.speaker_id)), self.device))
         if early:
             return assemble_talker_prompt(user, assistant, torch.zeros_like(a.tts_pad), a.tts_bos, a.tts_pad, codec)[:-1]
-        first = m.text_projection(seq.text_embeds[0].to(self.device, dtype))
+        first = m.text_projection(to_device(seq.text_embeds[0], self.device).to(dtype))
         return assemble_talker_prompt(user, assistant, first, a.tts_bos, a.tts_pad, codec)
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import Download, upload
+from omni_ray.engine.host_inputs import Download, StepDone, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import NoiseSource, SamplingParams, sample_rows
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -94,6 +94,7 @@ class PendingTokens:
     requests' Talker prefix states, `outputs` the teacher-forced ones, known at launch."""
 
     rows: list[tuple[ThinkerSequence, int]] = field(default_factory=list)
+    done: StepDone | None = None  # after the step's last work
     tokens: Download | None = None
     embeds: torch.Tensor | None = None
     prefixes: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -145,7 +146,7 @@ class ThinkerRunner:
         self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)
         self.seen[seq.slot] = False
-        self.seen[seq.slot, torch.tensor(seq.prompt_ids, device=self.device)] = True
+        self.seen[seq.slot, to_device(torch.tensor(seq.prompt_ids), self.device)] = True
 
     def release(self, seq: ThinkerSequence) -> None:
         self.slots.release(seq)
@@ -183,8 +184,8 @@ class ThinkerRunner:
             tokens = self._sample(sampled, logits)
             if any(s.for_talker for s in sampled):
                 pending.embeds = self.model.embed(tokens).float()
-            # queued last: once the tokens are on the host, every tensor this step relays is complete
             pending.tokens = Download(tokens)
+        pending.done = StepDone(self.device)  # queued last: once it is reached, every tensor this step relays is made
         for seq in sampled:
             seq.num_made += 1
             pending.rows.append((seq, seq.num_made))
@@ -195,6 +196,8 @@ class ThinkerRunner:
     def collect(self, pending: PendingTokens) -> list[ThinkerStepOutput]:
         """Wait for a launched step's tokens and say what it made. A row is dropped when its request stopped at an
         earlier token (a stop token seen late) or was aborted since."""
+        if pending.done is not None:  # the relay reads this step's tensors as they are: they must be complete
+            pending.done.wait()
         outputs = pending.outputs
         if pending.tokens is None:
             return outputs
@@ -264,13 +267,13 @@ class ThinkerRunner:
 
     def _prompt_embeds(self, seq: ThinkerSequence) -> torch.Tensor:
         """[T, H] input embeddings, with audio embeddings spliced in at the audio placeholders."""
-        ids = torch.tensor(seq.prompt_ids, device=self.device)
-        embeds = self.model.embed(ids)
+        embeds = self.model.embed(to_device(torch.tensor(seq.prompt_ids), self.device))
         if seq.audio_embeds is not None:
-            audio_mask = ids == self.audio_token_id
-            if int(audio_mask.sum()) != seq.audio_embeds.shape[0]:
+            places = [i for i, token in enumerate(seq.prompt_ids) if token == self.audio_token_id]
+            if len(places) != seq.audio_embeds.shape[0]:
                 raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
-            embeds[audio_mask] = seq.audio_embeds.to(embeds.device, embeds.dtype)
+            inputs = upload({"places": torch.tensor(places, dtype=torch.long)}, self.device)
+            embeds[inputs["places"]] = to_device(seq.audio_embeds, self.device).to(embeds.dtype)
         return embeds
 
     def _talker_prefix(
@@ -278,10 +281,11 @@ class ThinkerRunner:
     ) -> dict[str, torch.Tensor]:
         """Layer-0 embeddings at the user turn's text positions, accept-layer hidden states at its multimodal ones."""
         positions, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
-        states = embeds if accept is None else torch.where(mm_mask.to(self.device)[:, None], accept, embeds)
+        inputs = upload({"mm_mask": mm_mask, "positions": positions, "user_multimodal": mm_mask[positions]}, self.device)
+        states = embeds if accept is None else torch.where(inputs["mm_mask"][:, None], accept, embeds)
         return {
-            "user_states": states[positions.to(self.device)].float(),
-            "user_multimodal": mm_mask[positions].to(self.device),
+            "user_states": states[inputs["positions"]].float(),
+            "user_multimodal": inputs["user_multimodal"],
             "assistant_prefix": embeds[assistant_start : assistant_start + 3].float(),
         }
 

@@ -1,0 +1,35 @@
+"""Transfers between host and device that must not wait for work queued on the producer's stream (what a pipelined
+engine has in flight): uploads through pinned memory, a step's completion event, and the relay's host copy. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_ray.engine.host_inputs import Download, StepDone, to_device
+from omni_ray.relay import RelayItem
+from omni_ray.stages.base import host_copy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BUSY_CYCLES = 2_000_000_000  # about a second of GPU clock: far longer than any of the calls under test
+
+
+def test_transfers_return_while_later_work_still_runs() -> None:
+    device = torch.device("cuda")
+    made = torch.arange(12, device=device).float()  # "this step's" tensor
+    done = StepDone(device)
+    downloaded = Download(made)
+    torch.cuda._sleep(BUSY_CYCLES)  # "the next step", queued after it on the same stream
+    stream = torch.cuda.current_stream()
+    try:
+        done.wait()
+        assert torch.equal(downloaded.result(), torch.arange(12).float())
+        uploaded = to_device(torch.tensor([5, 6, 7]), device)
+        copied = host_copy(RelayItem("r", tensors={"x": made}))
+        assert not stream.query()  # every call above returned while the next step was still running
+        assert torch.equal(copied.tensors["x"], torch.arange(12).float())
+    finally:
+        stream.synchronize()
+    assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))

@@ -52,7 +52,8 @@ class EngineLanes(Generic[S, O]):
         """Counts add up over the lanes. The step time is the slowest lane's, which sets their streams' pace. The
         batch is the sequences stepped together over all lanes."""
         per_lane = [loop.stats() for loop in self.loops]
-        total = {key: sum(stats[key] for stats in per_lane) for key in ("running", "waiting", "steps", "steps_launched_ahead", "max_batch_seen")}
+        counts = ("running", "waiting", "steps", "steps_launched_ahead", "max_batch_seen")
+        total = {key: sum(stats[key] for stats in per_lane) for key in counts}
         total["step_ms_p50"] = max(stats["step_ms_p50"] for stats in per_lane)
         total["batch_mean"] = sum(stats["batch_mean"] for stats in per_lane)
         total["lanes"] = len(self.loops)

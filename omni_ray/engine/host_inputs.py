@@ -55,16 +55,13 @@ class Download:
     makes it: `result()` waits for that copy alone, so the host can queue the next step before reading this one."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self._done: torch.cuda.Event | None = None
         if tensor.is_cuda:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
         else:
             self._host = tensor.clone()
+        self._done = StepDone(tensor.device)
 
     def result(self) -> torch.Tensor:
-        if self._done is not None:
-            self._done.synchronize()
+        self._done.wait()
         return self._host

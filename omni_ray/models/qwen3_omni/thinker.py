@@ -281,11 +281,11 @@ class ThinkerRunner:
     ) -> dict[str, torch.Tensor]:
         """Layer-0 embeddings at the user turn's text positions, accept-layer hidden states at its multimodal ones."""
         positions, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
-        inputs = upload({"mm_mask": mm_mask, "positions": positions, "user_multimodal": mm_mask[positions]}, self.device)
+        inputs = upload({"mm_mask": mm_mask, "positions": positions}, self.device)
         states = embeds if accept is None else torch.where(inputs["mm_mask"][:, None], accept, embeds)
         return {
             "user_states": states[inputs["positions"]].float(),
-            "user_multimodal": inputs["user_multimodal"],
+            "user_multimodal": inputs["mm_mask"][inputs["positions"]],
             "assistant_prefix": embeds[assistant_start : assistant_start + 3].float(),
         }
 

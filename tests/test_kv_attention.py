@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_ray.engine.kv_cache import KVCacheFull, SlotKVCache
-from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.attention import AttentionBatch, small_key_attention
 from omni_ray.layers.basic import GatedMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.moe import Experts, SparseMoE
@@ -279,6 +279,21 @@ def test_decode_must_not_see_other_slots_or_stale_positions() -> None:
     _run(stack, cache2, [(0, 0, emb[:3], pos[:3])])
     wrong = _run(stack, cache2, [(0, 5, emb[3:], pos[3:])])[0]  # attends to noise at positions 3, 4
     assert not torch.allclose(right, wrong, atol=1e-3)
+
+
+def test_small_key_attention_equals_sdpa_and_never_makes_nan() -> None:
+    """The broadcast-and-sum attention that short key ranges take (the code predictor's) against torch's kernel,
+    with masks of every shape a step makes, and a row that may attend nowhere (a padding row) stays finite."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 4, 8, generator=g) for _ in range(3))
+    mask = torch.rand(3, 1, 4, 4, generator=g) > 0.3
+    mask[..., 0] = True
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(small_key_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-5)
+    mask[1, 0, 2] = False
+    out = small_key_attention(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1, :, 2], v[1].mean(1), rtol=1e-5, atol=1e-5)
 
 
 # ---- grouped MoE ----------------------------------------------------------------------------------------------

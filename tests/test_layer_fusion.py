@@ -9,16 +9,28 @@ import torch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import GatedMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.layers.moe import counting_sort
+from omni_ray.layers.moe import rank_by_comparison, top_k_by_comparison
 
 
-def test_counting_sort_is_the_stable_argsort() -> None:
+def test_rank_by_comparison_is_the_stable_argsort() -> None:
     g = torch.Generator().manual_seed(0)
     for pairs, keys in ((1, 4), (8, 128), (256, 128), (1000, 16), (300, 1)):
         values = torch.randint(0, keys, (pairs,), generator=g)
-        order, counts = counting_sort(values, keys)
+        order, place, counts = rank_by_comparison(values, keys)
         assert torch.equal(order, torch.argsort(values, stable=True))
+        assert torch.equal(order[place], torch.arange(pairs))
         assert torch.equal(counts, torch.bincount(values, minlength=keys))
+
+
+def test_top_k_by_comparison_is_torch_topk() -> None:
+    g = torch.Generator().manual_seed(1)
+    for rows, n, k in ((1, 4, 1), (32, 128, 8), (7, 128, 6), (3, 5, 5)):
+        scores = torch.randn(rows, n, generator=g).softmax(-1)
+        values, picked = top_k_by_comparison(scores, k)
+        expected_values, expected_picked = torch.topk(scores, k)
+        assert torch.equal(values, expected_values) and torch.equal(picked, expected_picked)
+    ties = torch.tensor([[0.2, 0.3, 0.3, 0.2], [0.25, 0.25, 0.25, 0.25]])  # ties go to the lower index
+    assert top_k_by_comparison(ties, 3)[1].tolist() == [[1, 2, 0], [0, 1, 2]]
 
 
 def _spec(moe: bool) -> DecoderSpec:

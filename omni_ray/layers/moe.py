@@ -9,20 +9,38 @@ from torch import nn
 from omni_ray.layers.basic import GatedMLP
 
 
-# Decode-sized batches group their (token, expert) pairs with a counting sort: a few fusable elementwise and scan
-# ops instead of a radix sort (26 µs for 256 pairs on an H200, one per MoE layer).
-COUNTING_SORT_MAX_PAIRS = 4096
+# Decode-sized batches group their (token, expert) pairs by comparison counts: one fusable reduction over pairs x
+# pairs instead of a sort (a radix sort took 26 us for 256 pairs on an H200, and a one-hot cumsum 15-18 us, once per
+# MoE layer). The work grows with the square of the pairs: past this many (a prefill), a sort.
+RANK_BY_COMPARISON_MAX_PAIRS = 4096
 
 
-def counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stable argsort of `keys` (values in [0, num_keys)) and each key's count, with no sort: a pair's place is
-    its key's start plus how many earlier pairs share its key."""
-    one_hot = (keys[:, None] == torch.arange(num_keys, device=keys.device)).to(torch.int32)  # [P, K]
-    counts = one_hot.sum(0)
-    earlier_same = (torch.cumsum(one_hot, 0) - one_hot).gather(1, keys[:, None])[:, 0]
-    place = (torch.cumsum(counts, 0) - counts)[keys] + earlier_same
-    order = torch.empty_like(keys).scatter_(0, place.long(), torch.arange(keys.numel(), device=keys.device))
-    return order, counts.long()
+def rank_by_comparison(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stable argsort `order` of `keys` (values in [0, num_keys)), its inverse `place` (where each pair lands),
+    and each key's count, with no sort or scan: a pair's place is how many pairs have a smaller key plus how many
+    earlier pairs share its key."""
+    index = torch.arange(keys.numel(), device=keys.device)
+    smaller = keys[None, :] < keys[:, None]
+    earlier_same = (keys[None, :] == keys[:, None]) & (index[None, :] < index[:, None])
+    place = (smaller | earlier_same).sum(1)
+    order = torch.empty_like(keys).scatter_(0, place, index)
+    counts = (keys[None, :] == torch.arange(num_keys, device=keys.device)[:, None]).sum(1)
+    return order, place, counts
+
+
+def top_k_by_comparison(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(values, k)` over the last dim (descending; ties to the lower index) with no sort or select
+    kernel: an entry's rank is how many entries beat it, and the entries of ranks 0..k-1 are picked by a scatter.
+    Quadratic in the last dim, so for a router's scores (128 experts), where it is one fusable reduction instead of
+    a top-k kernel (14.5 us for the Talker's 32 x 128 on an H200) and a sort of its picks."""
+    n = values.shape[-1]
+    index = torch.arange(n, device=values.device)
+    other, this = values[..., None, :], values[..., :, None]
+    beats = (other > this) | ((other == this) & (index[None, :] < index[:, None]))
+    rank = beats.sum(-1)  # [..., n], a permutation of 0..n-1 in each row
+    by_rank = torch.empty_like(rank).scatter_(-1, rank, index.expand_as(rank))
+    picked = by_rank[..., :k]
+    return values.gather(-1, picked), picked
 
 
 class Router(nn.Module):
@@ -36,7 +54,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if x.is_cuda:
+            weights, experts = top_k_by_comparison(probs, self.top_k)
+        else:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
@@ -60,24 +81,29 @@ class Experts(nn.Module):
         return self.looped(x, experts, weights)
 
     @staticmethod
-    def _sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sort_by_expert(
+        experts: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pairs grouped by expert: the pair order, each pair's place in it, each sorted pair's token, the counts."""
         flat = experts.reshape(-1)
-        if flat.is_cuda and flat.numel() <= COUNTING_SORT_MAX_PAIRS:
-            order, counts = counting_sort(flat, num_experts)
+        if flat.is_cuda and flat.numel() <= RANK_BY_COMPARISON_MAX_PAIRS:
+            order, place, counts = rank_by_comparison(flat, num_experts)
         else:
             order = torch.argsort(flat, stable=True)
+            place = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
             # bincount would size its output from a host read of max(); a scatter-add keeps this sync-free
             counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-        return order, order // experts.shape[1], counts
+        return order, place, order // experts.shape[1], counts
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """All experts in two grouped GEMMs over the tokens sorted by expert (torch._grouped_mm)."""
-        order, token_of, counts = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
+        """All experts in two grouped GEMMs over the tokens sorted by expert (torch._grouped_mm). The results come
+        back to pair order by a gather, and each token's k results are summed in fp32 (no scatter-add)."""
+        order, place, token_of, counts = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
-        y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        per_pair = y[place].unflatten(0, experts.shape).float()  # [N, k, H]
+        return (per_pair * weights[..., None].float()).sum(1).to(x.dtype)
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair with its own gathered weights: sync-free and exact, but memory grows with
@@ -89,7 +115,7 @@ class Experts(nn.Module):
     def looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One matmul per hit expert (needs the per-expert counts on the host)."""
         out = torch.zeros_like(x)
-        order, token_of, counts_t = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
+        order, _, token_of, counts_t = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
         counts = counts_t.tolist()
         flat_weights = weights.reshape(-1)[order]
         start = 0

@@ -40,6 +40,19 @@ def test_pack_and_unpack_round_trip_bitwise() -> None:
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
 
 
+def test_flatten_owns_its_buffer_and_fills_a_given_one() -> None:
+    """One tensor still gets a buffer of its own (the sender may reuse the tensor), and `out` (a ring slot) receives
+    the same bytes, padding included."""
+    message = RelayMessage("p", [RelayItem("a", tensors=_tensors())])
+    _, tensors, nbytes = pack(message)
+    expected = flatten(tensors, nbytes, torch.device("cpu"))
+    out = torch.full((nbytes,), 7, dtype=torch.uint8)
+    assert flatten(tensors, nbytes, torch.device("cpu"), out=out) is out and torch.equal(out, expected)
+    single = torch.arange(4, dtype=torch.int64)
+    buffer = flatten([(0, single)], 32, torch.device("cpu"))
+    assert buffer.data_ptr() != single.data_ptr() and torch.equal(buffer.view(torch.int64), single)
+
+
 def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_when_asked_else_host() -> None:
     peer_gpu1 = RelayPeer("c", "tcp://127.0.0.1:1", "cuda:0", "GPU-1")
     peer_gpu0 = RelayPeer("d", "tcp://127.0.0.1:1", "cuda:0", "GPU-0")

@@ -23,13 +23,23 @@ def test_transfers_return_while_later_work_still_runs() -> None:
     downloaded = Download(made)
     torch.cuda._sleep(BUSY_CYCLES)  # "the next step", queued after it on the same stream
     stream = torch.cuda.current_stream()
+    waited = []  # the calls that returned only once the next step had finished
+
+    def check(call: str) -> None:
+        if stream.query():
+            waited.append(call)
+
     try:
         done.wait()
+        check("StepDone.wait")
         assert torch.equal(downloaded.result(), torch.arange(12).float())
+        check("Download.result")
         uploaded = to_device(torch.tensor([5, 6, 7]), device)
+        check("to_device")
         copied = host_copy(RelayItem("r", tensors={"x": made}))
-        assert not stream.query()  # every call above returned while the next step was still running
+        check("host_copy")
         assert torch.equal(copied.tensors["x"], torch.arange(12).float())
     finally:
         stream.synchronize()
     assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))
+    assert not waited, f"these waited for the next step: {waited}"

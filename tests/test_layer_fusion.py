@@ -1,6 +1,6 @@
-"""What `DecoderStack.compile_layers` changes besides compiling: fused q/k/v and gate/up GEMMs, and the counting sort
-that groups MoE pairs by expert in decode, each against the unfused or sorted original (CPU; the compiled layers
-themselves are checked on a GPU in test_gpu_engine.py)."""
+"""What `DecoderStack.compile_layers` changes besides compiling: fused q/k/v and gate/up GEMMs, and the comparison
+ranks that group MoE pairs by expert and pick the router's experts in decode, each against the unfused or sorted
+original (CPU; the compiled layers themselves are checked on a GPU in test_gpu_engine.py)."""
 
 from __future__ import annotations
 

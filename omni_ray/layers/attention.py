@@ -15,9 +15,9 @@ SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDP
 
 from omni_ray.layers.basic import RMSNorm, apply_rotary, fuse_linears
 
-# Up to this many keys, attention is plain broadcasts and sums (`small_key_attention`): inside a compiled layer
-# inductor fuses it into a few kernels with the ops around it, where the memory-efficient kernel took 12.5 us per call
-# on an H200 for the code predictor's at most 17 keys (75 calls per Talker frame).
+# Up to this many keys, attention is plain broadcasts and sums (`small_key_attention`), which inductor can fuse with
+# the ops around it inside a compiled layer; the memory-efficient kernel took 12.5 us per call on an H200 for the code
+# predictor's at most 17 keys (75 calls per Talker frame).
 SMALL_KEY_ATTENTION_MAX_KEYS = 32
 
 

@@ -32,7 +32,7 @@ def top_k_by_comparison(values: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     """`torch.topk(values, k)` over the last dim (descending; ties to the lower index) with no sort or select
     kernel: an entry's rank is how many entries beat it, and the entries of ranks 0..k-1 are picked by a scatter.
     Quadratic in the last dim, so for a router's scores (128 experts), where it is one fusable reduction instead of
-    a top-k kernel (14.5 us for the Talker's 32 x 128 on an H200) and a sort of its picks."""
+    a top-k kernel and a sort of its picks (8 and 7 us per Thinker layer at 32 rows on an H200)."""
     n = values.shape[-1]
     index = torch.arange(n, device=values.device)
     other, this = values[..., None, :], values[..., :, None]

@@ -78,8 +78,8 @@ def flatten(
 ) -> torch.Tensor:
     """Every tensor's bytes at its offset in one contiguous uint8 buffer on `device` (or in `out`, nbytes long), in
     a few copies whatever the count: consecutive tensors on one device (and the zero padding between them) are joined
-    there, each such run crosses to `device` in one copy, and one last join places the runs. (A copy per tensor cost
-    the Thinker 40 host copy calls per step at 32 streams.)"""
+    there, each such run crosses to `device` in one copy, and one last join places the runs. (A copy per tensor meant a
+    copy call per request and step.)"""
     runs: list[list[torch.Tensor]] = []  # consecutive byte pieces that sit on one device
     end = 0
     for offset, tensor in tensors:

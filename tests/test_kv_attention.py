@@ -281,6 +281,28 @@ def test_decode_must_not_see_other_slots_or_stale_positions() -> None:
     assert not torch.allclose(right, wrong, atol=1e-3)
 
 
+@pytest.mark.parametrize(("moe", "mrope"), CASES, ids=IDS)
+def test_prefill_from_zero_equals_the_masked_cache_read(moe: bool, mrope: bool) -> None:
+    """A prefill batch (whole prompts from position 0, causal over its own keys, no mask) computes what the general
+    masked read of the cache computes, and writes the same keys and values."""
+    torch.manual_seed(0)
+    stack = _stack(moe, mrope)
+    embeds = torch.randn(3, 6, 32)
+    positions = _positions(stack.spec, 6)
+    positions = positions.expand(3, -1) if positions.dim() == 1 else positions[:, None].expand(-1, 3, -1)
+    slots = torch.tensor([2, 0, 3])
+    outputs, caches = [], []
+    for batch in (AttentionBatch.prefill(slots, 6), AttentionBatch.from_tensors(slots, torch.zeros(3, dtype=torch.long), 6, 6)):
+        cache = _garbage_cache()
+        with torch.no_grad():
+            outputs.append(stack(embeds, positions, cache.layers, batch)[0])
+        caches.append(cache)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(k0, k1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v0, v1, rtol=1e-5, atol=1e-5)
+
+
 def test_small_key_attention_equals_sdpa_and_never_makes_nan() -> None:
     """The broadcast-and-sum attention that short key ranges take (the code predictor's) against torch's kernel,
     with masks of every shape a step makes, and a row that may attend nowhere (a padding row) stays finite."""

@@ -94,7 +94,7 @@ def prefill_forward(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Rows [N, T] written from position 0 of their slots (graph-capturable)."""
     rows, length = embeds.shape[:2]
-    batch = AttentionBatch.from_tensors(slots, torch.zeros_like(slots), length, length)
+    batch = AttentionBatch.prefill(slots, length)
     positions = torch.arange(length, device=embeds.device)[None].expand(rows, -1)
     return stack(embeds, positions, cache.layers, batch, capture)
 

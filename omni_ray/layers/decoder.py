@@ -149,7 +149,8 @@ class DecoderStack(nn.Module):
             if self.spec.mrope_section is not None and positions.dim() == 2:
                 positions = positions.unsqueeze(0).expand(3, -1, -1)
             cos, sin = self.rotary(positions, embeds.dtype)
-        batch.grouped_mask(self.spec.num_heads // self.spec.num_kv_heads)  # built once here, not in each layer
+        if not batch.from_zero:  # a prefill from position 0 needs no mask
+            batch.grouped_mask(self.spec.num_heads // self.spec.num_kv_heads)  # built once here, not in each layer
         captured: dict[int, torch.Tensor] = {}
         x = embeds
         if 0 in capture:

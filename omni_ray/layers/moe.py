@@ -13,6 +13,9 @@ from omni_ray.layers.basic import GatedMLP
 # pairs instead of a sort (a radix sort took 26 us for 256 pairs on an H200, and a one-hot cumsum 15-18 us, once per
 # MoE layer). The work grows with the square of the pairs: past this many (a prefill), a sort.
 RANK_BY_COMPARISON_MAX_PAIRS = 4096
+# The router's top-k by comparison is quadratic in the experts per row: for a decode batch's rows only (a prefill of
+# 32 prompts spent 270 us per Thinker layer on it on an H200, where a top-k kernel takes a few).
+TOP_K_BY_COMPARISON_MAX_ROWS = 256
 
 
 def rank_by_comparison(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +57,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        if x.is_cuda:
+        if x.is_cuda and x.shape[0] <= TOP_K_BY_COMPARISON_MAX_ROWS:
             weights, experts = top_k_by_comparison(probs, self.top_k)
         else:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -91,8 +94,10 @@ class Experts(nn.Module):
         else:
             order = torch.argsort(flat, stable=True)
             place = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-            # bincount would size its output from a host read of max(); a scatter-add keeps this sync-free
-            counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+            # A reduction, not bincount (which sizes its output from a host read of max()) nor a scatter-add of the
+            # counts (in a compiled layer it ran as a sort-based accumulating kernel: 358 us per Thinker layer for a
+            # prefill of 32 prompts on an H200).
+            counts = (flat[None, :] == torch.arange(num_experts, device=flat.device)[:, None]).sum(1)
         return order, place, order // experts.shape[1], counts
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -243,8 +243,16 @@ class ThinkerRunner:
     def _prefill(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
         """Prefill every sequence that needs a forward pass in one padded batch. Returns the last-position logits of
         the sampled (non-forced) sequences, in order, and each Talker-bound sequence's prefix states."""
-        embeds_by_seq = [self._prompt_embeds(s) for s in seqs]
         mm_masks = [torch.isin(torch.tensor(s.prompt_ids), self.multimodal_ids) for s in seqs]
+        places = {i: talker_prefix_positions(s.prompt_ids, self.config) for i, s in enumerate(seqs) if s.for_talker}
+        # Every host-built input of the batch in one upload (one copy per dtype, not a few per sequence).
+        host = {"ids": torch.tensor([token for s in seqs for token in s.prompt_ids], dtype=torch.long)}
+        for i, (positions, _) in places.items():
+            host[f"mm_mask/{i}"], host[f"positions/{i}"] = mm_masks[i], positions
+        inputs = upload(host, self.device)
+        embeds_by_seq = list(self.model.embed(inputs["ids"]).split([len(s.prompt_ids) for s in seqs]))
+        for seq, embeds in zip(seqs, embeds_by_seq):
+            self._splice_audio(seq, embeds)
         # a forced text-only reply needs no forward pass
         running = [i for i, s in enumerate(seqs) if not s.forced_ids or bool(mm_masks[i].any())]
         out: dict[str, torch.Tensor] = {}
@@ -262,30 +270,31 @@ class ThinkerRunner:
             seq.num_cached = len(seq.prompt_ids)
             if seq.for_talker:
                 accept = out["accept"][row_of[i], : seq.num_cached] if i in row_of else None
-                prefixes[seq.request_id] = self._talker_prefix(seq, embeds_by_seq[i], mm_masks[i], accept)
+                mm_mask, positions = inputs[f"mm_mask/{i}"], inputs[f"positions/{i}"]
+                prefixes[seq.request_id] = self._talker_prefix(embeds_by_seq[i], mm_mask, positions, places[i][1], accept)
         return logits, prefixes
 
-    def _prompt_embeds(self, seq: ThinkerSequence) -> torch.Tensor:
-        """[T, H] input embeddings, with audio embeddings spliced in at the audio placeholders."""
-        embeds = self.model.embed(to_device(torch.tensor(seq.prompt_ids), self.device))
-        if seq.audio_embeds is not None:
-            places = [i for i, token in enumerate(seq.prompt_ids) if token == self.audio_token_id]
-            if len(places) != seq.audio_embeds.shape[0]:
-                raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
-            inputs = upload({"places": torch.tensor(places, dtype=torch.long)}, self.device)
-            embeds[inputs["places"]] = to_device(seq.audio_embeds, self.device).to(embeds.dtype)
-        return embeds
+    def _splice_audio(self, seq: ThinkerSequence, embeds: torch.Tensor) -> None:
+        """Audio embeddings into a prompt's embeddings [T, H], at its audio placeholders."""
+        if seq.audio_embeds is None:
+            return
+        places = [i for i, token in enumerate(seq.prompt_ids) if token == self.audio_token_id]
+        if len(places) != seq.audio_embeds.shape[0]:
+            raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
+        inputs = upload({"places": torch.tensor(places, dtype=torch.long)}, self.device)
+        embeds[inputs["places"]] = to_device(seq.audio_embeds, self.device).to(embeds.dtype)
 
+    @staticmethod
     def _talker_prefix(
-        self, seq: ThinkerSequence, embeds: torch.Tensor, mm_mask: torch.Tensor, accept: torch.Tensor | None
+        embeds: torch.Tensor, mm_mask: torch.Tensor, positions: torch.Tensor, assistant_start: int,
+        accept: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
-        """Layer-0 embeddings at the user turn's text positions, accept-layer hidden states at its multimodal ones."""
-        positions, assistant_start = talker_prefix_positions(seq.prompt_ids, self.config)
-        inputs = upload({"mm_mask": mm_mask, "positions": positions}, self.device)
-        states = embeds if accept is None else torch.where(inputs["mm_mask"][:, None], accept, embeds)
+        """Layer-0 embeddings at the user turn's text `positions`, accept-layer hidden states at its multimodal ones
+        (`mm_mask`, over the prompt); all on the device."""
+        states = embeds if accept is None else torch.where(mm_mask[:, None], accept, embeds)
         return {
-            "user_states": states[inputs["positions"]].float(),
-            "user_multimodal": inputs["mm_mask"][inputs["positions"]],
+            "user_states": states[positions].float(),
+            "user_multimodal": mm_mask[positions],
             "assistant_prefix": embeds[assistant_start : assistant_start + 3].float(),
         }
 

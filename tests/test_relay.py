@@ -294,6 +294,32 @@ def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     asyncio.run(main())
 
 
+def test_links_name_a_producers_consumer_over_the_host_path() -> None:
+    """What the caller sends once both streams are open reaches the producer replica's control handler, naming the
+    request and its consumer; a producer that is gone fails the call instead of leaving the request waiting."""
+    from omni_ray.relay import RelayLinks
+
+    async def main() -> None:
+        endpoint = RelayEndpoint()
+        named: list[dict[str, object]] = []
+        endpoint.on_control(("consumer",), lambda message: named.append(dict(message.control or {})))
+        server = RelayServer(endpoint)
+        producer = RelayPeer("thinker-1", await server.start("127.0.0.1"))
+        consumer = RelayPeer("talker-1", "tcp://127.0.0.1:9")
+        links = RelayLinks()
+        await links.connect(producer, consumer, "req")
+        await _until(lambda: bool(named), timeout=5)
+        assert named == [{"op": "consumer", "request": "req", "peer": consumer}]
+        await server.close()
+        gone = RelayServer(RelayEndpoint())
+        gone_peer = RelayPeer("gone", await gone.start("127.0.0.1"))
+        await gone.close()
+        with pytest.raises(OSError):
+            await links.connect(gone_peer, consumer, "req2")
+
+    asyncio.run(main())
+
+
 def test_tcp_send_to_a_dead_peer_fails_only_its_requests() -> None:
     async def main() -> None:
         alive_endpoint, dead_endpoint = RelayEndpoint(), RelayEndpoint()

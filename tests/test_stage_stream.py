@@ -49,9 +49,9 @@ def test_an_error_ends_the_stream_and_counts_as_failed() -> None:
     assert stage.failed == 1 and stage.completed == 0
 
 
-def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them() -> None:
-    """A producer opened before its consumer holds the request's relay items until the consumer announces itself,
-    then sends them in order and the later ones straight away. A request that ends first keeps its items for a late
+def test_items_wait_until_their_consumer_is_named_and_only_it_gets_them() -> None:
+    """A producer holds the request's relay items until the caller names its consumer (`RelayLinks.connect`), then
+    sends them in order and the later ones straight away. A request that ends first keeps its items for a late
     consumer; an aborted one drops them; a request with no consumer relays nothing."""
     import torch
 
@@ -64,8 +64,8 @@ def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them()
     stage.endpoint.on_control(("join",), lambda message: sent.append(("transport", message.control["op"], 0)))  # type: ignore[index]
     consumer = RelayPeer("talker-1", "tcp://127.0.0.1:1")
 
-    def announce(rid: str) -> None:
-        stage.endpoint.deliver(RelayMessage("talker-1", [], control={"op": "consumer", "request": rid, "peer": consumer}))
+    def name_consumer(rid: str) -> None:  # what RelayLinks.connect delivers
+        stage.endpoint.deliver(RelayMessage("caller", [], control={"op": "consumer", "request": rid, "peer": consumer}))
 
     def step(rid: str, n: int) -> None:
         stage._route([(None, RelayItem(rid, tensors={"x": torch.zeros(1)}, meta={"n": n}))])
@@ -74,7 +74,7 @@ def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them()
     step("a", 0)
     step("a", 1)
     assert sent == []  # held
-    announce("a")
+    name_consumer("a")
     step("a", 2)
     assert sent == [("talker-1", "a", 0), ("talker-1", "a", 1), ("talker-1", "a", 2)]
 
@@ -82,11 +82,11 @@ def test_items_wait_for_a_consumer_that_announces_itself_and_only_it_gets_them()
     stage.expect_consumer("short")
     step("short", 0)
     stage.forget_consumer("short", finished=True)  # its reply ended before the consumer opened
-    announce("short")
+    name_consumer("short")
     stage.expect_consumer("aborted")
     step("aborted", 0)
     stage.forget_consumer("aborted")
-    announce("aborted")
+    name_consumer("aborted")
     # "text-only" expects no consumer
     step("text-only", 0)
     stage.endpoint.deliver(RelayMessage("x", [], control={"op": "join"}))  # transport signalling still reaches transports

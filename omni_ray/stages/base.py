@@ -18,7 +18,7 @@ from omni_ray.relay.tcp import node_ip
 from omni_ray.relay.transports import RelayMode, gpu_uuid
 
 FINAL_TYPES = frozenset({"final", "error"})
-HELD_AFTER_END_S = 60.0  # how long a finished request's relay items wait for a consumer that has not announced itself
+HELD_AFTER_END_S = 60.0  # how long a finished request's relay items wait for a consumer not yet named
 
 
 class StageBase:
@@ -40,7 +40,7 @@ class StageBase:
         self._sender: RelaySender | None = None
         self._self_peer: RelayPeer | None = None
         self._consumers: dict[str, RelayPeer] = {}  # request id -> the replica its relay items go to
-        self._held: dict[str, list[RelayItem]] = {}  # items of requests whose consumer has not announced itself yet
+        self._held: dict[str, list[RelayItem]] = {}  # items of requests whose consumer is not named yet
         self._held_after_end: dict[str, float] = {}  # finished requests still holding items: until when
         self.completed = 0
         self.failed = 0
@@ -180,8 +180,8 @@ class StageBase:
 
     # ---- where a request's relay items go ----------------------------------------------------------------
     def expect_consumer(self, request_id: str) -> None:
-        """The request's consumer will `announce` itself (it is opened after its producer, so that the producer starts
-        sooner): hold its items until then. Call on the event loop."""
+        """The caller will name the request's consumer (`RelayLinks.connect`) once both streams are open: hold its
+        items until then. Call on the event loop."""
         self._held[request_id] = []
         now = time.monotonic()
         for rid in [r for r, until in self._held_after_end.items() if until < now]:  # their consumer never came
@@ -189,18 +189,13 @@ class StageBase:
             self._held.pop(rid, None)
 
     def forget_consumer(self, request_id: str, finished: bool = False) -> None:
-        """The request's stream here ended. A `finished` one whose consumer has not announced itself yet keeps its
-        held items a while (a short reply can end before its consumer's stream opens); an aborted one drops them."""
+        """The request's stream here ended. A `finished` one whose consumer is not named yet keeps its held items a
+        while (a short reply can end before its consumer is named); an aborted one drops them."""
         self._consumers.pop(request_id, None)
         if finished and request_id in self._held:
             self._held_after_end[request_id] = time.monotonic() + HELD_AFTER_END_S
         else:
             self._held.pop(request_id, None)
-
-    async def announce(self, producer: RelayPeer, request_id: str) -> None:
-        """Tell the replica that produces this request's input to send it here (on the host path)."""
-        control = {"op": "consumer", "request": request_id, "peer": await self.relay_peer()}
-        await self.sender.transport.tcp.send(producer, RelayMessage(self.replica_id, [], control=control))
 
     def _on_consumer(self, message: RelayMessage) -> None:
         control = message.control or {}

@@ -1,4 +1,4 @@
-"""A Qwen3-Omni request's life across the four stages: open the streams, chain relay peers, merge the events."""
+"""A Qwen3-Omni request's life across the four stages: open the streams, link the relay peers, merge the events."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
 from omni_ray.models.qwen3_omni.stages import TalkerRequest, ThinkerRequest
+from omni_ray.relay import RelayLinks, RelayPeer
 from omni_ray.stages.client import StageClient
 
 # Talker defaults of the released model (transformers' generate()).
@@ -39,6 +40,7 @@ class Orchestrator:
         self.config = config
         self.model_config = model_config
         self.stop_ids = [model_config.im_end_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        self.links = RelayLinks()
 
     @property
     def voices(self) -> list[str]:
@@ -150,19 +152,23 @@ class Orchestrator:
         token_ids: list[int] = []
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         try:
-            # Producers first, so the Thinker starts at once: each consumer then announces itself to its producer over
-            # the relay, which holds what it makes until then (a producer needs its consumer only after a step).
+            # Every stream opens at once (the Talker can prefill while the Thinker does); then each producer is told
+            # its consumer's replica. A producer holds what it makes for the request until then.
             thinker.speaks = audio
-            thinker_peer = await open_stream("thinker", "generate", thinker)
-            if prompt.clips:
-                tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, thinker_peer, events)))
+            opening = {"thinker": asyncio.ensure_future(open_stream("thinker", "generate", thinker))}
             if audio:
                 talker = TalkerRequest(
-                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, thinker_peer, max_audio_frames,
-                    thinker.ignore_eos, prompt_ids=None if prompt.clips else prompt.ids,
+                    rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, max_audio_frames, thinker.ignore_eos,
+                    prompt_ids=None if prompt.clips else prompt.ids,
                 )
-                talker_peer = await open_stream("talker", "speak", talker)
-                await open_stream("vocoder", "decode", rid, talker_peer, return_codes)
+                opening["talker"] = asyncio.ensure_future(open_stream("talker", "speak", talker))
+                opening["vocoder"] = asyncio.ensure_future(open_stream("vocoder", "decode", rid, return_codes))
+            peers = await _all_open(opening)
+            if prompt.clips:
+                tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, peers["thinker"], events)))
+            if audio:
+                await asyncio.gather(self._link(peers["thinker"], peers["talker"], rid),
+                                     self._link(peers["talker"], peers["vocoder"], rid))
             timing["streams_open"] = time.time()  # every stage holds the request
             while len(done) < len(streams):
                 name, event = await events.get()
@@ -196,6 +202,22 @@ class Orchestrator:
             for task in tasks:  # cancelling a pump closes its stage stream: that stage frees the request
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _link(self, producer: RelayPeer, consumer: RelayPeer, request_id: str) -> None:
+        try:
+            await self.links.connect(producer, consumer, request_id)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise StageError(f"could not reach relay peer {producer.replica_id}: {exc}") from exc
+
+
+async def _all_open(opening: dict[str, asyncio.Future[Any]]) -> dict[str, Any]:
+    """Each stage's relay peer once every stream is open. If one fails, the others still finish opening first, so
+    that the caller's cleanup closes every stream that did open."""
+    results = await asyncio.gather(*opening.values(), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return dict(zip(opening, results))
 
 
 async def _pump(name: str, iterator: AsyncIterator[dict[str, Any]], events: asyncio.Queue[tuple[str, Any]]) -> None:

@@ -47,7 +47,7 @@ class ThinkerRequest:
     max_tokens: int
     stop_ids: list[int]
     expects_audio: bool = False
-    speaks: bool = False  # a Talker replica will announce itself (relay) to receive the Talker-bound states
+    speaks: bool = False  # a Talker replica will be named (relay) to receive the Talker-bound states
     forced_ids: list[int] | None = None  # teacher-forced reply (speech): emitted instead of sampled
     ignore_eos: bool = False
 
@@ -57,7 +57,6 @@ class TalkerRequest:
     request_id: str
     sampling: SamplingParams
     speaker: str
-    thinker: RelayPeer  # the Thinker replica to announce this replica to
     max_frames: int | None = None
     ignore_eos: bool = False
     prompt_ids: list[int] | None = None  # a text-only prompt's ids: the Talker can prefill before the first token
@@ -247,7 +246,7 @@ class TalkerStage(StageBase):
         if speaker_id is None:
             raise ValueError(f"unknown voice '{request.speaker}'")
         self.open_stream(rid)
-        self.expect_consumer(rid)  # the vocoder is opened after this replica
+        self.expect_consumer(rid)  # the caller names this request's vocoder replica once its stream is open too
         cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
         seq = TalkerSequence(
             rid, request.sampling, int(speaker_id), cap,
@@ -265,7 +264,6 @@ class TalkerStage(StageBase):
         finished = False
         try:
             yield [await self.ready_event()]
-            await self.announce(request.thinker, rid)
             async for batch in self.stream(rid):
                 finished = batch[-1]["type"] in FINAL_TYPES
                 yield batch
@@ -360,11 +358,9 @@ class VocoderStage(StageBase):
         worker = self.codec.worker
         return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames}
 
-    async def decode(
-        self, request_id: str, talker: RelayPeer, return_codes: bool = False
-    ) -> AsyncIterator[list[dict[str, Any]]]:
-        """Streams audio events, then a final event (with every frame's codes when `return_codes`). The `talker`
-        replica learns to send this request's frames here."""
+    async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+        """Streams audio events, then a final event (with every frame's codes when `return_codes`). The caller tells
+        the request's Talker replica to send its frames here (this stream's ready event names this replica)."""
         self.open_stream(request_id)
         received: list[torch.Tensor] = []
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
@@ -374,7 +370,6 @@ class VocoderStage(StageBase):
             decoder = (StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
                        else StreamingDecoder(self.codec, self.schedule))
             yield [await self.ready_event()]
-            await self.announce(talker, request_id)
             while True:
                 item = await inbox.get()
                 if item.kind == "error":

@@ -64,6 +64,39 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
     return out
 
 
+def serve_process_label(title: str) -> str | None:
+    """Which part of the service a Ray process is, from its process title (`ray::ServeReplica:APP:DEPLOYMENT`, then
+    `.METHOD` while it runs one): `proxy`, a deployment's name (its replicas), or None (the controller, idle workers,
+    anything else)."""
+    if title.startswith("ray::ProxyActor"):
+        return "proxy"
+    if title.startswith("ray::ServeReplica:") and title.count(":") >= 4:
+        return title.split(":", 4)[4].split(".")[0] or None
+    return None
+
+
+def process_cpu_seconds(pid: int | str) -> float:
+    """User + system CPU time a process has used so far, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this process (the load generator) and by each part of the service on this node,
+    summed over its processes: over a level, their growth per second says which one, if any, runs out of CPU."""
+    used = {"load generator": process_cpu_seconds(os.getpid())}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            label = serve_process_label((entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+            if label is not None:
+                used[label] = used.get(label, 0.0) + process_cpu_seconds(entry.name)
+        except OSError:  # the process ended meanwhile
+            continue
+    return used
+
+
 def mps_running() -> bool:
     """Is an MPS control daemon up (the stage processes then share each GPU's time instead of taking turns)?"""
     return subprocess.run(["pgrep", "-f", "nvidia-cuda-mps-control"], capture_output=True).returncode == 0
@@ -131,12 +164,13 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
         summary, wall = load(concurrency, concurrency, max_tokens, None)
         rows.append({"phase": "warmup", "concurrency": concurrency, "ok": summary["ok"], "wall_s": wall})
     for concurrency in levels:
-        before = scrape()
+        before, cpu_before = scrape(), service_cpu_seconds()
         summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}")
+        cpu = {name: (used - cpu_before.get(name, 0.0)) / wall for name, used in service_cpu_seconds().items()}
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
                      "errors": summary["errors"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
-                     "server": breakdown(before, scrape(), wall)})
+                     "server": breakdown(before, scrape(), wall), "cpu_cores": cpu})
         print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)
     serve.shutdown()
     ray.shutdown()
@@ -163,12 +197,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "the client's way in is from its X-Request-Start header to the ingress handler, and its way out what "
              "its mean TTFA spent after the ingress handed the first audio on. The client's TTFT is its first "
              "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
-             "token is the one to read.", "",
+             "token is the one to read. CPU cores used: CPU seconds per second of the level, summed over each part's "
+             "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process).", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
              "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
-             "vocoder busy, frames decoded per s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vocoder busy, frames decoded per s | CPU cores used: load generator / proxy / ingress / thinker / talker / "
+             "vocoder |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -188,7 +224,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             f"{num(srv.get('thinker_step_ms_p50'), '{:.1f}')} / {num(srv.get('talker_step_ms_p50'), '{:.1f}')} | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
-            f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} |")
+            f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} | "
+            + " / ".join(num(r.get("cpu_cores", {}).get(part), "{:.2f}")
+                         for part in ("load generator", "proxy", "ingress", "thinker", "talker", "vocoder")) + " |")
     if baseline:
         lines += ["", f"transformers `generate()` on the same GPU in the same run (batch 1, not streaming): "
                       f"{baseline['total_s']:.1f} s for {baseline['audio_s']:.1f} s of audio, RTF {baseline['rtf']:.2f}; "

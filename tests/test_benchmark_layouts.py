@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.e2e_serve import with_overrides
+from benchmarks.e2e_serve import process_cpu_seconds, serve_process_label, service_cpu_seconds, with_overrides
 from omni_ray.config import PipelineConfig
 
 LAYOUTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("serve_*.yaml"))
@@ -37,3 +37,20 @@ def test_deployment_overrides_reach_serves_options(tmp_path: Path) -> None:
     assert app["args"]["pipeline"]["stages"]["talker"]["resources"]["num_gpus"] == 0.5
     _, spec = app_from_serve_config(used)  # the whole file still builds an application
     assert spec["name"] == "omni"
+
+
+def test_service_processes_are_told_apart_and_their_cpu_time_grows() -> None:
+    """The e2e benchmark's CPU columns: Ray process titles map to the proxy and to deployments, and a busy process's
+    CPU time grows (read from /proc)."""
+    import time
+
+    assert serve_process_label("ray::ProxyActor") == "proxy"
+    assert serve_process_label("ray::ServeReplica:omni:ingress") == "ingress"
+    assert serve_process_label("ray::ServeReplica:omni:talker.handle_request_streaming") == "talker"  # as Ray 2.60 titles it
+    assert serve_process_label("ray::ServeController") is None and serve_process_label("ray::IDLE") is None
+    before = process_cpu_seconds("self")
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    assert process_cpu_seconds("self") - before >= 0.2
+    assert service_cpu_seconds()["load generator"] > 0

@@ -261,7 +261,8 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def host_copy(item: RelayItem) -> RelayItem:
     """The item with its tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
     RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
-    step). So would a copy into pageable memory, even on a side stream (seen on an H200)."""
+    step). On an H200 this copy still waited for that work, as the pageable one did before it; the cause is open
+    (tests/test_gpu_host_transfers.py)."""
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
     tensors = {}

@@ -43,3 +43,34 @@ def test_transfers_return_while_later_work_still_runs() -> None:
         stream.synchronize()
     assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))
     assert not waited, f"these waited for the next step: {waited}"
+
+
+def test_no_part_of_a_side_stream_copy_to_the_host_waits_for_queued_work() -> None:
+    """The parts of `host_copy`, one by one, with work queued on the producer's stream: a new side stream, a pinned
+    host buffer, the copy queued on the side stream and the side stream's synchronisation. Names the first that waits
+    (host_copy as a whole did, on an H200)."""
+    device = torch.device("cuda")
+    made = torch.arange(12, device=device).float()
+    torch.cuda.current_stream().synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    stream = torch.cuda.current_stream()
+    waited = []
+
+    def check(part: str) -> None:
+        if stream.query() and not waited:
+            waited.append(part)
+
+    try:
+        side = torch.cuda.Stream(device)
+        check("a new side stream")
+        host = torch.empty(made.shape, dtype=made.dtype, pin_memory=True)
+        check("a pinned host buffer")
+        with torch.cuda.stream(side):
+            host.copy_(made, non_blocking=True)
+        check("the copy queued on the side stream")
+        side.synchronize()
+        check("the side stream's synchronize")
+        assert torch.equal(host, torch.arange(12).float())
+    finally:
+        stream.synchronize()
+    assert not waited, f"waited for the queued work: {waited[0]}"

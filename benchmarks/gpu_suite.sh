@@ -11,7 +11,7 @@
 # MPS), baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
-# step, default 280). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
+# step, default 280), TESTS_TIMEOUT (the tests step's, default 560). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
 # adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1 runs it under MPS. DRY_RUN=1 prints each step's
 # command instead of running it (check a plan before spending device time on it).
 set -uo pipefail
@@ -28,9 +28,11 @@ export PYTHONUNBUFFERED=1
 
 run_step() {  # name, command...
   local name=$1; shift
-  if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name] $*"; return; fi
+  local limit=$LIMIT
+  [ "$name" = tests ] && limit=${TESTS_TIMEOUT:-560}  # the GPU tests compile a lot: about 400-500 s in all
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name, ${limit}s] $*"; return; fi
   local started=$SECONDS
-  timeout "$LIMIT" "$@" >> "$OUT/logs/$name.log" 2>&1
+  timeout "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - started))s"
 }

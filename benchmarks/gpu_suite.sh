@@ -11,9 +11,10 @@
 # MPS), baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
-# step, default 280), TESTS_TIMEOUT (the tests step's, default 560). Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG,
-# adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1 runs it under MPS. DRY_RUN=1 prints each step's
-# command instead of running it (check a plan before spending device time on it).
+# step, default 280), TESTS_TIMEOUT (the tests step's, default 560). Variants in one call: a step named NAME:TAG
+# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1
+# runs it under MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
+# time on it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}

@@ -35,6 +35,39 @@ def test_a_lagging_consumer_gets_queued_events_in_one_batch_in_order() -> None:
     assert stage.completed == 1 and stage.failed == 0 and stage.active_requests() == 0
 
 
+def test_one_steps_events_for_many_streams_arrive_in_one_hand_over() -> None:
+    """`emit_all` (an engine step's events for every request) from another thread: one wake-up of the event loop, and
+    each stream gets its own events in order, with the step's time."""
+    import threading
+
+    async def scenario() -> tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]], int]:
+        stage = StageBase("test-stage")
+        for rid in ("a", "b"):
+            stage.open_stream(rid)
+        loop = asyncio.get_running_loop()
+        handed_over = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args: Any) -> Any:
+            nonlocal handed_over
+            handed_over += 1
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        step = [("a", {"type": "token", "token": 1}), ("b", {"type": "token", "token": 2}),
+                ("a", {"type": "final", "finish_reason": "stop"}), ("b", {"type": "final", "finish_reason": "length"})]
+        worker = threading.Thread(target=stage.emit_all, args=(step,))
+        worker.start()
+        worker.join()
+        return await _drain(stage, "a"), await _drain(stage, "b"), handed_over
+
+    a, b, handed_over = asyncio.run(scenario())
+    assert handed_over == 1
+    assert [[e.get("token") for e in batch] for batch in a] == [[1, None]]
+    assert [[e.get("token") for e in batch] for batch in b] == [[2, None]]
+    assert a[0][0]["t"] == a[0][1]["t"] == b[0][0]["t"]
+
+
 def test_an_error_ends_the_stream_and_counts_as_failed() -> None:
     async def scenario() -> tuple[list[list[dict[str, Any]]], StageBase]:
         stage = StageBase("test-stage")

@@ -118,10 +118,25 @@ class StageBase:
             return
         loop.call_soon_threadsafe(self._put, request_id, event)
 
+    def emit_all(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Thread-safe: `emit` for a whole engine step's (request id, event) pairs in one hand-over to the event loop
+        (one wake-up per step, not one per request)."""
+        now = time.time()
+        for _, event in events:
+            event.setdefault("t", now)
+        loop = self._event_loop
+        if loop is None or not events:
+            return
+        loop.call_soon_threadsafe(self._put_all, events)
+
     def _put(self, request_id: str, event: dict[str, Any]) -> None:
         queue = self._streams.get(request_id)
         if queue is not None:
             queue.put_nowait(event)
+
+    def _put_all(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        for request_id, event in events:
+            self._put(request_id, event)
 
     def fail(self, request_id: str, message: str) -> None:
         self.emit(request_id, {"type": "error", "message": message})

@@ -186,11 +186,12 @@ class ThinkerStage(StageBase):
     def _on_outputs(self, outputs: list[ThinkerStepOutput]) -> None:
         # Relay first: once the final event is out, the request's stream may close and forget its Talker.
         self.relay_to_consumers([item for out in outputs for item in self._talker_items(out)])
+        events: list[tuple[str, dict[str, Any]]] = []
         for out in outputs:
-            event: dict[str, Any] = {"type": "token", "token": out.token}
-            self.emit(out.request_id, event)
+            events.append((out.request_id, {"type": "token", "token": out.token}))
             if out.finish_reason is not None:
-                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason})
+                events.append((out.request_id, {"type": "final", "finish_reason": out.finish_reason}))
+        self.emit_all(events)
 
     def _talker_items(self, out: ThinkerStepOutput) -> list[RelayItem]:
         """What the Talker consumes from this step: prefill states, the new token's embedding, the end."""

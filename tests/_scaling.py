@@ -49,6 +49,19 @@ def stream_one(url: str, prefix: str, results: list[dict[str, Any]]) -> None:
     results.append(record)
 
 
+def wait_for_route(url: str, prefix: str, seconds: float = 30.0) -> None:
+    """Until the HTTP proxy routes `prefix` to its new application: `serve.run` returns once the application runs,
+    and the proxy learns the route a moment later (requests in between reach the app mounted at `/`: a 404)."""
+
+    def routed() -> bool:
+        try:
+            return httpx.get(f"{url}{prefix}/v1/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert _wait_until(routed, seconds), f"the proxy never routed {prefix}"
+
+
 def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     deadline = time.time() + seconds
     while not condition() and time.time() < deadline:
@@ -63,6 +76,7 @@ def scale_talker_up_and_down(url: str, app: str, prefix: str, pipeline: dict[str
     serve.run(build_app({"model_name": "qwen3-omni", "pipeline": pipeline, "stage_options": {"talker": TALKER_SCALING}}),
               name=app, route_prefix=prefix)
     try:
+        wait_for_route(url, prefix)
         assert talker_replicas(app) == 1
         results: list[dict[str, Any]] = []
         stop = threading.Event()

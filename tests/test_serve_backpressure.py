@@ -8,6 +8,7 @@ import httpx
 from ray import serve
 
 from omni_ray.serve.app import build_app
+from _scaling import wait_for_route
 
 APP, PREFIX = "tight", "/tight"
 BODY = {
@@ -20,6 +21,7 @@ def test_full_queue_is_503_with_retry_after(serve_url: str) -> None:
     tight = {"thinker": {"max_ongoing_requests": 1, "max_queued_requests": 1}}
     serve.run(build_app({"model_name": "qwen3-omni", "stage_options": tight}), name=APP, route_prefix=PREFIX)
     try:
+        wait_for_route(serve_url, PREFIX)
         url = f"{serve_url}{PREFIX}/v1/chat/completions"
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(lambda _: httpx.post(url, json=BODY, timeout=120), range(8)))

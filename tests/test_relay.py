@@ -294,6 +294,32 @@ def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     asyncio.run(main())
 
 
+def test_host_path_encoding_keeps_every_tensor_bitwise_and_pickles_none() -> None:
+    """Tensors cross the host path as dtype, shape and raw bytes (no tensor pickling): every dtype a stage relays,
+    empty, zero-dimensional and strided tensors come back equal, and control messages pass unchanged."""
+    import pickle
+
+    from omni_ray.relay.tcp import WireTensor, decode_message, encode_message
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=g)
+    tensors = {
+        "f32": base, "bf16": base.to(torch.bfloat16), "f16": base.to(torch.float16), "ids": torch.arange(7),
+        "mask": base > 0, "empty": torch.zeros(0, 4), "scalar": base[1, 2], "strided": base.t()[::2],
+    }
+    message = RelayMessage("p", [RelayItem("a", tensors=tensors, meta={"n": 1}, seq=4), RelayItem("a", kind="end")])
+    payload = encode_message(message)
+    assert b"torch._utils" not in payload and b"_rebuild_tensor" not in payload  # no tensor went through torch's pickling
+    got = decode_message(payload)
+    assert [(i.request_id, i.kind, i.seq, i.meta) for i in got.items] == [("a", "data", 4, {"n": 1}), ("a", "end", -1, {})]
+    for name, tensor in tensors.items():
+        back = got.items[0].tensors[name]
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor), name
+    control = RelayMessage("c", [], control={"op": "consumer", "request": "a", "peer": RelayPeer("x", "tcp://h:1")})
+    assert decode_message(encode_message(control)) == control
+    assert isinstance(pickle.loads(payload).items[0].tensors["f32"], WireTensor)
+
+
 def test_links_name_a_producers_consumer_over_the_host_path() -> None:
     """What the caller sends once both streams are open reaches the producer replica's control handler, naming the
     request and its consumer; a producer that is gone fails the call instead of leaving the request waiting."""

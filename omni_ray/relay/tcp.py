@@ -6,12 +6,52 @@ import asyncio
 import logging
 import pickle
 import struct
+from dataclasses import dataclass, replace
 from typing import Callable
+
+import torch
 
 from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!Q")
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A CPU tensor as its dtype, shape and raw bytes. Torch's own pickling of a tensor serialises its storage as an
+    archive: about 46 us per small tensor here, which for a Talker step's 32 frames of codes came to 1.5 ms of the
+    event loop's time, and as much again to unpickle."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "WireTensor":
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        return cls(str(flat.dtype).removeprefix("torch."), tuple(tensor.shape), flat.view(torch.uint8).numpy().tobytes())
+
+    def tensor(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dtype).reshape(self.shape)
+
+
+def encode_message(message: RelayMessage) -> bytes:
+    """A message as bytes for the host path, its tensors as raw bytes."""
+    items = [replace(item, tensors={k: WireTensor.of(v) for k, v in item.tensors.items()}) if item.tensors else item
+             for item in message.items]
+    return pickle.dumps(replace(message, items=items), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_message(payload: bytes) -> RelayMessage:
+    message: RelayMessage = pickle.loads(payload)
+    for i, item in enumerate(message.items):
+        if item.tensors:
+            message.items[i] = replace(item, tensors={k: v.tensor() for k, v in item.tensors.items()})
+    return message
 
 
 def node_ip() -> str:
@@ -49,7 +89,7 @@ class RelayServer:
         try:
             while True:
                 (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                message: RelayMessage = pickle.loads(await reader.readexactly(size))
+                message = decode_message(await reader.readexactly(size))
                 try:
                     self.endpoint.deliver(message)
                 except Exception:  # a bad message must not kill the connection for other requests
@@ -73,7 +113,7 @@ class TcpTransport:
         self.on_lost = on_lost
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode_message(message)
         lock = self._locks.setdefault(peer.address, asyncio.Lock())
         async with lock:
             writer = self.connections.get(peer.address)

@@ -1,4 +1,5 @@
-"""Host-path relay between replicas on any nodes: length-prefixed pickled messages over persistent TCP streams."""
+"""Host-path relay between replicas on any nodes: length-prefixed pickled messages (tensors as raw bytes) over
+persistent TCP streams."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def encode_message(message: RelayMessage) -> bytes:
 
 
 def decode_message(payload: bytes) -> RelayMessage:
+    """`encode_message`'s bytes back into a message with CPU tensors."""
     message: RelayMessage = pickle.loads(payload)
     for i, item in enumerate(message.items):
         if item.tensors:

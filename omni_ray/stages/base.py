@@ -281,6 +281,7 @@ def host_copy(item: RelayItem) -> RelayItem:
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
     tensors = {}
+    used: set[torch.cuda.Stream] = set()
     for name, tensor in item.tensors.items():
         if tensor.device.type != "cuda":
             tensors[name] = tensor.cpu()
@@ -291,6 +292,8 @@ def host_copy(item: RelayItem) -> RelayItem:
         with torch.cuda.stream(stream):
             tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             tensors[name].copy_(tensor, non_blocking=True)
+        used.add(stream)
+    for stream in used:  # every copy queued first, then one wait per stream
         stream.synchronize()
     return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
 

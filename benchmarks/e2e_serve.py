@@ -167,6 +167,7 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
         before, cpu_before = scrape(), service_cpu_seconds()
         summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}")
         cpu = {name: (used - cpu_before.get(name, 0.0)) / wall for name, used in service_cpu_seconds().items()}
+        time.sleep(1.0)  # every ingress replica has posted its last replies' samples (each posts every 0.25 s)
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
                      "errors": summary["errors"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],

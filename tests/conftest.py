@@ -47,6 +47,7 @@ def hf_model(tiny_checkpoint: Path) -> Any:
 
 
 SERVE_PORT = 8000
+INGRESS_REPLICAS = 2
 # Small limits so that the 413 paths are cheap to exercise.
 SERVE_LIMITS = {
     "max_request_bytes": 2 * 1024 * 1024, "max_audio_seconds": 20, "max_completion_tokens": 512, "max_prompt_tokens": 2000,
@@ -64,7 +65,9 @@ def serve_url(ray_cluster: str) -> Iterator[str]:
     from omni_ray.serve.app import app_from_serve_config
 
     layout = Path(__file__).resolve().parent.parent / "deployments" / "tiny_cpu.yaml"  # the shipped default
-    app, spec = app_from_serve_config(layout, overrides={"limits": SERVE_LIMITS})
+    # two ingress replicas, as a service scaled for load runs: /metrics must count both replicas' requests
+    overrides = {"limits": SERVE_LIMITS, "stage_options": {"ingress": {"num_replicas": INGRESS_REPLICAS}}}
+    app, spec = app_from_serve_config(layout, overrides=overrides)
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"])
     url = f"http://127.0.0.1:{SERVE_PORT}"

@@ -14,6 +14,7 @@ import pytest
 import soundfile as sf
 
 from _reference import wav_part
+from conftest import INGRESS_REPLICAS
 from omni_ray.audio import encode_audio
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.events import AudioChunk, Finished, TextDelta
@@ -129,6 +130,7 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
                  "omni_real_time_factor", "omni_stage_waiting", "omni_stage_running"):
         assert name in metrics, name
     assert 'omni_stage_replicas{stage="talker"} 1.0' in metrics
+    assert f'omni_stage_replicas{{stage="ingress"}} {float(INGRESS_REPLICAS)}' in metrics
     counts = _counts(metrics)
     # the earlier streamed replies with audio say when their first chunk was handed on
     assert counts["omni_time_to_first_audio_sent_seconds_count"] > 0
@@ -137,7 +139,14 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
     reply = httpx.post(f"{serve_url}/v1/chat/completions", headers={"X-Request-Start": f"t={started}"}, timeout=60,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert reply.status_code == 200
-    after = _counts(httpx.get(f"{serve_url}/metrics").text)
+    # whichever ingress replica served it, and whichever serves /metrics, the page counts it once (each replica
+    # posts its samples every 0.25 s)
+    deadline = time.time() + 5
+    while True:
+        after = _counts(httpx.get(f"{serve_url}/metrics").text)
+        if after["omni_request_path_seconds_count"] != counts["omni_request_path_seconds_count"] or time.time() > deadline:
+            break
+        time.sleep(0.1)
     assert after["omni_request_path_seconds_count"] == counts["omni_request_path_seconds_count"] + 1
     way_in = after["omni_request_path_seconds_sum"] - counts["omni_request_path_seconds_sum"]
     assert 0 <= way_in < time.time() - started / 1e6

@@ -43,3 +43,44 @@ def test_reply_timing_fills_each_time_to_x_histogram_from_submission() -> None:
                           ("omni_time_to_first_audio_received_seconds", 0.31),
                           ("omni_time_to_first_audio_sent_seconds", 0.32), ("omni_real_time_factor", 0.5)):
         assert _sample(metrics, f"{name}_sum") == pytest.approx(seconds), name
+
+
+def _page(text: bytes) -> dict[str, float]:
+    """A /metrics page's samples by `name{labels}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f"{s.name}{sorted(s.labels.items())}": s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
+def test_the_page_sums_every_ingress_replicas_requests_and_keeps_stage_gauges_once() -> None:
+    mine, peer = ServiceMetrics(), ServiceMetrics()
+    mine.observe_reply({"submitted": 0.0, "first_audio": 0.2}, audio_seconds=1.0, finished_at=1.0)
+    peer.observe_reply({"submitted": 0.0, "first_audio": 0.3}, audio_seconds=1.0, finished_at=1.0)
+    peer.observe_reply({"submitted": 0.0, "first_audio": 0.04}, audio_seconds=1.0, finished_at=1.0)
+    mine.requests.labels("chat", "200").inc()
+    peer.requests.labels("chat", "200").inc(2)
+    peer.requests.labels("speech", "400").inc()  # a series only the peer has
+    stages = {"r1": {"stage": "talker", "running": 3}}
+
+    page = _page(mine.render(stages, [peer.reply_samples()]))
+
+    assert page["omni_time_to_first_audio_seconds_count[]"] == 3
+    assert page["omni_time_to_first_audio_seconds_sum[]"] == pytest.approx(0.54)
+    assert page["omni_time_to_first_audio_seconds_bucket[('le', '0.05')]"] == 1  # the peer's 40 ms reply
+    assert page["omni_time_to_first_audio_seconds_bucket[('le', '0.25')]"] == 2
+    assert page["omni_requests_total[('endpoint', 'chat'), ('status', '200')]"] == 3
+    assert page["omni_requests_total[('endpoint', 'speech'), ('status', '400')]"] == 1
+    assert page["omni_stage_running[('replica', 'r1'), ('stage', 'talker')]"] == 3  # from the board, not summed
+    assert page["omni_stage_replicas[('stage', 'talker')]"] == 1
+    assert not any("_created" in key for key in page)  # per-replica timestamps do not add up
+    alone = _page(mine.render(stages))
+    assert alone["omni_time_to_first_audio_seconds_count[]"] == 1
+
+
+def test_what_a_replica_posts_leaves_out_the_stage_gauges() -> None:
+    metrics = ServiceMetrics()
+    metrics.render({"r1": {"stage": "talker", "running": 3}})
+    posted = metrics.reply_samples()
+    assert "omni_time_to_first_audio_seconds" in posted and "omni_requests_in_flight" in posted
+    assert not any(name.startswith("omni_stage_") for name in posted)

@@ -25,7 +25,7 @@ from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
-from omni_ray.serve.stats import stats_board
+from omni_ray.serve.stats import StatsReporter, serve_replica_id, stats_board
 from omni_ray.stages.client import ServeClient
 
 STAGES = ("encoder", "thinker", "talker", "vocoder")
@@ -80,6 +80,12 @@ class OmniIngress:
         self.orchestrator = Orchestrator(clients, prompts, self.config, model_config, self.limits.max_prompt_tokens)
         self.metrics = ServiceMetrics()
         self.board = stats_board()
+        # the other ingress replicas' /metrics include this one's requests: it posts them with its load
+        self.replica_id = serve_replica_id() or f"ingress-{uuid.uuid4().hex[:8]}"
+        self.reporter = StatsReporter(self.replica_id, self._board_stats)
+
+    def _board_stats(self) -> dict[str, Any]:
+        return {"stage": "ingress", "reply_samples": self.metrics.reply_samples()}
 
     # ---- routes --------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -250,4 +256,5 @@ class OmniIngress:
 
     async def metrics_text(self) -> Response:
         snapshot = await self.board.snapshot.remote()
-        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4")
+        peers = [s["reply_samples"] for rid, s in snapshot.items() if s.get("stage") == "ingress" and rid != self.replica_id]
+        return Response(self.metrics.render(snapshot, peers), media_type="text/plain; version=0.0.4")

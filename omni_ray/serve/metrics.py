@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+# One ingress replica's request-level samples, as it posts them for the others: {family: [(sample, labels, value)]}
+ReplySamples = dict[str, list[tuple[str, dict[str, str], float]]]
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -37,14 +41,15 @@ def parse_request_start(header: str | None) -> float | None:
 
 
 class ServiceMetrics:
-    """A private registry, rendered by GET /metrics (one ingress replica's view plus every stage replica)."""
+    """A private registry, rendered by GET /metrics: the request-level counters and histograms summed over every
+    ingress replica (each posts its own to the stats board), and every stage replica's load."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("omni_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
-        self.in_flight = Gauge("omni_requests_in_flight", "requests being served by this ingress", registry=r)
+        self.in_flight = Gauge("omni_requests_in_flight", "requests being served by the ingress", registry=r)
         self.streams_open = Histogram("omni_time_to_streams_open_seconds",
                                       "time until every stage of the reply had opened its stream",
                                       buckets=LATENCY_BUCKETS, registry=r)
@@ -69,6 +74,17 @@ class ServiceMetrics:
             for name, help_text in STAGE_GAUGES.items()
         }
         self.replicas = Gauge("omni_stage_replicas", "replicas reporting, per stage", ["stage"], registry=r)
+        self.reply_families = {family.name for family in r.collect()} - {
+            family.name for gauge in (*self.stage.values(), self.replicas) for family in gauge.collect()
+        }
+
+    def reply_samples(self) -> ReplySamples:
+        """This replica's request-level samples (not the stage gauges, which every replica reads from the board),
+        without the `_created` timestamps, which do not add up."""
+        return {
+            family.name: [(s.name, dict(s.labels), s.value) for s in family.samples if not s.name.endswith("_created")]
+            for family in self.registry.collect() if family.name in self.reply_families
+        }
 
     def observe_reply(self, timing: dict[str, float], audio_seconds: float, finished_at: float) -> None:
         submitted = timing.get("submitted")
@@ -96,7 +112,9 @@ class ServiceMetrics:
         if started is not None and 0 <= received - started < 3600:  # clocks of one host, or synchronised ones
             self.request_path.observe(received - started)
 
-    def render(self, stage_stats: dict[str, dict[str, Any]]) -> bytes:
+    def render(self, stage_stats: dict[str, dict[str, Any]], peers: Sequence[ReplySamples] = ()) -> bytes:
+        """The /metrics page: stage gauges from `stage_stats` (the board's snapshot) and the request-level samples of
+        this replica plus its `peers` (the other ingress replicas' `reply_samples()`)."""
         for gauge in self.stage.values():
             gauge.clear()
         self.replicas.clear()
@@ -109,4 +127,32 @@ class ServiceMetrics:
                     gauge.labels(stage, replica).set(float(stats[name]))
         for stage, count in counts.items():
             self.replicas.labels(stage).set(count)
-        return generate_latest(self.registry)
+        if not peers:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry(auto_describe=False)
+        merged.register(_SummedFamilies(self, peers))  # type: ignore[arg-type]
+        return generate_latest(merged)
+
+
+class _SummedFamilies:
+    """A collector yielding `metrics`' families, the request-level ones summed with the peers' samples."""
+
+    def __init__(self, metrics: ServiceMetrics, peers: Sequence[ReplySamples]) -> None:
+        self.metrics = metrics
+        self.peers = peers
+
+    def collect(self) -> Iterator[Metric]:
+        own = self.metrics.reply_samples()
+        for family in self.metrics.registry.collect():
+            if family.name not in own:
+                yield family
+                continue
+            totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for samples in (own[family.name], *(peer.get(family.name, []) for peer in self.peers)):
+                for name, labels, value in samples:
+                    key = (name, tuple(sorted(labels.items())))
+                    totals[key] = totals.get(key, 0.0) + value
+            summed = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in totals.items():
+                summed.add_sample(name, dict(labels), value)
+            yield summed

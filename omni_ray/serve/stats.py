@@ -39,6 +39,16 @@ def current_app_name() -> str:
         return ""
 
 
+def serve_replica_id() -> str | None:
+    """This Serve replica's unique id (None outside Serve)."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not a Serve replica
+        return None
+
+
 def stats_board(app_name: str | None = None) -> Any:
     """The board of one Serve application (each app sees only its own replicas), created on first use."""
     app = current_app_name() if app_name is None else app_name

@@ -16,6 +16,7 @@ from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.tcp import node_ip
 from omni_ray.relay.transports import RelayMode, gpu_uuid
+from omni_ray.serve.stats import StatsReporter, serve_replica_id
 
 FINAL_TYPES = frozenset({"final", "error"})
 HELD_AFTER_END_S = 60.0  # how long a finished request's relay items wait for a consumer not yet named
@@ -27,7 +28,7 @@ class StageBase:
     stage_name = "stage"
 
     def __init__(self, replica_id: str | None = None, device: str = "cpu", relay_mode: RelayMode = "auto") -> None:
-        self.replica_id = replica_id or _serve_replica_id() or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
+        self.replica_id = replica_id or serve_replica_id() or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
         self.device = torch.device(device)
         self.relay_mode: RelayMode = relay_mode
         self.endpoint = RelayEndpoint()
@@ -48,9 +49,7 @@ class StageBase:
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
-        if _serve_replica_id() is not None and self._reporter is None:
-            from omni_ray.serve.stats import StatsReporter
-
+        if serve_replica_id() is not None and self._reporter is None:
             self._reporter = StatsReporter(self.replica_id, self.load_stats)
 
     def load_stats(self) -> dict[str, Any]:
@@ -297,11 +296,3 @@ def host_copy(item: RelayItem) -> RelayItem:
         stream.synchronize()
     return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
 
-
-def _serve_replica_id() -> str | None:
-    try:
-        from ray import serve
-
-        return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:  # not a Serve replica
-        return None

@@ -11,7 +11,8 @@
 # MPS), baseline (transformers' generate()).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
-# step, default 280), TESTS_TIMEOUT (the tests step's, default 560). Variants in one call: a step named NAME:TAG
+# step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
+# GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
 # (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1
 # runs it under MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
 # time on it).
@@ -33,7 +34,9 @@ run_step() {  # name, command...
   [ "$name" = tests ] && limit=${TESTS_TIMEOUT:-560}  # the GPU tests compile a lot: about 400-500 s in all
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name, ${limit}s] $*"; return; fi
   local started=$SECONDS
-  timeout "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
+  # a step cut off by its limit leaves its Ray cluster (and Serve's proxy on port 8000) behind: clear it first
+  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  timeout -k 15 "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - started))s"
 }
@@ -52,8 +55,11 @@ for step in "${@:-tests engine vocoder e2e}"; do
     extra="${E2E_SET:-} ${!extra_var:-}"
     mps=${!mps_var:-${E2E_MPS:-0}}
     case $name in
-      tests) run_step tests python -m pytest -rA tests/test_gpu_host_transfers.py tests/test_gpu_engine.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py \
-               tests/test_gpu_relay.py ;;  # the last needs two GPUs (skipped on one)
+      tests) # shortest first; the relay file needs two GPUs (skipped on one). Verbose, so a cut-off run still says
+             # which tests passed; a per-test limit, so one stuck test fails with its traceback instead of ending the step
+             # shellcheck disable=SC2086
+             run_step tests python -m pytest -v -rA --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
+               ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
       engine) run_step engine python -m omni_ray.bench --compile --talker-sampling served --out "$OUT/results/engine" ;;
       profile) run_step profile python -m benchmarks.profile_step --compile --served ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"

@@ -45,14 +45,18 @@ def test_transfers_return_while_later_work_still_runs() -> None:
     assert not waited, f"these waited for the next step: {waited}"
 
 
-def test_no_part_of_a_side_stream_copy_to_the_host_waits_for_queued_work() -> None:
+@pytest.mark.parametrize("upload_queued", [False, True], ids=["alone", "behind_an_upload"])
+def test_no_part_of_a_side_stream_copy_to_the_host_waits_for_queued_work(upload_queued: bool) -> None:
     """The parts of `host_copy`, one by one, with work queued on the producer's stream: a new side stream, a pinned
-    host buffer, the copy queued on the side stream and the side stream's synchronisation. Names the first that waits
-    (host_copy as a whole did, on an H200)."""
+    host buffer, the copy queued on the side stream and the side stream's synchronisation. Names the first that waits.
+    On an H200 (session 8) each part alone did not wait, while host_copy waited in the test above, where an upload
+    (`to_device`) was queued behind the busy work first; `behind_an_upload` repeats that order."""
     device = torch.device("cuda")
     made = torch.arange(12, device=device).float()
     torch.cuda.current_stream().synchronize()
     torch.cuda._sleep(BUSY_CYCLES)
+    if upload_queued:  # a host-to-device copy that must wait for the busy work (stream order)
+        to_device(torch.tensor([5, 6, 7]), device)
     stream = torch.cuda.current_stream()
     waited = []
 

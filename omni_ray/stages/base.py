@@ -275,8 +275,9 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def host_copy(item: RelayItem) -> RelayItem:
     """The item with its tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
     RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
-    step). On an H200 this copy still waited for that work, as the pageable one did before it; the cause is open
-    (tests/test_gpu_host_transfers.py)."""
+    step). On an H200 this copy still waited for that work when an upload was queued behind it, though none of its
+    parts waited alone; the cause is open (tests/test_gpu_host_transfers.py). In the benchmarked layouts no device
+    tensor takes this path (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on the host)."""
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
     tensors = {}

@@ -33,7 +33,7 @@ def test_deployment_overrides_reach_serves_options(tmp_path: Path) -> None:
     app = yaml.safe_load(used.read_text())["applications"][0]
     options = {d["name"]: d for d in app["deployments"]}
     assert options["talker"]["num_replicas"] == 2 and options["talker"]["max_queued_requests"] == 256  # others kept
-    assert options["thinker"]["max_ongoing_requests"] == 32 and options["ingress"]["num_replicas"] == 1
+    assert options["thinker"]["max_ongoing_requests"] == 32 and options["ingress"]["num_replicas"] == 4
     assert app["args"]["pipeline"]["stages"]["talker"]["resources"]["num_gpus"] == 0.5
     _, spec = app_from_serve_config(used)  # the whole file still builds an application
     assert spec["name"] == "omni"

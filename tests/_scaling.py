@@ -26,6 +26,15 @@ def talker_replicas(app: str) -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
+def _talker_state(app: str) -> str:
+    """What Serve says of the Talker deployment, and what the cluster has free (a replica that cannot be placed shows
+    here), for a failure message."""
+    import ray
+
+    status = serve.status().applications[app].deployments["talker"]
+    return f"status {status.status}, replicas {dict(status.replica_states)}, {status.message!r}; free {ray.available_resources()}"
+
+
 def thinker_relay(app: str) -> dict[str, int]:
     return serve.get_deployment_handle("thinker", app_name=app).relay_stats.remote().result(timeout_s=30)
 
@@ -96,9 +105,9 @@ def scale_talker_up_and_down(url: str, app: str, prefix: str, pipeline: dict[str
         stop.set()
         for worker in workers:
             worker.join(timeout=120)
-        assert peak == 2, "the Talker never scaled up under load"
+        assert peak == 2, f"the Talker never scaled up under load: {_talker_state(app)}"
         if collective:  # the new replica got its own pairwise group, with no Thinker restart
-            assert pairs_peak == 2
+            assert pairs_peak == 2, f"the Thinker opened {pairs_peak} pairwise group(s): {_talker_state(app)}"
         # Light load (one stream at a time) continues while the Talker scales back down.
         stop.clear()
         light = threading.Thread(target=keep_busy)
@@ -107,7 +116,7 @@ def scale_talker_up_and_down(url: str, app: str, prefix: str, pipeline: dict[str
         time.sleep(1.0)  # let a request start on the remaining replica too
         stop.set()
         light.join(timeout=120)
-        assert scaled_down, "the Talker never scaled back down"
+        assert scaled_down, f"the Talker never scaled back down: {_talker_state(app)}"
         assert results and all(r["status"] == 200 and r["done"] and r["audio_chunks"] > 0 for r in results), results
         if collective:  # the departed replica's group was torn down
             assert _wait_until(lambda: thinker_relay(app)["collective_pairs"] == 1, 30)

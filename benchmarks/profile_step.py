@@ -12,7 +12,8 @@ from transformers import Qwen3OmniMoeConfig
 from omni_ray.bench import DEFAULT_TALKER_SAMPLING, FULL_CONFIG, GREEDY_TALKER, _talker_seqs, benchmark_prompt_ids
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_omni.talker import TalkerRunner, load_talker
+from omni_ray.models.qwen3_omni.talker import TalkerRunner
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 

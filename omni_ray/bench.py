@@ -19,7 +19,8 @@ from transformers import Qwen3OmniMoeConfig
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
-from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json"

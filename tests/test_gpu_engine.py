@@ -11,7 +11,8 @@ from transformers import AutoTokenizer, Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer, Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, load_talker
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)

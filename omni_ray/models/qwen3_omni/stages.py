@@ -28,7 +28,8 @@ from omni_ray.engine.loop import EngineLoop
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
-from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput, load_talker
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
 from omni_ray.stages.base import FINAL_TYPES, StageBase

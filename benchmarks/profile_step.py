@@ -65,10 +65,10 @@ def main() -> None:
     thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
                             SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"),
                             compile_layers=compiled)
-    prompt = benchmark_prompt_ids(config, 100)
-    for batch in (1, 32):
+    for batch in (1, 32):  # a prompt per row: rows route to different experts, as a service's streams do
         _profile("thinker", thinker, lambda batch=batch: [
-            ThinkerSequence(f"p{i}", prompt, SamplingParams(temperature=0.0), 64, frozenset(), for_talker=True)
+            ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64, frozenset(),
+                            for_talker=True)
             for i in range(batch)])
     del thinker
     torch.cuda.empty_cache()

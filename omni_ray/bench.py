@@ -18,6 +18,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.floors import floor_ms
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -25,7 +26,6 @@ from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, l
 
 FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json"
 # Memory-bandwidth floors at batch 1 on an H200 (~4.3 TB/s copy bandwidth), from the issue.
-FLOOR_MS = {"thinker": 1.6, "talker": 0.6}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 
@@ -36,9 +36,11 @@ def source_commit() -> str:
     return os.environ.get("OMNI_RAY_COMMIT") or found or "unknown"
 
 
-def benchmark_prompt_ids(config: Any, length: int) -> list[int]:
-    """A `length`-token user turn ending in `<|im_start|>assistant\\n`: the prompt every benchmark here uses."""
-    body = [10 + i % 900 for i in range(length - 6)]
+def benchmark_prompt_ids(config: Any, length: int, variant: int = 0) -> list[int]:
+    """A `length`-token user turn ending in `<|im_start|>assistant\\n`. Each `variant` has another body, so that the
+    rows of a batch decode different tokens and route to different experts, as a service's streams do (rows with one
+    prompt under greedy decoding share every expert, and a batch's step then reads no more weights than one row's)."""
+    body = [10 + (i + 131 * variant) % 900 for i in range(length - 6)]
     return [config.im_start_token_id, config.user_token_id, *body, config.im_end_token_id,
             config.im_start_token_id, config.assistant_token_id, 198]
 
@@ -110,10 +112,10 @@ def bench_thinker(
         cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
     )
     rows = []
-    prompt_ids = benchmark_prompt_ids(config, prompt)
     for batch in batches:
         def make_seqs(batch: int = batch) -> list[ThinkerSequence]:
-            return [ThinkerSequence(f"t{i}", prompt_ids, SamplingParams(temperature=0.0), 2 * steps + 4, frozenset(), for_talker=True)
+            return [ThinkerSequence(f"t{i}", benchmark_prompt_ids(config, prompt, i), SamplingParams(temperature=0.0),
+                                    2 * steps + 4, frozenset(), for_talker=True)
                     for i in range(batch)]
 
         rows.append(_run_batch(runner, make_seqs, steps, device, "thinker"))
@@ -155,16 +157,18 @@ def _talker_seqs(
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Engine step times ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, {meta['mode']}", "",
+             "Each row of a batch has its own prompt, so rows route to different experts, as a service's streams do. "
              "Launched ahead: the mean step when each step is queued before the previous one is read back, as the "
-             "engine loop runs them; per request and the ratio to the floor use it where measured.", "",
-             "| stage | batch | step p50 (ms) | launched ahead (ms) | per request (ms) | floor at batch 1 (ms) | ratio to floor | prefill, all requests (ms) |",
+             "engine loop runs them; per request and the ratio to the floor use it where measured. Floor: the weight "
+             "bytes a step reads at that batch (experts any row picks; `omni_ray/floors.py`) at 4.3 TB/s.", "",
+             "| stage | batch | step p50 (ms) | launched ahead (ms) | per request (ms) | floor at this batch (ms) | ratio to floor | prefill, all requests (ms) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        floor = FLOOR_MS[r["stage"]]
+        floor = r["floor_ms"]
         ahead = "–" if r.get("step_ms_launched_ahead") is None else f"{r['step_ms_launched_ahead']:.1f}"
         best = r.get("step_ms_launched_ahead") or r["step_ms_p50"]
         lines.append(f"| {r['stage']}{' + MTP' if r['stage'] == 'talker' else ''} | {r['batch']} | {r['step_ms_p50']:.1f} | "
-                     f"{ahead} | {best / r['batch']:.2f} | {floor} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
+                     f"{ahead} | {best / r['batch']:.2f} | {floor:.2f} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, args.compile_mode)
+    for row in rows:
+        row["floor_ms"] = floor_ms(config, row["stage"], row["batch"])
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
                     + (f", layers compiled ({args.compile_mode})" if args.compile else "")
                     + f", Talker sampling {args.talker_sampling}"

@@ -1,0 +1,68 @@
+"""The memory-bandwidth floor of a decode step: the weight bytes it must read at a batch size, over the GPU's bandwidth.
+
+A batch of B rows whose tokens differ reads every non-expert weight once and, in each MoE layer, the experts that any
+of its rows picks: with k of E experts per row, about E·(1 - (1 - k/E)^B) of them (rows routed independently, as
+random weights route them and a trained router's load balancing aims for). Token embeddings are left out: a step
+reads only its rows of them. The Talker's step also runs the code predictor once per code group after the first,
+so its layers count that many times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+H200_BANDWIDTH = 4.3e12  # bytes/s, measured device-to-device copy (issue 4)
+BYTES_PER_PARAM = 2  # bf16
+
+
+def distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of experts that at least one of `batch` independently routed rows picks."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def _split_params(module: nn.Module) -> tuple[int, int]:
+    """(parameters outside the MoE experts and token embeddings, parameters of the experts)."""
+    dense = experts = 0
+    for name, parameter in module.named_parameters():
+        if ".experts." in name:
+            experts += parameter.numel()
+        elif not isinstance(_owner(module, name), nn.Embedding):
+            dense += parameter.numel()
+    return dense, experts
+
+
+def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
+    return module.get_submodule(parameter_name.rsplit(".", 1)[0]) if "." in parameter_name else module
+
+
+def step_bytes(config: Any, stage: str, batch: int) -> float:
+    """Weight bytes one decode step of `stage` (thinker | talker, the Talker with its whole frame) reads at `batch`."""
+    from omni_ray.models.qwen3_omni.thinker import ThinkerLM
+    from omni_ray.models.qwen3_omni.talker_model import TalkerModel
+
+    with torch.device("meta"):
+        if stage == "thinker":
+            text = config.thinker_config.text_config
+            dense, experts = _split_params(ThinkerLM(text))
+            repeated = 0
+        else:
+            text = config.talker_config.text_config
+            talker = TalkerModel(config.talker_config)
+            dense, experts = _split_params(talker)
+            # the frame's code predictor: its decoder stack once per completed group, each group's head once
+            stack, _ = _split_params(talker.code_predictor.model)
+            heads = sum(p.numel() for p in talker.code_predictor.lm_head.parameters())
+            prefill_only = sum(p.numel() for p in talker.hidden_projection.parameters())  # multimodal prompt states
+            dense -= stack + heads + prefill_only
+            repeated = stack * (int(config.talker_config.num_code_groups) - 1) + heads
+    num_experts = int(getattr(text, "num_experts", 0) or 0)
+    share = distinct_experts(num_experts, int(text.num_experts_per_tok), batch) / num_experts if num_experts else 0.0
+    return BYTES_PER_PARAM * (dense + repeated + share * experts)
+
+
+def floor_ms(config: Any, stage: str, batch: int, bandwidth: float = H200_BANDWIDTH) -> float:
+    """The step's bandwidth floor in milliseconds."""
+    return 1000.0 * step_bytes(config, stage, batch) / bandwidth

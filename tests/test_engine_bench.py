@@ -1,0 +1,42 @@
+"""The engine benchmark on the tiny model, on the CPU: its rows decode different tokens (as a service's streams do),
+and its table gives each step's ratio to the bandwidth floor at that batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.bench import benchmark_prompt_ids, main
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
+
+
+def test_a_batchs_rows_decode_different_tokens(tiny_checkpoint: Path) -> None:
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    text = config.thinker_config.text_config
+    cache = SlotKVCache(text.num_hidden_layers, 4, 64, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
+    runner = ThinkerRunner(load_thinker(None, config, "cpu", torch.float32), config, cache, cuda_graphs=False)
+    seqs = [ThinkerSequence(f"r{i}", benchmark_prompt_ids(config, 24, i), SamplingParams(temperature=0.0), 6, frozenset())
+            for i in range(4)]
+    for seq in seqs:
+        runner.admit(seq)
+    for _ in range(6):
+        runner.step(seqs)
+    replies = {tuple(seq.output_ids) for seq in seqs}
+    assert len(replies) == 4, replies  # one prompt for all would decode one reply four times
+
+
+def test_the_table_gives_the_floor_at_each_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    main(["--config", str(tiny_checkpoint / "config.json"), "--device", "cpu", "--dtype", "float32", "--eager",
+          "--batches", "1,4", "--prompt", "24", "--steps", "3", "--max-seq-len", "64", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "engine_steps.json").read_text())["rows"]
+    assert [(r["stage"], r["batch"]) for r in rows] == [("thinker", 1), ("thinker", 4), ("talker", 1), ("talker", 4)]
+    for stage in ("thinker", "talker"):
+        one, four = (r["floor_ms"] for r in rows if r["stage"] == stage)
+        assert 0 < one < four  # four rows pick more experts than one
+    table = (tmp_path / "engine_steps.md").read_text()
+    assert "floor at this batch (ms)" in table and table.count("| thinker |") == 2

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_ray.models.qwen3_omni.talker_model import TalkerModel
+from omni_ray.models.qwen3_omni.thinker import ThinkerLM
+
 H200_BANDWIDTH = 4.3e12  # bytes/s, measured device-to-device copy (issue 4)
 BYTES_PER_PARAM = 2  # bf16
 
@@ -40,9 +43,6 @@ def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
 
 def step_bytes(config: Any, stage: str, batch: int) -> float:
     """Weight bytes one decode step of `stage` (thinker | talker, the Talker with its whole frame) reads at `batch`."""
-    from omni_ray.models.qwen3_omni.thinker import ThinkerLM
-    from omni_ray.models.qwen3_omni.talker_model import TalkerModel
-
     with torch.device("meta"):
         if stage == "thinker":
             text = config.thinker_config.text_config

@@ -19,6 +19,9 @@ import yaml
 
 from load_tests.loadgen import LoadConfig, run_load
 from omni_ray.bench import run_meta, write_results
+from omni_ray.config import PipelineConfig
+from omni_ray.floors import rtf_floor
+from omni_ray.models.qwen3_omni.model_files import resolve_model
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
@@ -178,6 +181,16 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     return rows
 
 
+def add_rtf_floors(rows: list[dict[str, Any]], layout: Path, text_tokens: int) -> None:
+    """Each measured level's RTF floor: its streams' replies (`text_tokens` tokens, the layout's frame cap) with the
+    Thinker and the Talker stepping at their bandwidth floors (`omni_ray.floors.rtf_floor`)."""
+    pipeline = PipelineConfig.from_yaml(layout)
+    config = resolve_model(pipeline.model).config
+    for row in rows:
+        if row["phase"] == "measure":
+            row["rtf_floor"] = rtf_floor(config, row["concurrency"], text_tokens, pipeline.stages.talker.engine.max_frames)
+
+
 def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
     """The client's mean TTFA less its way in (X-Request-Start → ingress) and the server's time until it handed the
     first audio on: what the reply's first audio spent between the ingress and the client (ms; it also holds the
@@ -200,12 +213,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
              "token is the one to read. CPU cores used: CPU seconds per second of the level, summed over each part's "
              "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process).", "",
-             "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | streaming RTF p50 | "
+             "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
              "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 thinker / talker (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -219,7 +232,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
 
         lines.append(
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
-            f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(s['streaming_rtf']['p50'], '{:.3f}')} | "
+            f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
+            f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
             f"{num(srv.get('mean_streams_open_ms'))} / {num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
             f"{num(srv.get('mean_first_audio_received_ms'))} / {num(srv.get('mean_first_audio_sent_ms'))} | "
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
@@ -254,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out)
+    add_rtf_floors(rows, layout, args.max_tokens)
     baseline = None
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)

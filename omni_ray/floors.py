@@ -9,6 +9,7 @@ so its layers count that many times.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -66,3 +67,19 @@ def step_bytes(config: Any, stage: str, batch: int) -> float:
 def floor_ms(config: Any, stage: str, batch: int, bandwidth: float = H200_BANDWIDTH) -> float:
     """The step's bandwidth floor in milliseconds."""
     return 1000.0 * step_bytes(config, stage, batch) / bandwidth
+
+
+def frame_seconds(config: Any, sample_rate: int = 24000) -> float:
+    """Audio seconds per codec frame: Code2Wav's total upsampling over the output sample rate (0.08 s: 12.5 Hz)."""
+    code2wav = config.code2wav_config
+    return math.prod([*code2wav.upsample_rates, *code2wav.upsampling_ratios]) / sample_rate
+
+
+def rtf_floor(config: Any, streams: int, text_tokens: int, frames: int, bandwidth: float = H200_BANDWIDTH) -> float:
+    """The lowest RTF `streams` concurrent replies of `text_tokens` Thinker tokens and `frames` Talker frames can reach
+    with the Thinker and the Talker on GPUs of their own, each step at its floor. The Talker reads one reply token per
+    frame, so its first frames (as many as the reply has tokens) come no faster than the Thinker's steps."""
+    thinker, talker = (floor_ms(config, stage, streams, bandwidth) for stage in ("thinker", "talker"))
+    paced = min(text_tokens, frames)
+    seconds = (paced * max(thinker, talker) + (frames - paced) * talker) / 1000.0
+    return seconds / (frames * frame_seconds(config))

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.floors import BYTES_PER_PARAM, H200_BANDWIDTH, distinct_experts, floor_ms, step_bytes
+from omni_ray.floors import (
+    BYTES_PER_PARAM, H200_BANDWIDTH, distinct_experts, floor_ms, frame_seconds, rtf_floor, step_bytes,
+)
 from omni_ray.models.qwen3_omni.talker_model import TalkerModel
 
 FULL = Path(__file__).resolve().parent.parent / "omni_ray" / "assets" / "qwen3_omni_30b_a3b_config.json"
@@ -52,3 +54,13 @@ def test_talker_floor_counts_the_code_predictor_once_per_completed_group(config:
     assert step_bytes(config, "talker", 1) > BYTES_PER_PARAM * layers * (groups - 1)
     assert floor_ms(config, "talker", 1) == pytest.approx(0.70, abs=0.02)
     assert floor_ms(config, "talker", 32) == pytest.approx(1.74, abs=0.03)
+
+
+def test_rtf_floor_paces_the_talkers_first_frames_by_the_thinker(config: Qwen3OmniMoeConfig) -> None:
+    assert frame_seconds(config) == pytest.approx(0.08)  # 12.5 frames per second of audio
+    thinker, talker = floor_ms(config, "thinker", 32), floor_ms(config, "talker", 32)
+    expected = (128 * thinker + 272 * talker) / 1000 / (400 * 0.08)
+    assert rtf_floor(config, 32, 128, 400) == pytest.approx(expected)
+    assert rtf_floor(config, 32, 128, 400) > 0.05  # issue 4's RTF target at 32 streams lies below this floor
+    # a reply with no more text than frames' worth waits on the Thinker for every frame
+    assert rtf_floor(config, 32, 400, 400) == pytest.approx(thinker / 1000 / 0.08)

@@ -181,14 +181,14 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     return rows
 
 
-def add_rtf_floors(rows: list[dict[str, Any]], layout: Path, text_tokens: int) -> None:
-    """Each measured level's RTF floor: its streams' replies (`text_tokens` tokens, the layout's frame cap) with the
-    Thinker and the Talker stepping at their bandwidth floors (`omni_ray.floors.rtf_floor`)."""
+def level_rtf_floors(layout: Path, levels: list[int], text_tokens: int) -> dict[int, float]:
+    """Each level's RTF floor: its streams' replies (`text_tokens` tokens, the layout's frame cap) with the Thinker and
+    the Talker stepping at their bandwidth floors (`omni_ray.floors.rtf_floor`). Computed before serving, so that a
+    layout it cannot read fails before the GPU time is spent."""
     pipeline = PipelineConfig.from_yaml(layout)
     config = resolve_model(pipeline.model).config
-    for row in rows:
-        if row["phase"] == "measure":
-            row["rtf_floor"] = rtf_floor(config, row["concurrency"], text_tokens, pipeline.stages.talker.engine.max_frames)
+    frames = pipeline.stages.talker.engine.max_frames
+    return {level: rtf_floor(config, level, text_tokens, frames) for level in levels}
 
 
 def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
@@ -267,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
+    floors = level_rtf_floors(layout, levels, args.max_tokens)
     rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out)
-    add_rtf_floors(rows, layout, args.max_tokens)
+    for row in rows:
+        if row["phase"] == "measure":
+            row["rtf_floor"] = floors[row["concurrency"]]
     baseline = None
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from benchmarks.e2e_serve import (
-    add_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, with_overrides,
+    level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, with_overrides,
 )
 from omni_ray.config import PipelineConfig
 
@@ -62,13 +62,12 @@ def test_each_level_gets_the_rtf_floor_of_its_streams(tiny_checkpoint: Path) -> 
     """Workload W on the 2-GPU layout: 128 reply tokens, 400 frames. With both stages at their floors, 32 streams
     still need RTF 0.064 (the Thinker reads most experts, and the Talker's first 128 frames wait on its tokens)."""
     layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
+    floors = level_rtf_floors(layout, [1, 8, 32], text_tokens=128)
+    assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
     stats = {key: {"p50": 0.1, "p90": 0.2} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
     rows = [{"phase": "warmup", "concurrency": 32}] + [
-        {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": {}} for c in (1, 8, 32)]
-    add_rtf_floors(rows, layout, text_tokens=128)
-    floors = [row["rtf_floor"] for row in rows[1:]]
-    assert floors == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
-    assert "rtf_floor" not in rows[0]
+        {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": {}, "rtf_floor": floors[c]}
+        for c in (1, 8, 32)]
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table

@@ -18,17 +18,27 @@ RANK_BY_COMPARISON_MAX_PAIRS = 4096
 TOP_K_BY_COMPARISON_MAX_ROWS = 256
 
 
+def stable_rank(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """Each entry's place in the stable sort of the last dim (ties keep index order), with no sort kernel: how many
+    entries come before it. Quadratic in the last dim: one fusable reduction for small dims."""
+    index = torch.arange(values.shape[-1], device=values.device)
+    other, this = values[..., None, :], values[..., :, None]
+    ahead = (other > this) if descending else (other < this)
+    return (ahead | ((other == this) & (index[None, :] < index[:, None]))).sum(-1)
+
+
+def key_counts(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """How many of `keys` (values in [0, num_keys)) hold each value, as a reduction (bincount sizes its output from a
+    host read of max(); a scatter-add ran as a sort-based kernel inside a compiled layer)."""
+    return (keys[None, :] == torch.arange(num_keys, device=keys.device)[:, None]).sum(1)
+
+
 def rank_by_comparison(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stable argsort `order` of `keys` (values in [0, num_keys)), its inverse `place` (where each pair lands),
-    and each key's count, with no sort or scan: a pair's place is how many pairs have a smaller key plus how many
-    earlier pairs share its key."""
-    index = torch.arange(keys.numel(), device=keys.device)
-    smaller = keys[None, :] < keys[:, None]
-    earlier_same = (keys[None, :] == keys[:, None]) & (index[None, :] < index[:, None])
-    place = (smaller | earlier_same).sum(1)
-    order = torch.empty_like(keys).scatter_(0, place, index)
-    counts = (keys[None, :] == torch.arange(num_keys, device=keys.device)[:, None]).sum(1)
-    return order, place, counts
+    and each key's count, with no sort or scan."""
+    place = stable_rank(keys)
+    order = torch.empty_like(keys).scatter_(0, place, torch.arange(keys.numel(), device=keys.device))
+    return order, place, key_counts(keys, num_keys)
 
 
 def top_k_by_comparison(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,11 +46,8 @@ def top_k_by_comparison(values: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     kernel: an entry's rank is how many entries beat it, and the entries of ranks 0..k-1 are picked by a scatter.
     Quadratic in the last dim, so for a router's scores (128 experts), where it is one fusable reduction instead of
     a top-k kernel and a sort of its picks (8 and 7 us per Thinker layer at 32 rows on an H200)."""
-    n = values.shape[-1]
-    index = torch.arange(n, device=values.device)
-    other, this = values[..., None, :], values[..., :, None]
-    beats = (other > this) | ((other == this) & (index[None, :] < index[:, None]))
-    rank = beats.sum(-1)  # [..., n], a permutation of 0..n-1 in each row
+    rank = stable_rank(values, descending=True)  # [..., n], a permutation of 0..n-1 in each row
+    index = torch.arange(values.shape[-1], device=values.device)
     by_rank = torch.empty_like(rank).scatter_(-1, rank, index.expand_as(rank))
     picked = by_rank[..., :k]
     return values.gather(-1, picked), picked
@@ -94,10 +101,9 @@ class Experts(nn.Module):
         else:
             order = torch.argsort(flat, stable=True)
             place = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-            # A reduction, not bincount (which sizes its output from a host read of max()) nor a scatter-add of the
-            # counts (in a compiled layer it ran as a sort-based accumulating kernel: 358 us per Thinker layer for a
-            # prefill of 32 prompts on an H200).
-            counts = (flat[None, :] == torch.arange(num_experts, device=flat.device)[:, None]).sum(1)
+            # (a scatter-add of the counts ran in a compiled layer as a sort-based kernel: 358 us per Thinker layer
+            # for a prefill of 32 prompts on an H200)
+            counts = key_counts(flat, num_experts)
         return order, place, order // experts.shape[1], counts
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

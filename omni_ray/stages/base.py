@@ -111,11 +111,7 @@ class StageBase:
 
     def emit(self, request_id: str, event: dict[str, Any]) -> None:
         """Thread-safe: queue an event for the request's stream (dropped if the stream is gone)."""
-        event.setdefault("t", time.time())
-        loop = self._event_loop
-        if loop is None:
-            return
-        loop.call_soon_threadsafe(self._put, request_id, event)
+        self.emit_all([(request_id, event)])
 
     def emit_all(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Thread-safe: `emit` for a whole engine step's (request id, event) pairs in one hand-over to the event loop

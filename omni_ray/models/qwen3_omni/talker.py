@@ -324,8 +324,7 @@ class TalkerRunner:
         pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
         if pending:
             raw = torch.stack([seqs[j].text_embeds[index[j]] for j in pending])
-            if raw.device != self.device:  # relayed on the host path
-                raw = upload({"raw": raw}, self.device)["raw"]
+            raw = to_device(raw, self.device)  # relayed on the host path, or already here
             for j, projected in zip(pending, self.model.text_projection(raw.to(dtype=self.assets.tts_pad.dtype))):
                 rows[j] = projected
         return torch.stack(rows)

@@ -232,7 +232,7 @@ class ThinkerRunner:
         new = [out for out in outputs if out.request_id in speaking and out.finish_reason is None]
         if not new:
             return
-        ids = upload({"ids": torch.tensor([out.token for out in new], dtype=torch.long)}, self.device)["ids"]
+        ids = to_device(torch.tensor([out.token for out in new], dtype=torch.long), self.device)
         for out, embed in zip(new, self.model.embed(ids).float()):
             out.talker_embed = embed
 
@@ -281,8 +281,8 @@ class ThinkerRunner:
         places = [i for i, token in enumerate(seq.prompt_ids) if token == self.audio_token_id]
         if len(places) != seq.audio_embeds.shape[0]:
             raise ValueError("audio embeddings do not match the number of audio placeholder tokens")
-        inputs = upload({"places": torch.tensor(places, dtype=torch.long)}, self.device)
-        embeds[inputs["places"]] = to_device(seq.audio_embeds, self.device).to(embeds.dtype)
+        audio = to_device(seq.audio_embeds, self.device).to(embeds.dtype)
+        embeds[to_device(torch.tensor(places, dtype=torch.long), self.device)] = audio
 
     @staticmethod
     def _talker_prefix(
@@ -315,7 +315,7 @@ class ThinkerRunner:
     def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> torch.Tensor:
         """One batched draw for every sampled row of the step, on the device (no host sync): also each slot's next
         decode input and part of its history."""
-        slots = upload({"slots": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)["slots"]
+        slots = to_device(torch.tensor([s.slot for s in seqs], dtype=torch.long), self.device)
         penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
         tokens = sample_rows(torch.cat(logits), [s.noise for s in seqs], self.seen[slots] if penalized else None)  # type: ignore[misc]
         self.seen[slots, tokens] = True

@@ -13,8 +13,9 @@
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
-# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET, and MPS_NAME_TAG=1
-# runs it under MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
+# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine and
+# profile: SET_NAME_TAG's arguments, e.g. "--stages talker --mtp-compile layers"), and MPS_NAME_TAG=1 runs it under
+# MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
 # time on it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,8 +61,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
              # shellcheck disable=SC2086
              run_step tests python -m pytest -v -rA --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
                ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
-      engine) run_step engine python -m omni_ray.bench --compile --talker-sampling served --out "$OUT/results/engine" ;;
-      profile) run_step profile python -m benchmarks.profile_step --compile --served ;;
+      # shellcheck disable=SC2086
+      engine) run_step "$tag" python -m omni_ray.bench --compile --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      # shellcheck disable=SC2086
+      profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"
                run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;

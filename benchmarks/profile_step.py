@@ -60,22 +60,27 @@ def _profile(name: str, runner: Any, make_seqs: Callable[[], list[Any]]) -> None
 def main() -> None:
     compiled = "--compile" in sys.argv[1:]  # fuse each decoder layer with torch.compile
     served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
+    talker_only = "--talker-only" in sys.argv[1:]
+    mtp_layers = "--mtp-layers" in sys.argv[1:]  # the code predictor compiled per layer, not per MTP pass
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
-    thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
-                            SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim, torch.bfloat16, "cuda"),
-                            compile_layers=compiled)
-    for batch in (1, 32):  # a prompt per row: rows route to different experts, as a service's streams do
-        _profile("thinker", thinker, lambda batch=batch: [
-            ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64, frozenset(),
-                            for_talker=True)
-            for i in range(batch)])
-    del thinker
-    torch.cuda.empty_cache()
+    if not talker_only:
+        thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
+                                SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim,
+                                            torch.bfloat16, "cuda"),
+                                compile_layers=compiled)
+        for batch in (1, 32):  # a prompt per row: rows route to different experts, as a service's streams do
+            _profile("thinker", thinker, lambda batch=batch: [
+                ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64,
+                                frozenset(), for_talker=True)
+                for i in range(batch)])
+        del thinker
+        torch.cuda.empty_cache()
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
-                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled)
+                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled,
+                          compile_mtp_passes=not mtp_layers)
     sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
     for batch in (1, 32):
         _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,

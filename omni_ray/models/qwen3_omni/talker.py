@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
+from omni_ray.engine.codebook_pass import CodebookPass, codebook_pass, compiled_codebook_pass
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
     capture_prefills,
@@ -129,6 +131,7 @@ class TalkerRunner:
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
         compile_mode: str = "default",
+        compile_mtp_passes: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -159,10 +162,16 @@ class TalkerRunner:
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
+        self._codebook_pass: CodebookPass = codebook_pass
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
-            self.model.code_predictor.model.compile_layers(compile_mode)
-            self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
+            self._sample = fused_sample  # group 0's draw as a few fused kernels
+            if compile_mtp_passes:  # each MTP pass one graph: fused across its 5 layers, its head and its draw
+                self.model.code_predictor.model.fuse_projections()
+                self._codebook_pass = compiled_codebook_pass(compile_mode)
+            else:
+                self.model.code_predictor.model.compile_layers(compile_mode)
+                self._codebook_pass = partial(codebook_pass, draw=fused_sample)
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
@@ -390,30 +399,35 @@ class TalkerRunner:
         logits = self.model.codec_head(hidden)
         group0 = self._sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys),
                               self.seen[slots], banned, mode.filtered, mode.group0_top_k_cap)
-        mtp_params = SamplingBatch.from_table(mtp_sampling)
-        codes = self._complete_frames(hidden, group0, mtp_params, CounterNoise(mtp_noise_keys), mode)
-        return {"codes": codes, "feedback": self.model.frame_embedding(codes)}
+        codes, feedback = self._complete_frames(hidden, group0, SamplingBatch.from_table(mtp_sampling), mtp_noise_keys, mode)
+        return {"codes": codes, "feedback": feedback}
 
     def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise: CounterNoise, mode: FrameSampling
-    ) -> torch.Tensor:
-        """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i). Returns [B, G]."""
+        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise_keys: torch.Tensor,
+        mode: FrameSampling,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i), one codebook pass
+        per group. Returns codes [B, G] and the frame's summed code embedding [B, h] (the next step's codec input,
+        `TalkerModel.frame_embedding` of the codes, summed in the same order)."""
         cp = self.model.code_predictor
-        embeds = torch.stack([hidden, self.model.model.codec_embedding(group0)], dim=1)  # [B, 2, h]
+        group0_embedding = self.model.model.codec_embedding(group0)
+        embeds, feedback = torch.stack([hidden, group0_embedding], dim=1), group0_embedding  # [B, 2, h], [B, h]
         codes = [group0]
         for k, sub in enumerate(self._mtp_plan(hidden.shape[0])):
-            out, _ = cp.model(embeds, None, self.mtp_cache.layers, sub.batch, rope=(sub.cos, sub.sin))
-            code = self._sample(cp.lm_head[k](out[:, -1]), params, noise.shifted(k * self.mtp_vocab),
-                                filtered=mode.filtered, top_k_cap=mode.mtp_top_k_cap)
+            code, embeds, feedback = self._codebook_pass(
+                cp.model, embeds, self.mtp_cache.layers, sub.batch, sub.cos, sub.sin, cp.lm_head[k].weight,
+                cp.model.codec_embedding[k].weight, feedback, params, noise_keys, k * self.mtp_vocab, mode.filtered,
+                mode.mtp_top_k_cap,
+            )
             codes.append(code)
-            if k + 1 < self.num_groups - 1:
-                embeds = cp.model.codec_embedding[k](code)[:, None]
-        return torch.stack(codes, dim=1)
+        return torch.stack(codes, dim=1), feedback
 
     def _mtp_plan(self, rows: int) -> list[MtpSubStep]:
         """The MTP's sub-steps for `rows` rows: the first reads [talker hidden, group-0 embedding] at positions 0-1,
-        sub-step k >= 1 one code embedding at position k + 1. Built on first use (a graph's eager warm-up run) and
-        kept, so replays read them instead of recomputing masks and rotary tables in every frame."""
+        sub-step k >= 1 one code embedding at position k + 1. Every sub-step reads the per-frame cache's whole key
+        range, its mask hiding the positions not yet written, so that all of them share shapes (one compiled graph
+        for sub-steps 1.., not one per key length). Built on first use (a graph's eager warm-up run) and kept, so
+        replays read them instead of recomputing masks and rotary tables in every frame."""
         plan = self._mtp_plans.get(rows)
         if plan is None:
             stack = self.model.code_predictor.model
@@ -421,7 +435,7 @@ class TalkerRunner:
             dtype = self.assets.tts_pad.dtype
             plan, start, length = [], 0, 2
             for _ in range(self.num_groups - 1):
-                batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, start + length,
+                batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, self.mtp_cache.max_len,
                                                     rows_are_slots=True)
                 batch.grouped_mask(stack.spec.num_heads // stack.spec.num_kv_heads)
                 positions = (start + torch.arange(length, device=self.device))[None].expand(rows, -1)

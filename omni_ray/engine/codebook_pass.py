@@ -1,0 +1,51 @@
+"""One codebook-completion pass (Qwen3-Omni's MTP, a Dual-AR fast AR): decoder stack → code head → sample → embedding."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from omni_ray.engine.sampler import CounterNoise, SamplingBatch, compiled_or_eager, sample
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderStack
+
+CodebookPass = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def codebook_pass(
+    stack: DecoderStack,
+    embeds: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    batch: AttentionBatch,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head: torch.Tensor,
+    table: torch.Tensor,
+    feedback: torch.Tensor,
+    params: SamplingBatch,
+    noise_keys: torch.Tensor,
+    noise_offset: int,
+    filtered: bool,
+    top_k_cap: int | None,
+    draw: Callable[..., torch.Tensor] = sample,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One code group for every row: `embeds` [B, T, h] through the stack (its keys into `kv_caches` as `batch` says),
+    the last position's logits by `head` [V, h], one draw per row (noise from `noise_keys` shifted by
+    `noise_offset`), and that code's embedding in `table` [V, h]. Returns codes [B], their embeddings [B, 1, h] (the
+    next pass's input) and `feedback` [B, h] plus those embeddings (a frame's summed code embedding, built as it goes).
+    `draw`: `sample`, or its compiled form when this pass itself runs eagerly. Graph-capturable; the noise offset is a
+    plain argument, so a compiled pass is one graph for every group."""
+    hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin))
+    logits = F.linear(hidden[:, -1], head)
+    code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)
+    embedded = F.embedding(code, table)
+    return code, embedded[:, None], feedback + embedded
+
+
+def compiled_codebook_pass(mode: str = "default") -> CodebookPass:
+    """`codebook_pass` as one inductor graph per input-shape class (the first pass's two positions, later passes'
+    one): the norms, rotary, cache writes, small-key attention, residuals, SwiGLU and the draw fuse across layer
+    boundaries around the GEMMs. Eager if compiling fails."""
+    return compiled_or_eager(codebook_pass, "the codebook pass", mode)

@@ -166,6 +166,7 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     for concurrency in (1, max(levels)):
         summary, wall = load(concurrency, concurrency, max_tokens, None)
         rows.append({"phase": "warmup", "concurrency": concurrency, "ok": summary["ok"], "wall_s": wall})
+    time.sleep(1.0)  # the warm-up's samples are posted before the first level's baseline is scraped
     for concurrency in levels:
         before, cpu_before = scrape(), service_cpu_seconds()
         summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}")

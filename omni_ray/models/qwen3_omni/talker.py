@@ -131,7 +131,7 @@ class TalkerRunner:
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
         compile_mode: str = "default",
-        compile_mtp_passes: bool = True,
+        compile_mtp_passes: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model

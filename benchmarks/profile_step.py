@@ -61,7 +61,6 @@ def main() -> None:
     compiled = "--compile" in sys.argv[1:]  # fuse each decoder layer with torch.compile
     served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
     talker_only = "--talker-only" in sys.argv[1:]
-    mtp_passes = "--mtp-passes" in sys.argv[1:]  # the code predictor compiled per MTP pass, not per layer
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     if not talker_only:
@@ -79,8 +78,7 @@ def main() -> None:
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
-                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled,
-                          compile_mtp_passes=mtp_passes)
+                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled)
     sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
     for batch in (1, 32):
         _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,

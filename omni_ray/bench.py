@@ -124,7 +124,6 @@ def bench_thinker(
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0, compile_mode: str = "default",
-    mtp_passes_compiled: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -132,7 +131,6 @@ def bench_talker(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
         max(batches), cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
-        compile_mtp_passes=mtp_passes_compiled,
     )
     rows = []
     for batch in batches:
@@ -185,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="inductor's mode for --compile")
-    parser.add_argument("--mtp-compile", choices=["layers", "passes"], default="layers",
-                        help="with --compile, the code predictor compiled as one graph per MTP pass, or per layer")
     parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
                         help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
     parser.add_argument("--max-seq-len", type=int, default=2048,
@@ -208,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                             sampling, args.max_seq_len, args.compile_mode, args.mtp_compile == "passes")
+                             sampling, args.max_seq_len, args.compile_mode)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
-                    + (f", layers compiled ({args.compile_mode}; MTP compiled as {args.mtp_compile})" if args.compile else "")
+                    + (f", layers compiled ({args.compile_mode})" if args.compile else "")
                     + f", Talker sampling {args.talker_sampling}"
                     + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")

@@ -98,12 +98,6 @@ class TalkerSettings(EngineSettings):
         "graphs and CUDA stream, sharing the weights: their latency-bound steps overlap on the GPU (2 lanes at 32 "
         "streams on an H200: lower TTFA, higher RTF)",
     )
-    mtp_compile: Literal["layers", "passes"] = Field(
-        default="layers",
-        description="with compile_layers, the code predictor compiled per layer, or each MTP pass (5 layers, head, "
-        "draw) as one graph: 0.6-1.0 ms faster Talker steps on an H200, but over a minute more startup (a graph per "
-        "pass shape, sampling mode and batch class; issue-4 summary, session 9)",
-    )
 
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]

@@ -49,14 +49,13 @@ def _think(
 
 
 def _talker(checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, compile_layers: bool,
-            assets: Any = None, rows: int = 4, mtp_passes: bool = False) -> TalkerRunner:
-    """A warmed-up Talker runner with `rows` KV slots (over `assets` when given: lanes share one model); `mtp_passes`:
-    with compiled layers, each MTP pass compiled as one graph."""
+            assets: Any = None, rows: int = 4) -> TalkerRunner:
+    """A warmed-up Talker runner with `rows` KV slots (over `assets` when given: lanes share one model)."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     kc = config.talker_config.text_config
     talker = TalkerRunner(assets or load_talker(checkpoint, config, device, dtype), config,
                           SlotKVCache(kc.num_hidden_layers, rows, 512, kc.num_key_value_heads, kc.head_dim, dtype, device),
-                          rows, cuda_graphs=cuda_graphs, compile_layers=compile_layers, compile_mtp_passes=mtp_passes)
+                          rows, cuda_graphs=cuda_graphs, compile_layers=compile_layers)
     talker.warmup(rows)
     return talker
 
@@ -96,12 +95,11 @@ def _run_to_end(talker: TalkerRunner, speeches: list[TalkerSequence]) -> dict[st
 def _reply(
     checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool = True, prompts: tuple[str, ...] = ("Hello there!",),
     lengths: tuple[int, ...] = (64,), compile_layers: bool = False, talker_sampling: SamplingParams = TALKER_GREEDY,
-    mtp_passes: bool = False,
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[str, int]]:
     """Greedy replies of `lengths` tokens and speech of `lengths` frames for each prompt, all in one batch; plus how
     many graphs ran. A seeded `talker_sampling` gives request i the seed seed + i."""
     seqs, outputs, thinker_graphs = _think(checkpoint, device, dtype, cuda_graphs, prompts, lengths, compile_layers)
-    talker = _talker(checkpoint, device, dtype, cuda_graphs, compile_layers, mtp_passes=mtp_passes)
+    talker = _talker(checkpoint, device, dtype, cuda_graphs, compile_layers)
     frames = _speak(talker, seqs, outputs, {s.request_id: n for s, n in zip(seqs, lengths)}, talker_sampling)
     graphs = {"thinker": thinker_graphs, "talker": len(talker.graphs)}
     return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
@@ -135,21 +133,19 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
     assert graph_frames == eager_frames
 
 
-@pytest.mark.parametrize("compiled", [False, True, "passes"],
-                         ids=["eager-ops", "compiled-layers+fused-sampling", "compiled-mtp-passes"])
-def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path, compiled: bool | str) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-ops", "compiled-layers+fused-sampling"])
+def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path, compiled: bool) -> None:
     """The service's Talker sampling (group 0: top-k 50 and a repetition penalty; MTP: top-k 50, top-p 0.8), seeded:
     the noise is made inside the frame graph from each request's keys, so graph replay draws eager's codes, frame by
     frame, for a batch of four; another seed draws other codes. Compiled: the same layers and fused sampler run
-    eagerly and replayed; "passes": the same, with each MTP pass compiled as one graph."""
+    eagerly and replayed."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
     lengths = (48, 32, 48, 17)
     served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)
-    run = {"compile_layers": bool(compiled), "talker_sampling": served, "mtp_passes": compiled == "passes"}
-    _, eager, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths, **run)
-    _, replayed, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, **run)
-    run["talker_sampling"] = served.model_copy(update={"seed": 1000})
-    _, reseeded, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, **run)
+    _, eager, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, lengths, compiled, served)
+    _, replayed, graphs = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, compiled, served)
+    other = served.model_copy(update={"seed": 1000})
+    _, reseeded, _ = _reply(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, lengths, compiled, other)
     assert graphs["talker"] >= 4 and [len(f) for f in replayed] == list(lengths)
     assert replayed == eager
     assert reseeded != replayed

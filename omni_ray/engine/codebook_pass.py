@@ -7,11 +7,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from omni_ray.engine.sampler import CounterNoise, SamplingBatch, compiled_or_eager, sample
+from omni_ray.engine.sampler import CounterNoise, SamplingBatch, sample
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
-
-CodebookPass = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def codebook_pass(
@@ -35,17 +33,14 @@ def codebook_pass(
     the last position's logits by `head` [V, h], one draw per row (noise from `noise_keys` shifted by
     `noise_offset`), and that code's embedding in `table` [V, h]. Returns codes [B], their embeddings [B, 1, h] (the
     next pass's input) and `feedback` [B, h] plus those embeddings (a frame's summed code embedding, built as it goes).
-    `draw`: `sample`, or its compiled form when this pass itself runs eagerly. Graph-capturable; the noise offset is a
-    plain argument, so a compiled pass is one graph for every group."""
+    `draw`: `sample`, or its compiled form (`fused_sample`). Graph-capturable.
+
+    Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
+    made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
+    longer: compiled layers and a compiled draw are what the Talker uses."""
     hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin))
     logits = F.linear(hidden[:, -1], head)
     code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)
     embedded = F.embedding(code, table)
     return code, embedded[:, None], feedback + embedded
 
-
-def compiled_codebook_pass(mode: str = "default") -> CodebookPass:
-    """`codebook_pass` as one inductor graph per input-shape class (the first pass's two positions, later passes'
-    one): the norms, rotary, cache writes, small-key attention, residuals, SwiGLU and the draw fuse across layer
-    boundaries around the GEMMs. Eager if compiling fails."""
-    return compiled_or_eager(codebook_pass, "the codebook pass", mode)

@@ -192,9 +192,9 @@ def exponential_from_hash(keys: torch.Tensor, ids: torch.Tensor, offset: int) ->
 Fn = TypeVar("Fn", bound=Callable[..., torch.Tensor])
 
 
-def compiled_or_eager(fn: Fn, what: str, mode: str = "default") -> Fn:
-    """`fn` compiled by inductor (in `mode`) on its first call (dynamic shapes, one graph per guard set, no graph
-    breaks); if compiling fails, `fn` eagerly from then on."""
+def compiled_or_eager(fn: Fn, what: str) -> Fn:
+    """`fn` compiled by inductor on its first call (dynamic shapes, one graph per guard set, no graph breaks); if
+    compiling fails, `fn` eagerly from then on."""
     compiled: Callable[..., torch.Tensor] | None = None  # made on first use: importing the compiler takes a while
     eager = False
 
@@ -203,7 +203,7 @@ def compiled_or_eager(fn: Fn, what: str, mode: str = "default") -> Fn:
         if not eager:
             try:
                 if compiled is None:
-                    compiled = torch.compile(fn, dynamic=True, fullgraph=True, mode=mode)
+                    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
                 return compiled(*args, **kwargs)
             except Exception:  # no working compiler here: the same ops, eagerly
                 log.warning("compiling %s failed; it runs eagerly", what, exc_info=True)

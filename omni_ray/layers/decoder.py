@@ -125,18 +125,12 @@ class DecoderStack(nn.Module):
             return
         self._layers_compiled = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.fuse_projections()
         for layer in self.layers:
-            layer.compile(dynamic=True, mode=mode)
-
-    def fuse_projections(self) -> None:
-        """q/k/v and gate/up (dense and shared-expert MLPs) each as one GEMM, in every layer (idempotent)."""
-        for layer in self.layers:
-            if layer.self_attn.qkv is None:
-                layer.self_attn.fuse_projections()
+            layer.self_attn.fuse_projections()
             for module in layer.mlp.modules():
-                if isinstance(module, GatedMLP) and module.gate_up is None:
+                if isinstance(module, GatedMLP):
                     module.fuse_projections()
+            layer.compile(dynamic=True, mode=mode)
 
     def forward(
         self,

@@ -269,16 +269,16 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def host_copy(item: RelayItem) -> RelayItem:
-    """The item with its tensors on the CPU, copied on a side stream: they are complete (see RelayItem), and a copy on
-    the producer's stream would wait for everything it has queued since (such as its next step). Into pageable memory,
-    not pinned: on an H200 a copy into a newly pinned buffer still waited for that work, though a pinned buffer of a
-    size the caching host allocator already held did not; a new pinned block is suspected (cudaHostAlloc may wait for
-    the device; tests/test_gpu_host_transfers.py). A pageable copy waits for its own stream alone. In the benchmarked
-    layouts no device tensor takes this path (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on
-    the host)."""
+    """The item with its tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
+    RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
+    step). On an H200 this copy still waited for that work in a process's first transfer test, into pinned memory as
+    into pageable, though none of its parts waited in later tests (a newly pinned block of an uncached size did not
+    either); the cause is open (tests/test_gpu_host_transfers.py). In the benchmarked layouts no device tensor takes
+    this path (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on the host)."""
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
     tensors = {}
+    used: set[torch.cuda.Stream] = set()
     for name, tensor in item.tensors.items():
         if tensor.device.type != "cuda":
             tensors[name] = tensor.cpu()
@@ -287,6 +287,10 @@ def host_copy(item: RelayItem) -> RelayItem:
         if stream is None:
             stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
         with torch.cuda.stream(stream):
-            tensors[name] = tensor.to("cpu")  # returns once this stream's copy is done
+            tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            tensors[name].copy_(tensor, non_blocking=True)
+        used.add(stream)
+    for stream in used:  # every copy queued first, then one wait per stream
+        stream.synchronize()
     return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
 

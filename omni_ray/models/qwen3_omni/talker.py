@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from omni_ray.engine.codebook_pass import CodebookPass, codebook_pass, compiled_codebook_pass
+from omni_ray.engine.codebook_pass import codebook_pass
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
     capture_prefills,
@@ -131,7 +131,6 @@ class TalkerRunner:
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
         compile_mode: str = "default",
-        compile_mtp_passes: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -162,16 +161,12 @@ class TalkerRunner:
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
-        self._codebook_pass: CodebookPass = codebook_pass
+        self._codebook_pass: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = codebook_pass
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
-            self._sample = fused_sample  # group 0's draw as a few fused kernels
-            if compile_mtp_passes:  # each MTP pass one graph: fused across its 5 layers, its head and its draw
-                self.model.code_predictor.model.fuse_projections()
-                self._codebook_pass = compiled_codebook_pass(compile_mode)
-            else:
-                self.model.code_predictor.model.compile_layers(compile_mode)
-                self._codebook_pass = partial(codebook_pass, draw=fused_sample)
+            self.model.code_predictor.model.compile_layers(compile_mode)
+            self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
+            self._codebook_pass = partial(codebook_pass, draw=fused_sample)
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
@@ -425,8 +420,8 @@ class TalkerRunner:
     def _mtp_plan(self, rows: int) -> list[MtpSubStep]:
         """The MTP's sub-steps for `rows` rows: the first reads [talker hidden, group-0 embedding] at positions 0-1,
         sub-step k >= 1 one code embedding at position k + 1. Every sub-step reads the per-frame cache's whole key
-        range, its mask hiding the positions not yet written, so that all of them share shapes (one compiled graph
-        for sub-steps 1.., not one per key length). Built on first use (a graph's eager warm-up run) and kept, so
+        range, its mask hiding the positions not yet written, so that all of them share shapes (compiled layers need
+        no graph per key length). Built on first use (a graph's eager warm-up run) and kept, so
         replays read them instead of recomputing masks and rotary tables in every frame."""
         plan = self._mtp_plans.get(rows)
         if plan is None:

@@ -9,7 +9,7 @@ import torch
 
 from omni_ray.engine.host_inputs import Download, StepDone, to_device
 from omni_ray.relay import RelayItem
-from omni_ray.stages.base import host_copy
+from omni_ray.stages.base import host_copy, warm_host_copy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,9 +48,9 @@ def _calls_that_waited() -> list[str]:
 
 
 def test_transfers_return_while_later_work_still_runs() -> None:
-    """Twice in one process (this test runs first in its file): on an H200 the host copy waited in sessions 7-9, first
-    from pageable, then from pinned memory, while each of its parts, timed in later tests, did not. The second round
-    tells a first-use effect in the process from one that stays."""
+    """After the warm-up a GPU stage makes at startup (this test runs first in its file, in a fresh process). Without
+    it, on an H200 (session 9), the first round's host copy waited and the second's did not: a first-use cost."""
+    warm_host_copy(torch.device("cuda"))
     first, second = _calls_that_waited(), _calls_that_waited()
     assert not first and not second, f"these waited for the next step: first round {first}, second round {second}"
 

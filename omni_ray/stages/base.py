@@ -46,6 +46,8 @@ class StageBase:
         self.completed = 0
         self.failed = 0
         self._reporter: Any = None
+        if self.device.type == "cuda":
+            warm_host_copy(self.device)
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
@@ -271,10 +273,9 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def host_copy(item: RelayItem) -> RelayItem:
     """The item with its tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
     RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
-    step). On an H200 this copy still waited for that work in a process's first transfer test, into pinned memory as
-    into pageable, though none of its parts waited in later tests (a newly pinned block of an uncached size did not
-    either); the cause is open (tests/test_gpu_host_transfers.py). In the benchmarked layouts no device tensor takes
-    this path (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on the host)."""
+    step). The first such copy in a process still waits for that work (on an H200; later ones do not), so a stage on
+    a GPU makes one at startup (`warm_host_copy`). In the benchmarked layouts no device tensor takes this path
+    (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on the host)."""
     if all(t.device.type == "cpu" for t in item.tensors.values()):
         return item
     tensors = {}
@@ -294,3 +295,8 @@ def host_copy(item: RelayItem) -> RelayItem:
         stream.synchronize()
     return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
 
+
+def warm_host_copy(device: torch.device) -> None:
+    """Pay `host_copy`'s first-use cost now: on an H200 a process's first side-stream copy to the host waited for the
+    work queued on the device, a second one with the same work queued did not (tests/test_gpu_host_transfers.py)."""
+    host_copy(RelayItem("warm-up", tensors={"x": torch.zeros(1, device=device)}))

@@ -114,6 +114,24 @@ def test_ray_cluster_autoscales_with_a_gpu_free_head_and_gpu_worker_groups(helm:
     assert service["spec"]["selector"]["omni-ray.io/role"] == "head"  # where Serve's HTTP proxy listens
 
 
+def test_compile_cache_is_a_host_path_on_every_worker_and_torch_compile_is_pointed_at_it(helm: Path) -> None:
+    def pods(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+        return cluster["headGroupSpec"]["template"]["spec"], [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+
+    head, workers = pods(_render(helm, None))
+    assert all("compile-cache" not in str(spec) for spec in [head, *workers])  # off by default
+    head, workers = pods(_render(helm, "examples/multinode-autoscaling.yaml", "--set", "compileCache.hostPath=/var/cache/omni"))
+    assert len(workers) == 3 and "compile-cache" not in str(head)  # the head runs no model
+    for spec in workers:
+        assert {"name": "compile-cache", "hostPath": {"path": "/var/cache/omni", "type": "DirectoryOrCreate"}} in spec["volumes"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "qwen3-omni-30b", "readOnly": True}} in spec["volumes"]
+        (container,) = spec["containers"]
+        assert {"name": "compile-cache", "mountPath": "/var/cache/omni-ray"} in container["volumeMounts"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env == {"TORCHINDUCTOR_CACHE_DIR": "/var/cache/omni-ray/inductor", "TRITON_CACHE_DIR": "/var/cache/omni-ray/triton"}
+
+
 def test_checkpoint_model_path_points_into_the_mounted_volume(helm: Path) -> None:
     docs = _render(helm, None, "--set", "model.source=checkpoint", "--set", "model.subPath=ckpt",
                    "--set", "model.volume.hostPath.path=/data/models")
@@ -132,6 +150,7 @@ def test_checkpoint_model_path_points_into_the_mounted_volume(helm: Path) -> Non
         (["serve.port=0"], "serve/port"),
         (["ray.workerGroups[0].name=Bad_Name"], "workerGroups/0/name"),
         (["image.tag="], "image/tag"),
+        (["compileCache.hostPath=relative/dir"], "compileCache/hostPath"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(helm: Path, settings: list[str], message: str) -> None:

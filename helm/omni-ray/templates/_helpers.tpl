@@ -34,21 +34,43 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* The model volume and its mount, on every Ray pod (nothing for the tiny model). */}}
-{{- define "omni-ray.modelVolumes" -}}
-{{- if and (eq .Values.model.source "checkpoint") .Values.model.volume }}
+{{/* The model volume and its mount, on every Ray pod (nothing for the tiny model); on workers (`worker` true) also
+the compile cache's hostPath volume, its mount, and the environment that points torch.compile at it. */}}
+{{- define "omni-ray.volumes" -}}
+{{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
+{{- $cache := and .worker .root.Values.compileCache.hostPath -}}
+{{- if or $model $cache }}
 volumes:
+{{- if $model }}
   - name: model
-{{ toYaml .Values.model.volume | indent 4 }}
+{{ toYaml .root.Values.model.volume | indent 4 }}
+{{- end }}
+{{- if $cache }}
+  - name: compile-cache
+    hostPath: {path: {{ .root.Values.compileCache.hostPath | quote }}, type: DirectoryOrCreate}
+{{- end }}
 {{- end }}
 {{- end -}}
 
-{{- define "omni-ray.modelMounts" -}}
-{{- if and (eq .Values.model.source "checkpoint") .Values.model.volume }}
+{{- define "omni-ray.mounts" -}}
+{{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
+{{- $cache := and .worker .root.Values.compileCache.hostPath -}}
+{{- if $cache }}
+env:
+  - {name: TORCHINDUCTOR_CACHE_DIR, value: {{ printf "%s/inductor" .root.Values.compileCache.mountPath | quote }}}
+  - {name: TRITON_CACHE_DIR, value: {{ printf "%s/triton" .root.Values.compileCache.mountPath | quote }}}
+{{- end }}
+{{- if or $model $cache }}
 volumeMounts:
+{{- if $model }}
   - name: model
-    mountPath: {{ .Values.model.mountPath }}
+    mountPath: {{ .root.Values.model.mountPath }}
     readOnly: true
+{{- end }}
+{{- if $cache }}
+  - name: compile-cache
+    mountPath: {{ .root.Values.compileCache.mountPath }}
+{{- end }}
 {{- end }}
 {{- end -}}
 

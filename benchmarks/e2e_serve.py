@@ -204,7 +204,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
     lines = [f"# End to end through HTTP ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
              + (f", overrides `{' '.join(meta['overrides'])}`" if meta.get("overrides") else "")
-             + (", under the MPS daemon" if meta.get("mps") else ", no MPS"), "",
+             + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
+             + "".join(f"; service ready {r['seconds']:.0f} s after `serve.run`" for r in rows if r["phase"] == "startup"),
+             "",
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "

@@ -58,16 +58,17 @@ def test_service_processes_are_told_apart_and_their_cpu_time_grows() -> None:
     assert service_cpu_seconds()["load generator"] > 0
 
 
-def test_each_level_gets_the_rtf_floor_of_its_streams(tiny_checkpoint: Path) -> None:
+def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(tiny_checkpoint: Path) -> None:
     """Workload W on the 2-GPU layout: 128 reply tokens, 400 frames. With both stages at their floors, 32 streams
     still need RTF 0.064 (the Thinker reads most experts, and the Talker's first 128 frames wait on its tokens)."""
     layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
     floors = level_rtf_floors(layout, [1, 8, 32], text_tokens=128)
     assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
     stats = {key: {"p50": 0.1, "p90": 0.2} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
-    rows = [{"phase": "warmup", "concurrency": 32}] + [
+    rows = [{"phase": "startup", "seconds": 102.4}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": {}, "rtf_floor": floors[c]}
         for c in (1, 8, 32)]
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table
+    assert "service ready 102 s after `serve.run`" in table

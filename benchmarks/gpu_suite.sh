@@ -14,7 +14,7 @@
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
 # (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine and
-# profile: SET_NAME_TAG's arguments, e.g. "--stages talker --mtp-compile layers"), and MPS_NAME_TAG=1 runs it under
+# profile: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
 # MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
 # time on it).
 set -uo pipefail

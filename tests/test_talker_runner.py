@@ -18,7 +18,6 @@ from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
-SAMPLED = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -313,9 +312,12 @@ def test_thinker_steps_launched_ahead_make_what_steps_run_one_at_a_time(parts: d
     assert stopping.output_ids == [o.token for o in expected[:3]] and stopping.num_made == 4
 
 
-def _speak_sampled(runner: TalkerRunner, parts: dict[str, Any], frames: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """`frames` frames of one seeded, sampled reply; each frame's codes and the feedback its step left."""
-    seq = TalkerSequence("s", SAMPLED, parts["config"].talker_config.speaker_id["ethan"], max_frames=frames)
+
+def test_feedback_is_the_frames_summed_code_embedding(parts: dict[str, Any]) -> None:
+    """What a frame hands the next Talker step, summed pass by pass, is `frame_embedding` of its codes (sampled)."""
+    runner = _runner(parts)
+    sampled = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=11)
+    seq = TalkerSequence("s", sampled, parts["config"].talker_config.speaker_id["ethan"], max_frames=4)
     runner.admit(seq)
     _feed(seq, parts["thinker_outputs"])
     codes, feedback = [], []
@@ -324,14 +326,7 @@ def _speak_sampled(runner: TalkerRunner, parts: dict[str, Any], frames: int) -> 
         assert seq.feedback is not None
         feedback.append(seq.feedback.clone())
     runner.release(seq)
-    return codes, feedback
-
-
-def test_feedback_is_the_frames_summed_code_embedding(parts: dict[str, Any]) -> None:
-    runner = _runner(parts)
-    codes, feedback = _speak_sampled(runner, parts, 4)
     assert len(codes) == 4
     with torch.inference_mode():
         expected = runner.model.frame_embedding(torch.tensor(codes))
     assert torch.equal(torch.stack(feedback), expected)
-

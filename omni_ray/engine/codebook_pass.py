@@ -43,4 +43,3 @@ def codebook_pass(
     code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)
     embedded = F.embedding(code, table)
     return code, embedded[:, None], feedback + embedded
-

@@ -81,10 +81,8 @@ class ServiceMetrics:
     def reply_samples(self) -> ReplySamples:
         """This replica's request-level samples (not the stage gauges, which every replica reads from the board),
         without the `_created` timestamps, which do not add up."""
-        return {
-            family.name: [(s.name, dict(s.labels), s.value) for s in family.samples if not s.name.endswith("_created")]
-            for family in self.registry.collect() if family.name in self.reply_families
-        }
+        families = self.registry.collect()
+        return {family.name: _summable(family) for family in families if family.name in self.reply_families}
 
     def observe_reply(self, timing: dict[str, float], audio_seconds: float, finished_at: float) -> None:
         submitted = timing.get("submitted")
@@ -142,13 +140,12 @@ class _SummedFamilies:
         self.peers = peers
 
     def collect(self) -> Iterator[Metric]:
-        own = self.metrics.reply_samples()
         for family in self.metrics.registry.collect():
-            if family.name not in own:
+            if family.name not in self.metrics.reply_families:
                 yield family
                 continue
             totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-            for samples in (own[family.name], *(peer.get(family.name, []) for peer in self.peers)):
+            for samples in (_summable(family), *(peer.get(family.name, []) for peer in self.peers)):
                 for name, labels, value in samples:
                     key = (name, tuple(sorted(labels.items())))
                     totals[key] = totals.get(key, 0.0) + value
@@ -156,3 +153,8 @@ class _SummedFamilies:
             for (name, labels), value in totals.items():
                 summed.add_sample(name, dict(labels), value)
             yield summed
+
+
+def _summable(family: Metric) -> list[tuple[str, dict[str, str], float]]:
+    """A family's samples as (name, labels, value), without the `_created` timestamps, which do not add up."""
+    return [(s.name, dict(s.labels), s.value) for s in family.samples if not s.name.endswith("_created")]

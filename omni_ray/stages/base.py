@@ -126,14 +126,11 @@ class StageBase:
             return
         loop.call_soon_threadsafe(self._put_all, events)
 
-    def _put(self, request_id: str, event: dict[str, Any]) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(event)
-
     def _put_all(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         for request_id, event in events:
-            self._put(request_id, event)
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(event)
 
     def fail(self, request_id: str, message: str) -> None:
         self.emit(request_id, {"type": "error", "message": message})

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -161,12 +160,10 @@ class TalkerRunner:
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
-        self._codebook_pass: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = codebook_pass
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
             self.model.code_predictor.model.compile_layers(compile_mode)
             self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
-            self._codebook_pass = partial(codebook_pass, draw=fused_sample)
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:
@@ -409,10 +406,10 @@ class TalkerRunner:
         embeds, feedback = torch.stack([hidden, group0_embedding], dim=1), group0_embedding  # [B, 2, h], [B, h]
         codes = [group0]
         for k, sub in enumerate(self._mtp_plan(hidden.shape[0])):
-            code, embeds, feedback = self._codebook_pass(
+            code, embeds, feedback = codebook_pass(
                 cp.model, embeds, self.mtp_cache.layers, sub.batch, sub.cos, sub.sin, cp.lm_head[k].weight,
                 cp.model.codec_embedding[k].weight, feedback, params, noise_keys, k * self.mtp_vocab, mode.filtered,
-                mode.mtp_top_k_cap,
+                mode.mtp_top_k_cap, draw=self._sample,
             )
             codes.append(code)
         return torch.stack(codes, dim=1), feedback

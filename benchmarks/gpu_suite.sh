@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
-# prefill and decode step, the service's sampling), vocoder (window vs stateful vocoder, with and without cuDNN
+# prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
+# eager, inductor, the Triton kernel), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
 # MPS), baseline (transformers' generate()).
@@ -60,11 +61,12 @@ for step in "${@:-tests engine vocoder e2e}"; do
              # which tests passed; a per-test limit, so one stuck test fails with its traceback instead of ending the step
              # shellcheck disable=SC2086
              run_step tests python -m pytest -v -rA --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
-               ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
+               ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_top_k_draw.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
       # shellcheck disable=SC2086
       engine) run_step "$tag" python -m omni_ray.bench --compile --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
+      draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"
                run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;

@@ -23,7 +23,35 @@ def _report(title: str, prof: Any, steps: int) -> None:
     gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1000
     print(f"## {title}: {gpu_ms:.2f} ms GPU time and {kernels:.0f} kernels per step")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(_idle_report(prof, steps))
     sys.stdout.flush()
+
+
+def _idle_report(prof: Any, steps: int, host_gap_us: float = 50.0) -> str:
+    """Where the GPU sat idle between the step's kernels: gaps under `host_gap_us` are the launch gaps inside a graph
+    replay (charged to the kernel that ends them), longer ones the host's between launches."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not kernels:
+        return "no device events"
+    launch_idle, host_idle, gaps = 0.0, 0.0, 0
+    by_next: dict[str, float] = {}
+    end = kernels[0].time_range.end
+    for event in kernels[1:]:
+        gap = event.time_range.start - end
+        if 0 < gap < host_gap_us:
+            launch_idle, gaps = launch_idle + gap, gaps + 1
+            by_next[event.name[:60]] = by_next.get(event.name[:60], 0.0) + gap
+        elif gap >= host_gap_us:
+            host_idle += gap
+        end = max(end, event.time_range.end)
+    span = end - kernels[0].time_range.start
+    lines = [f"idle: first kernel's start to last kernel's end {span / steps / 1000:.2f} ms per step; idle in gaps under "
+             f"{host_gap_us:.0f} us {launch_idle / steps / 1000:.2f} ms per step ({gaps / steps:.0f} gaps, mean "
+             f"{launch_idle / max(gaps, 1):.2f} us); in longer gaps {host_idle / steps / 1000:.2f} ms per step",
+             "idle before these kernels (ms per step):"]
+    for name, idle in sorted(by_next.items(), key=lambda item: -item[1])[:8]:
+        lines.append(f"  {idle / steps / 1000:6.3f}  {name}")
+    return "\n".join(lines)
 
 
 def _profiled(run: Callable[[], Any]) -> Any:

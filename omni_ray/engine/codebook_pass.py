@@ -33,11 +33,12 @@ def codebook_pass(
     the last position's logits by `head` [V, h], one draw per row (noise from `noise_keys` shifted by
     `noise_offset`), and that code's embedding in `table` [V, h]. Returns codes [B], their embeddings [B, 1, h] (the
     next pass's input) and `feedback` [B, h] plus those embeddings (a frame's summed code embedding, built as it goes).
-    `draw`: `sample`, or its compiled form (`fused_sample`). Graph-capturable.
+    `draw`: `sample`, or a faster draw with its signature (`fused_sample`, `top_k_draw.draw_with_kernel`).
+    Graph-capturable.
 
     Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
     made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
-    longer: compiled layers and a compiled draw are what the Talker uses."""
+    longer: compiled layers and a one-kernel draw are what the Talker uses."""
     hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin))
     logits = F.linear(hidden[:, -1], head)
     code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)

@@ -27,6 +27,7 @@ from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, needs_filter, sample,
     top_k_cap,
 )
+from omni_ray.engine.top_k_draw import draw_with_kernel
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
@@ -163,7 +164,7 @@ class TalkerRunner:
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
             self.model.code_predictor.model.compile_layers(compile_mode)
-            self._sample = fused_sample  # the frame's 16 draws as a few fused kernels each
+            self._sample = draw_with_kernel(fused_sample)  # the frame's 16 draws: a Triton kernel each
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:

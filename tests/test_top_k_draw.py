@@ -1,0 +1,82 @@
+"""The Triton top-k draw against `sample`: under Triton's interpreter on the CPU, and its fallback off CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from omni_ray.engine.sampler import CounterNoise, SamplingBatch, SamplingParams
+from omni_ray.engine.top_k_draw import draw_with_kernel
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernel is defined.
+CHECK = r"""
+import json, random, torch
+from omni_ray.engine.sampler import CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, sample, top_k_cap
+from omni_ray.engine.top_k_draw import top_k_draw
+
+torch.manual_seed(0)
+random.seed(0)
+results = []
+for case, (vocab, penalised, banned_shape) in enumerate([(300, True, "rows"), (200, False, "vocab"), (130, False, None)]):
+    rows = 12
+    logits = (4 * torch.randn(rows, vocab)).to(torch.bfloat16)  # bf16: equal logits at the top-k boundary
+    params = [SamplingParams(temperature=0.0)] + [
+        SamplingParams(temperature=random.choice([0.5, 0.9, 1.3]), top_k=random.choice([1, 5, 50, 64]),
+                       top_p=random.choice([1.0, 0.8, 0.3]), repetition_penalty=random.choice([1.0, 1.05]), seed=i)
+        for i in range(rows - 1)
+    ]
+    batch = SamplingBatch.of(params, "cpu")
+    noise = CounterNoise(draw_keys([NoiseSource(p) for p in params]), 2048 * case)
+    seen = torch.rand(rows, vocab) < 0.2 if penalised else None
+    banned = None
+    if banned_shape == "rows":
+        banned = torch.zeros(rows, vocab, dtype=torch.bool)
+        banned[:, 200:] = True
+        banned[3, 250] = False
+    elif banned_shape == "vocab":
+        banned = torch.rand(vocab) < 0.3
+    cap = top_k_cap(params)
+    kernel = top_k_draw(logits, batch, noise, cap, seen, banned)
+    reference = sample(logits, batch, noise, seen, banned, True, cap)
+    results.append({"kernel": kernel.tolist(), "sample": reference.tolist(), "cap": cap})
+print(json.dumps(results))
+"""
+
+
+def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
+    """Greedy and sampled rows, top-k 1 to 64, top-p 0.3 to 1, repetition penalty, banned ids per row or shared,
+    bf16 logits with ties: the kernel's token equals `sample`'s on every row."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 3
+    for case in results:
+        assert case["cap"] == 64
+        assert case["kernel"] == case["sample"]
+        assert len(set(case["kernel"])) > 6  # the rows drew different tokens: the noise is per row
+
+
+def test_draw_with_kernel_hands_what_it_cannot_take_to_its_fallback() -> None:
+    """Off CUDA (and for an unfiltered draw, or a cap past the kernel's), the wrapped draw is the fallback's."""
+    calls: list[tuple[Any, ...]] = []
+
+    def fallback(*args: Any) -> torch.Tensor:
+        calls.append(args)
+        return torch.zeros(2, dtype=torch.long)
+
+    draw = draw_with_kernel(fallback)
+    logits = torch.randn(2, 16)
+    params = SamplingBatch.of([SamplingParams(top_k=5, seed=1)] * 2, "cpu")
+    noise = CounterNoise(torch.zeros(2, 2, dtype=torch.long))
+    draw(logits, params, noise, None, None, True, 8)
+    draw(logits, params, noise, None, None, False, None)
+    assert len(calls) == 2
+    assert calls[0][5:] == (True, 8) and calls[1][5:] == (False, None)

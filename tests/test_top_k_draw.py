@@ -64,6 +64,26 @@ def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
         assert len(set(case["kernel"])) > 6  # the rows drew different tokens: the noise is per row
 
 
+@pytest.mark.parametrize("penalised", [True, False], ids=["group0", "code-predictor"])
+def test_kernel_compiles_for_the_h200_without_a_gpu(penalised: bool) -> None:
+    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90): what the interpreter lets pass and a
+    GPU would refuse (a Python annotation in a jit function, a type Triton cannot lower) fails here."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from omni_ray.engine.top_k_draw import _top_k_draw_kernel
+
+    pointers = {"logits_ptr": "*bf16", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
+                "penalty_ptr": "*fp32", "seen_ptr": "*i1", "banned_ptr": "*i1", "keys_ptr": "*i64", "out_ptr": "*i64"}
+    scalars = {name: "i32" for name in ("logits_stride", "vocab", "seen_stride", "banned_stride", "offset")}
+    constants = {"HAS_SEEN": penalised, "HAS_BANNED": penalised, "BLOCK": 4096 if penalised else 2048, "CAP": 64}
+    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+    source = ASTSource(_top_k_draw_kernel, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+
+
 def test_draw_with_kernel_hands_what_it_cannot_take_to_its_fallback() -> None:
     """Off CUDA (and for an unfiltered draw, or a cap past the kernel's), the wrapped draw is the fallback's."""
     calls: list[tuple[Any, ...]] = []

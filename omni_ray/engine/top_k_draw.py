@@ -11,7 +11,7 @@ Greedy rows take the argmax (the first of equal maxima).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -35,7 +35,7 @@ def kernel_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mix32(x: Any) -> Any:
+    def _mix32(x):  # no annotations in jit functions: Triton reads them as its own types
         """`sampler.mix32` on uint32 (its products wrap mod 2^32, as the int64 form masks them)."""
         x = x ^ (x >> 16)
         x = x * 0x21F0AAAD
@@ -44,7 +44,7 @@ if triton is not None:
         return x ^ (x >> 15)
 
     @triton.jit
-    def _orderable(bits: Any) -> Any:
+    def _orderable(bits):
         """float32 bits (as int32) ↔ int32 that orders as the floats do (an involution)."""
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -53,7 +53,7 @@ if triton is not None:
         logits_ptr, logits_stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr,
         seen_ptr, seen_stride, banned_ptr, banned_stride, keys_ptr, offset, out_ptr,
         HAS_SEEN: tl.constexpr, HAS_BANNED: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    ) -> None:
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < vocab

@@ -131,6 +131,7 @@ class TalkerRunner:
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
         compile_mode: str = "default",
+        sampling_kernel: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -164,7 +165,8 @@ class TalkerRunner:
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
             self.model.code_predictor.model.compile_layers(compile_mode)
-            self._sample = draw_with_kernel(fused_sample)  # the frame's 16 draws: a Triton kernel each
+            # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
+            self._sample = draw_with_kernel(fused_sample) if sampling_kernel else fused_sample
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     device = "cuda"
-    draws = {"eager aten ops": sample, "inductor (fused_sample, as served until now)": fused_sample,
+    draws = {"eager aten ops": sample, "inductor (fused_sample)": fused_sample,
              "Triton top_k_draw": draw_with_kernel(fused_sample)}
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -133,12 +133,12 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
     assert graph_frames == eager_frames
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager-ops", "compiled-layers+fused-sampling"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-ops", "compiled-layers+draw-kernel"])
 def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_checkpoint: Path, compiled: bool) -> None:
     """The service's Talker sampling (group 0: top-k 50 and a repetition penalty; MTP: top-k 50, top-p 0.8), seeded:
     the noise is made inside the frame graph from each request's keys, so graph replay draws eager's codes, frame by
-    frame, for a batch of four; another seed draws other codes. Compiled: the same layers and fused sampler run
-    eagerly and replayed."""
+    frame, for a batch of four; another seed draws other codes. Compiled: the same layers and the Triton draw kernel
+    run eagerly and replayed."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
     lengths = (48, 32, 48, 17)
     served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)
@@ -170,7 +170,7 @@ def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
 
 
 def test_talker_lanes_on_their_own_streams_step_as_they_do_one_after_the_other(tiny_checkpoint: Path) -> None:
-    """Engine lanes: two Talker runners over one model (compiled layers, fused sampling, graphs), two requests each,
+    """Engine lanes: two Talker runners over one model (compiled layers, the draw kernel, graphs), two requests each,
     stepping at the same time from two threads on their own CUDA streams, make exactly the codes they make one lane
     after the other on the default stream: no lane reads another's buffers, graphs or caches mid-step."""
     import threading

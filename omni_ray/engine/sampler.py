@@ -265,8 +265,8 @@ def needs_filter(params: Sequence[SamplingParams]) -> bool:
     return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
 
 
-# `sample` as a few inductor kernels (about 20 otherwise, for a top-k draw): for the Talker's frame graph, which draws
-# 16 times per step.
+# `sample` as a few inductor kernels (about 20 otherwise, for a top-k draw): the Talker's frame draws with it where
+# the one-kernel draw (`top_k_draw.draw_with_kernel`) does not apply or is turned off.
 fused_sample = compiled_or_eager(sample, "sampling")
 
 

@@ -12,6 +12,7 @@ maxima).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -114,12 +115,14 @@ def top_k_draw(
     banned_arg = banned if banned is not None else out
     banned_stride = 0 if banned is None or banned.dim() == 1 else banned.stride(0)
     keys = noise.keys.contiguous()
-    _top_k_draw_kernel[(rows,)](
-        logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p, params.penalty,
-        seen_arg, seen_arg.stride(0), banned_arg, banned_stride, keys, noise.offset, out,
-        HAS_SEEN=seen is not None, HAS_BANNED=banned is not None, BLOCK=block, CAP=cap,
-        num_warps=8 if block >= 4096 else 4,
-    )
+    # Triton launches on the current device, which may be another (on the CPU: Triton's interpreter)
+    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
+        _top_k_draw_kernel[(rows,)](
+            logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p, params.penalty,
+            seen_arg, seen_arg.stride(0), banned_arg, banned_stride, keys, noise.offset, out,
+            HAS_SEEN=seen is not None, HAS_BANNED=banned is not None, BLOCK=block, CAP=cap,
+            num_warps=8 if block >= 4096 else 4,
+        )
     return out
 
 

@@ -361,6 +361,7 @@ def test_tcp_send_to_a_dead_peer_fails_only_its_requests() -> None:
         alive_endpoint.claim("r3", got.append)
         await _until(lambda: bool(failed) and bool(got), timeout=5)
         assert sorted(rid for ids, _ in failed for rid in ids) == ["r1", "r2"]
+        assert all(str(exc).startswith("relay peer dead could not be reached (") for _, exc in failed), failed
         await alive.close()
 
     asyncio.run(main())

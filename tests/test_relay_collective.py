@@ -190,7 +190,8 @@ def test_a_dead_consumer_fails_only_its_requests_and_the_producer_keeps_serving(
         time.sleep(0.05)
     failures = ray.get(producer.failures.remote())
     assert {rid for ids, _ in failures for rid in ids} == {"d"}  # only the dead peer's request failed
-    assert all("went away" in message or "refused" in message for _, message in failures)
+    # whichever layer saw it first (the host path's reset or refusal, the collective's send), the error names the peer
+    assert all(message.startswith(f"relay peer {doomed_peer.replica_id} ") for _, message in failures), failures
     assert time.monotonic() - started < 15
     assert [x for _, _, x in ray.get(alive.received.remote())] == [[float(s)] * 4 for s in range(6)]
     ray.kill(producer)

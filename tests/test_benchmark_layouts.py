@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,53 @@ def test_deployment_overrides_reach_serves_options(tmp_path: Path) -> None:
     assert app["args"]["pipeline"]["stages"]["talker"]["resources"]["num_gpus"] == 0.5
     _, spec = app_from_serve_config(used)  # the whole file still builds an application
     assert spec["name"] == "omni"
+
+
+def _placements(fractions: dict[str, float], gpus: int) -> list[tuple[frozenset[str], ...]]:
+    """Where one replica per stage lands on `gpus` GPUs of a node, for every order the replicas may arrive in, as Ray
+    2.60's raylet places a fractional GPU demand: on the GPU that fits it with the least left over, the first such
+    on a tie (`NodeResourceInstanceSet::TryAllocate`); a whole GPU takes the first free one. Raises if some order
+    leaves a replica no room."""
+    outcomes: set[tuple[frozenset[str], ...]] = set()
+    for order in itertools.permutations(fractions):
+        free, on = [1.0] * gpus, [frozenset[str]() for _ in range(gpus)]
+        for stage in order:
+            demand = fractions[stage]
+            fits = [g for g in range(gpus) if (free[g] >= demand - 1e-9 if demand < 1 else free[g] >= 1 - 1e-9)]
+            assert fits, f"placed in the order {order}, {stage} finds no GPU with {demand} free: {on}"
+            gpu = min(fits, key=lambda g: (free[g] - demand, g)) if demand < 1 else fits[0]
+            free[gpu] -= demand
+            on[gpu] |= {stage}
+        outcomes.add(tuple(sorted(on, key=sorted)))
+    return sorted(outcomes, key=str)
+
+
+@pytest.mark.parametrize("layout, apart", [
+    ("deployments/qwen3_omni_30b_2gpu.yaml", {"talker": {"thinker", "encoder", "vocoder"}}),
+    ("benchmarks/serve_30b_random_2gpu.yaml", {"talker": {"thinker", "encoder", "vocoder"}}),
+    ("benchmarks/serve_30b_random_2gpu_vocoder_with_talker.yaml", {"thinker": {"talker", "vocoder"}}),
+])
+def test_two_gpu_layouts_admit_only_their_packing(layout: str, apart: dict[str, set[str]]) -> None:
+    """The 2-GPU layouts' GPU fractions leave Ray one packing whatever order it places the replicas in: the Talker
+    alone on a GPU, or the Thinker apart from the Talker and the vocoder (the variant that tells the vocoder's time
+    slices on the Thinker's GPU apart)."""
+    path = Path(__file__).resolve().parent.parent / layout
+    stages = yaml.safe_load(path.read_text())["applications"][0]["args"]["pipeline"]["stages"]
+    fractions = {name: float(stage["resources"]["num_gpus"]) for name, stage in stages.items()}
+    outcomes = _placements(fractions, 2)
+    assert outcomes
+    for gpus in outcomes:
+        for stage, others in apart.items():
+            together = next(gpu for gpu in gpus if stage in gpu)
+            assert not together & others, f"{layout}: {stage} shares a GPU with {together - {stage}}"
+
+
+def test_the_placement_check_sees_a_layout_that_can_get_stuck() -> None:
+    """Fractions that fit in some orders and not in others fail the check: 0.4 and 0.4 first share a GPU (best fit),
+    and then one of the two 0.6 finds no room."""
+    assert _placements({"a": 0.6, "c": 0.4}, 2) == [(frozenset(), frozenset({"a", "c"}))]  # best fit: together
+    with pytest.raises(AssertionError, match="finds no GPU"):
+        _placements({"a": 0.6, "b": 0.6, "c": 0.4, "d": 0.4}, 2)
 
 
 def test_service_processes_are_told_apart_and_their_cpu_time_grows() -> None:

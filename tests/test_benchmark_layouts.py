@@ -1,4 +1,5 @@
-"""Benchmark layouts stay valid configs, and `e2e_serve --set` overrides land where the pipeline reads them."""
+"""Benchmark layouts stay valid configs, `e2e_serve --set` overrides land where the pipeline reads them, and the 2-GPU
+layouts' GPU fractions leave Ray one packing."""
 
 from __future__ import annotations
 

@@ -235,9 +235,6 @@ class CounterNoise:
     def dense(self, vocab: int) -> torch.Tensor:
         return self.at(torch.arange(vocab, device=self.keys.device).expand(self.keys.shape[0], -1))
 
-    def shifted(self, offset: int) -> "CounterNoise":
-        return CounterNoise(self.keys, self.offset + offset)
-
 
 class NoiseSource:
     """Where one request's random draws come from: its seed (a random one when it gave none) and a draw count."""

@@ -30,10 +30,6 @@ MAX_CAP = 256  # larger top-k caps keep the aten draw: the kernel sorts `cap` ca
 MAX_VOCAB = 16384  # a row in one program's registers
 
 
-def kernel_available() -> bool:
-    return triton is not None
-
-
 if triton is not None:
 
     @triton.jit
@@ -140,7 +136,7 @@ def draw_with_kernel(fallback: Callable[..., torch.Tensor]) -> Callable[..., tor
         top_k_cap: int | None = None,
     ) -> torch.Tensor:
         if (
-            kernel_available() and logits.is_cuda and isinstance(noise, CounterNoise) and filtered
+            triton is not None and logits.is_cuda and isinstance(noise, CounterNoise) and filtered
             and top_k_cap is not None and top_k_cap <= MAX_CAP and logits.shape[-1] <= MAX_VOCAB
         ):
             return top_k_draw(logits, params, noise, top_k_cap, seen, banned)

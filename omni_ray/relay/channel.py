@@ -102,8 +102,7 @@ class RelaySender:
             except Exception as exc:  # the peer is gone: fail only the requests in this message
                 log.warning("relay to %s failed: %s", peer.replica_id, exc)
                 # whichever layer noticed (a reset, a refused connect, the collective), the error names the peer
-                error = exc if str(exc).startswith("relay peer") else ConnectionError(
-                    f"relay peer {peer.replica_id} could not be reached ({type(exc).__name__}: {exc})")
+                error = ConnectionError(f"relay peer {peer.replica_id} could not be reached ({type(exc).__name__}: {exc})")
                 self.on_failure([i.request_id for i in message.items], error)
 
 

@@ -312,7 +312,6 @@ def test_thinker_steps_launched_ahead_make_what_steps_run_one_at_a_time(parts: d
     assert stopping.output_ids == [o.token for o in expected[:3]] and stopping.num_made == 4
 
 
-
 def test_feedback_is_the_frames_summed_code_embedding(parts: dict[str, Any]) -> None:
     """What a frame hands the next Talker step, summed pass by pass, is `frame_embedding` of its codes (sampled)."""
     runner = _runner(parts)

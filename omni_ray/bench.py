@@ -124,7 +124,7 @@ def bench_thinker(
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0, compile_mode: str = "default",
-    sampling_kernel: bool = True,
+    sampling_kernel: bool = True, code_predictor_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -132,7 +132,7 @@ def bench_talker(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
         max(batches), cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
-        sampling_kernel=sampling_kernel,
+        sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels,
     )
     rows = []
     for batch in batches:
@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                         "show it here)")
     parser.add_argument("--no-sampling-kernel", action="store_true",
                         help="compiled: the Talker draws with inductor's fused sample instead of the Triton kernel")
+    parser.add_argument("--no-code-predictor-kernels", action="store_true",
+                        help="compiled: the code predictor's layers compiled by inductor instead of its Triton kernels")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -208,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                             sampling, args.max_seq_len, args.compile_mode, not args.no_sampling_kernel)
+                             sampling, args.max_seq_len, args.compile_mode, not args.no_sampling_kernel,
+                             not args.no_code_predictor_kernels)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
                     + (f", layers compiled ({args.compile_mode})" if args.compile else "")
                     + f", Talker sampling {args.talker_sampling}"
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
+                    + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))

@@ -104,6 +104,12 @@ class TalkerSettings(EngineSettings):
         "(`engine/top_k_draw.py`; on an H200 a frame's draws took 0.21 ms instead of 0.57 ms); false: inductor's "
         "fused `sample`",
     )
+    code_predictor_kernels: bool = Field(
+        default=True,
+        description="with compiled layers on CUDA: each code-predictor layer of a frame's 15 passes as five Triton "
+        "kernels (`layers/small_batch.py`: norm-fused GEMMs, one attention kernel with the KV write) instead of an "
+        "inductor-compiled layer of about 25 kernels; false: compiled like the Talker's own layers",
+    )
 
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]

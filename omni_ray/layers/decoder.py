@@ -10,6 +10,7 @@ from torch import nn
 
 from omni_ray.layers.attention import Attention, AttentionBatch
 from omni_ray.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
+from omni_ray.layers import small_batch
 from omni_ray.layers.moe import SparseMoE
 
 
@@ -115,6 +116,25 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
+        self.small_batch_kernels = False  # see use_small_batch_kernels
+
+    def fuse_projections(self) -> None:
+        """q/k/v, and gate/up of dense and shared-expert MLPs, each as one weight (one GEMM)."""
+        for layer in self.layers:
+            if layer.self_attn.qkv is None:
+                layer.self_attn.fuse_projections()
+            for module in layer.mlp.modules():
+                if isinstance(module, GatedMLP) and module.gate_up is None:
+                    module.fuse_projections()
+
+    def use_small_batch_kernels(self) -> bool:
+        """Run dense layers' steps of a few rows over a few keys as `small_batch.decoder_layer` (five Triton kernels a
+        layer) where it applies; other steps run the layers as they are. False (and nothing changes) without Triton."""
+        if small_batch.triton is None:
+            return False
+        self.fuse_projections()
+        self.small_batch_kernels = True
+        return True
 
     def compile_layers(self, mode: str = "default") -> None:
         """Fewer, larger kernels per layer: q/k/v and gate/up (dense and shared-expert MLPs) each become one GEMM, and
@@ -125,11 +145,8 @@ class DecoderStack(nn.Module):
             return
         self._layers_compiled = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self.fuse_projections()
         for layer in self.layers:
-            layer.self_attn.fuse_projections()
-            for module in layer.mlp.modules():
-                if isinstance(module, GatedMLP):
-                    module.fuse_projections()
             layer.compile(dynamic=True, mode=mode)
 
     def forward(
@@ -156,7 +173,10 @@ class DecoderStack(nn.Module):
         if 0 in capture:
             captured[0] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], batch)
+            if self.small_batch_kernels and small_batch.applies(layer, x, batch):
+                x = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch)
+            else:
+                x = layer(x, cos, sin, kv_caches[i], batch)
             if i + 1 in capture and i + 1 < self.spec.num_layers:
                 captured[i + 1] = x
         x = self.norm(x)

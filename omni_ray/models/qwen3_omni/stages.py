@@ -231,7 +231,8 @@ class TalkerStage(StageBase):
             stream = torch.cuda.Stream(self.device) if engine.lanes > 1 and self.device.type == "cuda" else None
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
-                                  engine.compile_layers, engine.compile_mode, engine.sampling_kernel)
+                                  engine.compile_layers, engine.compile_mode, engine.sampling_kernel,
+                                  engine.code_predictor_kernels)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

@@ -132,6 +132,7 @@ class TalkerRunner:
         compile_layers: bool = False,
         compile_mode: str = "default",
         sampling_kernel: bool = True,
+        code_predictor_kernels: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -164,7 +165,9 @@ class TalkerRunner:
         self._sample = sample
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers(compile_mode)
-            self.model.code_predictor.model.compile_layers(compile_mode)
+            stack = self.model.code_predictor.model
+            if not (code_predictor_kernels and stack.use_small_batch_kernels()):
+                stack.compile_layers(compile_mode)
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = draw_with_kernel(fused_sample) if sampling_kernel else fused_sample
 

@@ -1,0 +1,239 @@
+"""A dense decoder layer at a few rows in five Triton kernels: norm-fused GEMMs and one small-key attention kernel.
+
+The Talker's code predictor runs 15 passes of 5 dense layers per frame, at most 32 rows and 17 keys. Compiled by
+inductor, a layer is about 25 kernels (four cuBLAS GEMMs with split-K reductions, norms, rotary, the KV write, a
+softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per frame. Here a layer is five:
+
+1. input RMSNorm + the fused q/k/v projection (the norm is recomputed by every program from the rows it reads);
+2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys, one program per (row, KV
+   head);
+3. the output projection + the residual;
+4. post-attention RMSNorm + the fused gate/up projection + SiLU(gate) * up;
+5. the down projection + the residual.
+
+Every GEMM holds all rows in one tile (M <= 64) and splits the output columns over programs, so each weight is read
+once per pass. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
+the eager layer to bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+
+from omni_ray.layers.attention import AttentionBatch, SMALL_KEY_ATTENTION_MAX_KEYS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: the layers run their eager code
+    triton = None
+
+MAX_ROWS = 64  # rows x tokens of one step in a single GEMM tile
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rows_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
+        x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
+        K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """out[:, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of output columns. (K is a
+        constant: a loop bound that is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are
+        multiplied as fp32, exact for half-precision values, for the interpreter, which multiplies bf16 tiles' raw
+        bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.)"""
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        if NORM:  # RMSNorm of each row: its inverse RMS first, then the rows are scaled as they stream in
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = (k0 + ks) < K
+                x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                squares += tl.sum(x * x, axis=1)
+            inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                x = x.to(tl.float32) * inverse_rms[:, None] * scale[None, :]
+            x = x.to(w_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + cols[:, None] * w_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP32_DOT:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATED:  # the up rows sit N rows below the gate rows
+                up = tl.load(w_ptr + (cols + N)[:, None] * w_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                if FP32_DOT:
+                    up = up.to(tl.float32)
+                acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:
+            acc += tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _head_norm_rope(ptr, norm_ptr, eps, cos_ptr, sin_ptr, D: tl.constexpr):
+        """One head's vector at `ptr`, RMS-normed with `norm_ptr`'s scale and rotated (rotate-half rotary), each step
+        rounded to the input's dtype as the eager layer rounds it."""
+        d = tl.arange(0, D)
+        turned = (d + D // 2) % D  # rotate_half: the other half, the first half negated
+        x = tl.load(ptr + d).to(tl.float32)
+        inverse_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        dtype = ptr.dtype.element_ty
+        normed = (x * inverse_rms * tl.load(norm_ptr + d).to(tl.float32)).to(dtype).to(tl.float32)
+        other = (tl.load(ptr + turned).to(tl.float32) * inverse_rms * tl.load(norm_ptr + turned).to(tl.float32))
+        other = tl.where(d < D // 2, -1.0, 1.0) * other.to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32)
+        return (normed * cos + other * sin).to(dtype)
+
+    @triton.jit
+    def _small_attention_kernel(
+        qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
+        slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, kv_len, scale,
+        T: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr,
+    ):
+        """Row b's T new tokens for KV head g: their keys and values into the cache, then each of the head's query
+        heads attends over the slot's first kv_len positions up to its own (the new keys are taken from registers,
+        not read back)."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        d = tl.arange(0, D)
+        positions = tl.arange(0, KEYS)
+        slot = tl.load(slots_ptr + b)
+        cache_at = slot * slot_stride + positions[:, None] * position_stride + g * D + d[None, :]
+        in_range = (positions < kv_len)[:, None]
+        keys = tl.load(k_cache_ptr + cache_at, mask=in_range, other=0.0).to(tl.float32)
+        values = tl.load(v_cache_ptr + cache_at, mask=in_range, other=0.0).to(tl.float32)
+        for t in tl.static_range(T):
+            row = b * T + t
+            written = tl.load(index_ptr + row)
+            base = qkv_ptr + row * qkv_stride
+            key = _head_norm_rope(base + (HEADS + g) * D, k_norm_ptr, eps, cos_ptr + row * rope_stride,
+                                  sin_ptr + row * rope_stride, D)
+            value = tl.load(base + (HEADS + KV_HEADS + g) * D + d)
+            at = slot * slot_stride + written * position_stride + g * D + d
+            tl.store(k_cache_ptr + at, key.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + at, value.to(v_cache_ptr.dtype.element_ty))
+            here = (positions == written)[:, None]
+            keys = tl.where(here, key.to(k_cache_ptr.dtype.element_ty).to(tl.float32)[None, :], keys)
+            values = tl.where(here, value.to(v_cache_ptr.dtype.element_ty).to(tl.float32)[None, :], values)
+        for t in tl.static_range(T):
+            row = b * T + t
+            written = tl.load(index_ptr + row)
+            visible = (positions <= written) & (positions < kv_len)
+            for j in tl.static_range(HEADS // KV_HEADS):
+                head = g * (HEADS // KV_HEADS) + j
+                query = _head_norm_rope(qkv_ptr + row * qkv_stride + head * D, q_norm_ptr, eps,
+                                        cos_ptr + row * rope_stride, sin_ptr + row * rope_stride, D).to(tl.float32)
+                scores = tl.where(visible, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
+                weights = tl.exp(scores - tl.max(scores, axis=0))
+                weights = weights / tl.sum(weights, axis=0)
+                out = tl.sum(weights[:, None] * values, axis=0)
+                tl.store(out_ptr + row * out_stride + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _on_device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Triton launches on the current device, which may be another (on the CPU: Triton's interpreter)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
+
+
+def matmul_tile(n: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for an output width n: narrow column blocks, so that even a 1,024-wide projection spreads
+    over 64 programs, each streaming a long stretch of the weight's rows."""
+    return (16 if n <= 2048 else 32), 256
+
+
+def rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    gated: bool = False, residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ weight.T, weight [N, K] (or [2N, K], gate rows then up rows, with `gated`) →
+    [M, N] in x's dtype. `norm_weight`: RMSNorm x first (that scale, `eps`); `gated`: SiLU(gate) * up;
+    `residual` [M, N]: added to the result. One kernel."""
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k = matmul_tile(n)
+    res = residual if residual is not None else out
+    with _on_device(x):
+        _rows_matmul_kernel[(triton.cdiv(n, block_n),)](
+            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
+            norm_weight if norm_weight is not None else weight, eps, rows, n,
+            K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=_interpreting(),
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+        )
+    return out
+
+
+def small_attention(
+    qkv: torch.Tensor, attn: "torch.nn.Module", cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, rows: int,
+) -> torch.Tensor:
+    """`Attention.forward` after its q/k/v projection, for `rows` rows of `batch.num_tokens` tokens: qkv [rows*T,
+    (H + 2G) * D] → attention output [rows*T, H * D], the new keys and values written into `kv_cache`. One kernel."""
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    k_cache, v_cache = kv_cache
+    tokens = batch.num_tokens
+    cos, sin = cos.reshape(rows * tokens, dim), sin.reshape(rows * tokens, dim)
+    slots = torch.arange(rows, device=qkv.device) if batch.rows_are_slots else batch.slots
+    index = batch.write_index.reshape(-1)
+    out = torch.empty(rows * tokens, heads * dim, dtype=qkv.dtype, device=qkv.device)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    with _on_device(qkv):
+        _small_attention_kernel[(rows, kv_heads)](
+            qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
+            cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), slots, index, out, out.stride(0),
+            batch.kv_len, dim**-0.5, T=tokens, HEADS=heads, KV_HEADS=kv_heads, D=dim,
+            KEYS=triton.next_power_of_2(batch.kv_len), num_warps=4,
+        )
+    return out
+
+
+def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) -> bool:
+    """Whether `decoder_layer` can run this layer's step: Triton on a GPU (or its interpreter), a dense layer with
+    fused projections, few rows and few keys, a decode over the cache (not a from-zero prefill)."""
+    mlp, attn = layer.mlp, layer.self_attn
+    return (
+        triton is not None and (x.is_cuda or _interpreting()) and getattr(mlp, "gate_up", None) is not None
+        and attn.qkv is not None and x.shape[0] * x.shape[1] <= MAX_ROWS and not batch.from_zero
+        and batch.kv_len <= SMALL_KEY_ATTENTION_MAX_KEYS and attn.head_dim & (attn.head_dim - 1) == 0
+    )
+
+
+def decoder_layer(
+    layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+) -> torch.Tensor:
+    """`DecoderLayer.forward` for a dense layer in five kernels (see the module's docstring). x [B, T, h]."""
+    rows, tokens, width = x.shape
+    attn, mlp = layer.self_attn, layer.mlp
+    flat = x.reshape(rows * tokens, width)
+    qkv = rows_matmul(flat, attn.qkv, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    attended = small_attention(qkv, attn, cos, sin, kv_cache, batch, rows)
+    flat = rows_matmul(attended, attn.o_proj.weight, residual=flat)
+    norm = layer.post_attention_layernorm
+    hidden = rows_matmul(flat, mlp.gate_up, norm.weight, norm.variance_epsilon, gated=True)
+    return rows_matmul(hidden, mlp.down_proj.weight, residual=flat).reshape(rows, tokens, width)

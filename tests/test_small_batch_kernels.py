@@ -1,0 +1,179 @@
+"""The five-kernel dense decoder layer (`layers/small_batch.py`) against the eager layer: under Triton's interpreter
+on the CPU, and compiled for the H200 without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers import small_batch
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are defined.
+CHECK = r"""
+import copy, json, torch
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers import small_batch
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+torch.manual_seed(0)
+spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, mrope_section=None, intermediate_size=96)
+results = {}
+for dtype, rows_are_slots in ((torch.float32, True), (torch.float32, False), (torch.bfloat16, True)):
+    eager = DecoderStack(spec).to(dtype)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.15) + (1.0 if p.dim() == 1 else 0.0))
+    fused = copy.deepcopy(eager)
+    eager.fuse_projections()
+    assert fused.use_small_batch_kernels()
+    caches = [SlotKVCache(2, 4, 17, 2, 32, dtype, "cpu") for _ in range(2)]
+    for k, v in caches[0].layers:  # stale keys past each row's position: the mask must hide them
+        k.normal_(); v.normal_()
+    for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
+        k1.copy_(k0); v1.copy_(v0)
+    rows = 3
+    slots = torch.arange(rows) if rows_are_slots else torch.tensor([2, 0, 3])
+    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0}
+    start, length = 0, 2
+    for step in range(4):
+        batch = AttentionBatch.from_tensors(slots, torch.full((rows,), start), length, 17, rows_are_slots=rows_are_slots)
+        batch.grouped_mask(2)
+        x = torch.randn(rows, length, 64).to(dtype)
+        cos, sin = eager.rotary((start + torch.arange(length))[None].expand(rows, -1), dtype)
+        outs = []
+        for stack, cache in zip((eager, fused), caches):
+            before = sum(int(small_batch.applies(layer, x, batch)) for layer in stack.layers) if stack is fused else 0
+            worst["used"] += before
+            outs.append(stack(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
+        worst["hidden"] = max(worst["hidden"], (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item())
+        for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
+            worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
+            worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
+        start, length = start + length, 1
+    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}"] = worst
+print(json.dumps(results))
+"""
+
+
+def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> None:
+    """A two-layer dense stack over a 17-position cache holding stale keys: the first step writes two tokens per row,
+    three more write one each, rows in the first slots or in others. The kernels' outputs and the keys and values
+    they write equal the eager layers' (fp32: to float rounding; bf16: to its rounding), for every layer of every step."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"torch.float32-rows are slots", "torch.float32-slots", "torch.bfloat16-rows are slots"}
+    for case, worst in results.items():
+        assert worst["used"] == 8, case  # 2 layers x 4 steps ran the kernels
+        bf16 = "bfloat16" in case
+        assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
+        assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
+
+
+# A Talker reply's frames with the code predictor's layers as kernels, against the same runner without them.
+FRAMES = r"""
+import json, sys, torch
+from transformers import Qwen3OmniMoeConfig
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
+from omni_ray.models.qwen3_omni.talker_model import load_talker
+
+checkpoint = sys.argv[1]
+config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
+text = config.talker_config.text_config
+hidden = config.talker_config.thinker_hidden_size
+torch.manual_seed(0)
+prefix = {"user_states": torch.randn(6, hidden), "user_multimodal": torch.zeros(6, dtype=torch.bool),
+          "assistant_prefix": torch.randn(3, hidden)}
+reply = [torch.randn(hidden) for _ in range(4)]
+frames, used = {}, 0
+for kernels in (False, True):
+    cache = SlotKVCache(text.num_hidden_layers, 2, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
+    runner = TalkerRunner(load_talker(checkpoint, config, "cpu", torch.float32), config, cache, max_batch=2)
+    if kernels:
+        assert runner.model.code_predictor.model.use_small_batch_kernels()
+    seqs = [TalkerSequence(f"r{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), speaker_id=0,
+                           max_frames=12, prefix=prefix, text_embeds=reply[i:], thinker_done=True) for i in range(2)]
+    for seq in seqs:
+        runner.admit(seq)
+    made = []
+    while any(s.finish_reason is None for s in seqs):
+        made += [out.codes for out in runner.step([s for s in seqs if s.finish_reason is None]) if out.codes]
+    frames[kernels] = made
+print(json.dumps({"eager": frames[False], "kernels": frames[True]}))
+"""
+
+
+def test_talker_frames_with_kernels_equal_the_eager_frames_under_the_triton_interpreter(tiny_checkpoint: Path) -> None:
+    """The embedded checkpoint's Talker, two greedy replies batched: every frame's 16 codes are the same whether
+    the code predictor's passes run its layers' eager code or the kernels."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", FRAMES, str(tiny_checkpoint)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    frames = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(frames["eager"]) >= 12 and all(len(codes) == 16 for codes in frames["eager"])
+    assert frames["kernels"] == frames["eager"]
+    assert len({tuple(codes[1:]) for codes in frames["eager"]}) > 1  # the code predictor's codes vary
+
+
+def test_layers_without_triton_on_the_cpu_run_eagerly() -> None:
+    """Off CUDA (no interpreter), a stack with the kernels turned on runs its layers' own code: same outputs."""
+    spec = DecoderSpec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, mrope_section=None, intermediate_size=48)
+    stack = DecoderStack(spec)
+    cache = SlotKVCache(1, 2, 17, 1, 16, torch.float32, "cpu")
+    batch = AttentionBatch.from_tensors(torch.arange(2), torch.zeros(2, dtype=torch.long), 2, 17, rows_are_slots=True)
+    x = torch.randn(2, 2, 32)
+    cos, sin = stack.rotary(torch.arange(2)[None].expand(2, -1), torch.float32)
+    expected = stack(x, None, cache.layers, batch, rope=(cos, sin))[0]
+    if stack.use_small_batch_kernels():
+        assert not small_batch.applies(stack.layers[0], x, batch) or os.environ.get("TRITON_INTERPRET") == "1"
+    torch.testing.assert_close(stack(x, None, cache.layers, batch, rope=(cos, sin))[0], expected)
+
+
+@pytest.mark.parametrize("variant", ["norm", "gated", "residual", "fp32", "attention-2", "attention-1"])
+def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
+    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), in each form the code predictor
+    launches: what the interpreter lets pass and a GPU would refuse fails here."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if variant.startswith("attention"):
+        kernel = small_batch._small_attention_kernel
+        pointers = {name: "*bf16" for name in ("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr",
+                                               "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+        pointers |= {"slots_ptr": "*i64", "index_ptr": "*i64"}
+        scalars = {name: "i32" for name in ("qkv_stride", "rope_stride", "slot_stride", "position_stride",
+                                            "out_stride", "kv_len")} | {"eps": "fp32", "scale": "fp32"}
+        constants = {"T": int(variant[-1]), "HEADS": 16, "KV_HEADS": 8, "D": 128, "KEYS": 32}
+    else:
+        kernel = small_batch._rows_matmul_kernel
+        element = "*fp32" if variant == "fp32" else "*bf16"
+        pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")}
+        scalars = {name: "i32" for name in ("x_stride", "w_stride", "out_stride", "res_stride", "M", "N")}
+        scalars["eps"] = "fp32"
+        block_n, block_k = small_batch.matmul_tile(1024)
+        constants = {"K": 1024, "NORM": variant != "residual", "GATED": variant == "gated", "RESIDUAL": variant == "residual",
+                     "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False,
+                     "PRECISION": "ieee" if variant == "fp32" else "tf32"}
+    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+    source = ASTSource(kernel, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]

@@ -101,14 +101,14 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, max_seq_len: int = 0, compile_mode: str = "default",
+    compiled: bool = False, max_seq_len: int = 0,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + 2 * steps + 8, max_seq_len)
     runner = ThinkerRunner(
         load_thinker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
-        cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
+        cuda_graphs=graphs, compile_layers=compiled,
     )
     rows = []
     for batch in batches:
@@ -123,7 +123,7 @@ def bench_thinker(
 
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0, compile_mode: str = "default",
+    compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
@@ -131,7 +131,7 @@ def bench_talker(
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
-        max(batches), cuda_graphs=graphs, compile_layers=compiled, compile_mode=compile_mode,
+        max(batches), cuda_graphs=graphs, compile_layers=compiled,
         sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels,
     )
     rows = []
@@ -183,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
-    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
-                        help="inductor's mode for --compile")
     parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
                         help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
     parser.add_argument("--max-seq-len", type=int, default=2048,
@@ -205,17 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                              args.max_seq_len, args.compile_mode)
+                              args.max_seq_len)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                             sampling, args.max_seq_len, args.compile_mode, not args.no_sampling_kernel,
+                             sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
-                    + (f", layers compiled ({args.compile_mode})" if args.compile else "")
+                    + (", layers compiled" if args.compile else "")
                     + f", Talker sampling {args.talker_sampling}"
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")

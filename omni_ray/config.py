@@ -43,11 +43,6 @@ class EngineSettings(_Strict):
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        default="default",
-        description="inductor's mode for compiled layers; max-autotune tries Triton GEMM templates that can take the "
-        "neighbouring small ops into the GEMM (much longer startup; opt-in until measured)",
-    )
     launch_ahead: bool = Field(
         default=False,
         description="queue each step on the device before reading the previous one back, so that the host's "

@@ -136,7 +136,7 @@ class DecoderStack(nn.Module):
         self.small_batch_kernels = True
         return True
 
-    def compile_layers(self, mode: str = "default") -> None:
+    def compile_layers(self) -> None:
         """Fewer, larger kernels per layer: q/k/v and gate/up (dense and shared-expert MLPs) each become one GEMM, and
         inductor compiles each layer, fusing the small ops between its GEMMs (norms, rotary, routing, SwiGLU,
         residuals). Every layer shares one compiled graph per shape class (decode, prefill, batch 1): compile time is
@@ -147,7 +147,7 @@ class DecoderStack(nn.Module):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.fuse_projections()
         for layer in self.layers:
-            layer.compile(dynamic=True, mode=mode)
+            layer.compile(dynamic=True)
 
     def forward(
         self,

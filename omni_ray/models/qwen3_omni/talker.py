@@ -130,7 +130,6 @@ class TalkerRunner:
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 8192,
         compile_layers: bool = False,
-        compile_mode: str = "default",
         sampling_kernel: bool = True,
         code_predictor_kernels: bool = True,
     ) -> None:
@@ -164,10 +163,10 @@ class TalkerRunner:
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
         if compile_layers and self.device.type == "cuda":
-            self.model.model.compile_layers(compile_mode)
+            self.model.model.compile_layers()
             stack = self.model.code_predictor.model
             if not (code_predictor_kernels and stack.use_small_batch_kernels()):
-                stack.compile_layers(compile_mode)
+                stack.compile_layers()
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = draw_with_kernel(fused_sample) if sampling_kernel else fused_sample
 

@@ -108,7 +108,7 @@ class ThinkerRunner:
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
-        compile_layers: bool = False, compile_mode: str = "default",
+        compile_layers: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -122,7 +122,7 @@ class ThinkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         if compile_layers and self.device.type == "cuda":
-            model.model.compile_layers(compile_mode)
+            model.model.compile_layers()
         # tokens each slot has seen (prompt + reply), for the repetition penalty
         self.seen = torch.zeros(cache.rows, model.lm_head.out_features, dtype=torch.bool, device=self.device)
         self.next_ids = torch.zeros(cache.rows, dtype=torch.long, device=self.device)  # each slot's last draw

@@ -169,7 +169,7 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")}
         scalars = {name: "i32" for name in ("x_stride", "w_stride", "out_stride", "res_stride", "M", "N")}
         scalars["eps"] = "fp32"
-        block_n, block_k = small_batch.matmul_tile(1024)
+        block_n, block_k, _, _ = small_batch.matmul_config(1024, 3072)
         constants = {"K": 1024, "NORM": variant != "residual", "GATED": variant == "gated", "RESIDUAL": variant == "residual",
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False,
                      "PRECISION": "ieee" if variant == "fp32" else "tf32"}

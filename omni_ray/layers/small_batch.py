@@ -158,24 +158,27 @@ def _on_device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
     return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
 
 
-def matmul_tile(n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for an output width n: narrow column blocks, so that even a 1,024-wide projection spreads
-    over 64 programs, each streaming a long stretch of the weight's rows."""
-    return (16 if n <= 2048 else 32), 256
+MatmulConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, num_warps
+
+
+def matmul_config(n: int, k: int) -> MatmulConfig:
+    """The launch of `rows_matmul` for an output width n and depth k: narrow column blocks, so that even a 1,024-wide
+    projection spreads over 64 programs, each streaming a long stretch of the weight's rows."""
+    return (16 if n <= 2048 else 32), 256, 3, 4
 
 
 def rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    gated: bool = False, residual: torch.Tensor | None = None,
+    gated: bool = False, residual: torch.Tensor | None = None, config: MatmulConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ weight.T, weight [N, K] (or [2N, K], gate rows then up rows, with `gated`) →
     [M, N] in x's dtype. `norm_weight`: RMSNorm x first (that scale, `eps`); `gated`: SiLU(gate) * up;
-    `residual` [M, N]: added to the result. One kernel."""
+    `residual` [M, N]: added to the result; `config`: another launch than `matmul_config`'s. One kernel."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = matmul_tile(n)
+    block_n, block_k, stages, warps = config or matmul_config(n, k)
     res = residual if residual is not None else out
     with _on_device(x):
         _rows_matmul_kernel[(triton.cdiv(n, block_n),)](
@@ -183,7 +186,7 @@ def rows_matmul(
             norm_weight if norm_weight is not None else weight, eps, rows, n,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=_interpreting(),
-            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out
 

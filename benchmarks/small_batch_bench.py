@@ -1,0 +1,112 @@
+"""The code predictor's kernels (`layers/small_batch.py`) on a GPU, each replayed from a CUDA graph: every GEMM of a
+layer under several launch configs against cuBLAS, and a whole layer as five kernels against the same layer eager
+and compiled by inductor (as served before the kernels). Full-size Qwen3-Omni-30B shapes, bf16, random weights."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3OmniMoeConfig
+
+from benchmarks.draw_bench import replay_ms
+from omni_ray.bench import FULL_CONFIG, run_meta, write_results
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers import small_batch
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+CONFIGS: list[small_batch.MatmulConfig] = [
+    (16, 256, 3, 4), (32, 256, 3, 4), (16, 128, 4, 4), (16, 512, 2, 4), (32, 128, 4, 4), (64, 128, 3, 4),
+    (16, 256, 4, 8), (32, 512, 2, 8),
+]
+
+
+def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
+    """Each projection of a layer (its prologue and epilogue as served) at each row count: cuBLAS `F.linear`
+    without them, and `rows_matmul` under each config (us per call)."""
+    shapes = {"qkv (norm)": (4096, width, "norm"), "o (residual)": (width, 2048, "residual"),
+              "gate_up (norm, SiLU*up)": (inner, width, "gated"), "down (residual)": (width, inner, "residual"),
+              "code head": (2048, width, "plain")}
+    out = []
+    for name, (n, k, kind) in shapes.items():
+        weight = torch.randn(2 * n if kind == "gated" else n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        norm = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for count in rows:
+            x = torch.randn(count, k, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(count, n, device="cuda", dtype=torch.bfloat16)
+            row: dict[str, Any] = {"gemm": name, "rows": count, "default": list(small_batch.matmul_config(n, k))}
+            row["cuBLAS"] = 1000 * replay_ms(lambda: F.linear(x, weight))[0]
+            for config in CONFIGS:
+                def run(config: small_batch.MatmulConfig = config) -> torch.Tensor:
+                    return small_batch.rows_matmul(
+                        x, weight, norm if kind in ("norm", "gated") else None, gated=kind == "gated",
+                        residual=residual if kind == "residual" else None, config=config)
+                try:
+                    row[str(list(config))] = 1000 * replay_ms(run)[0]
+                except Exception as exc:  # e.g. more shared memory than the GPU has
+                    row[str(list(config))] = None
+                    print(f"{name} rows={count} {config}: {type(exc).__name__}")
+            out.append(row)
+    return out
+
+
+def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """One code-predictor layer step (one new token per row over a 17-position cache), us per call: eager, compiled
+    by inductor as `compile_layers` does, and as five kernels."""
+    torch.manual_seed(0)
+    eager = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    eager.fuse_projections()
+    compiled, kernels = copy.deepcopy(eager), copy.deepcopy(eager)
+    compiled.compile_layers()
+    kernels.use_small_batch_kernels()
+    out = []
+    for count in rows:
+        cache = SlotKVCache(1, 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
+        slots = torch.arange(count, device="cuda")
+        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
+        batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
+        x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        cos, sin = eager.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+        row: dict[str, Any] = {"rows": count}
+        stacks: dict[str, Callable[..., torch.Tensor]] = {
+            "eager": eager.layers[0], "inductor": compiled.layers[0],
+            "five kernels": lambda *a: small_batch.decoder_layer(kernels.layers[0], *a),
+        }
+        for name, layer in stacks.items():
+            row[name] = 1000 * replay_ms(lambda layer=layer: layer(x, cos, sin, cache.layers[0], batch))[0]
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
+    rows = [int(r) for r in args.rows.split(",")]
+    layers = layer_rows(cfg, rows)
+    gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows)
+    gpu = torch.cuda.get_device_name()
+    meta = run_meta("benchmarks.small_batch_bench", argv, gpu=gpu)
+    lines = [f"# The code predictor's kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
+             f"commit {meta['commit']}", f"# command: {meta['command']}", "",
+             "## One layer, one new token per row", "", "| rows | eager | inductor | five kernels |", "|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels']:.1f} |" for r in layers]
+    names = [str(list(c)) for c in CONFIGS]
+    lines += ["", "## Each GEMM: cuBLAS alone, and `rows_matmul` with its prologue/epilogue per config "
+              "[BLOCK_N, BLOCK_K, stages, warps]", "",
+              "| GEMM | rows | default | cuBLAS | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
+    for r in gemms:
+        cells = " | ".join("–" if r[n] is None else f"{r[n]:.1f}" for n in names)
+        lines.append(f"| {r['gemm']} | {r['rows']} | {r['default']} | {r['cuBLAS']:.1f} | {cells} |")
+    write_results(args.out, "small_batch_kernels", {"meta": meta, "layers": layers, "gemms": gemms}, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

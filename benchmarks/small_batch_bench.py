@@ -54,6 +54,29 @@ def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+ATTENTION_WARPS = (1, 2, 4, 8)
+
+
+def attention_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """`small_attention` for one new token per row over a 17-position cache, us per call, per num_warps."""
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    stack.fuse_projections()
+    attn = stack.layers[0].self_attn
+    out = []
+    for count in rows:
+        cache = SlotKVCache(1, 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
+        slots = torch.arange(count, device="cuda")
+        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
+        qkv = torch.randn(count, attn.qkv.shape[0], device="cuda", dtype=torch.bfloat16)
+        cos, sin = stack.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+        row: dict[str, Any] = {"rows": count}
+        for warps in ATTENTION_WARPS:
+            row[f"{warps} warps"] = 1000 * replay_ms(
+                lambda warps=warps: small_batch.small_attention(qkv, attn, cos, sin, cache.layers[0], batch, count, warps))[0]
+        out.append(row)
+    return out
+
+
 def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     """One code-predictor layer step (one new token per row over a 17-position cache), us per call: eager, compiled
     by inductor as `compile_layers` does, and as five kernels."""
@@ -91,12 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     layers = layer_rows(cfg, rows)
     gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows)
+    attention = attention_rows(cfg, rows)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.small_batch_bench", argv, gpu=gpu)
     lines = [f"# The code predictor's kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
              f"commit {meta['commit']}", f"# command: {meta['command']}", "",
              "## One layer, one new token per row", "", "| rows | eager | inductor | five kernels |", "|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels']:.1f} |" for r in layers]
+    warps = [f"{w} warps" for w in ATTENTION_WARPS]
+    lines += ["", "## The attention kernel (q/k norm, rotary, KV write, attention), one new token per row", "",
+              "| rows | " + " | ".join(warps) + " |", "|---|" + "---|" * len(warps)]
+    lines += [f"| {r['rows']} | " + " | ".join(f"{r[w]:.1f}" for w in warps) + " |" for r in attention]
     names = [str(list(c)) for c in CONFIGS]
     lines += ["", "## Each GEMM: cuBLAS alone, and `rows_matmul` with its prologue/epilogue per config "
               "[BLOCK_N, BLOCK_K, stages, warps]", "",
@@ -104,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in gemms:
         cells = " | ".join("–" if r[n] is None else f"{r[n]:.1f}" for n in names)
         lines.append(f"| {r['gemm']} | {r['rows']} | {r['default']} | {r['cuBLAS']:.1f} | {cells} |")
-    write_results(args.out, "small_batch_kernels", {"meta": meta, "layers": layers, "gemms": gemms}, "\n".join(lines) + "\n")
+    document = {"meta": meta, "layers": layers, "gemms": gemms, "attention": attention}
+    write_results(args.out, "small_batch_kernels", document, "\n".join(lines) + "\n")
     return 0
 
 

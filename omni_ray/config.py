@@ -103,7 +103,8 @@ class TalkerSettings(EngineSettings):
         default=True,
         description="with compiled layers on CUDA: each code-predictor layer of a frame's 15 passes as five Triton "
         "kernels (`layers/small_batch.py`: norm-fused GEMMs, one attention kernel with the KV write) instead of an "
-        "inductor-compiled layer of about 25 kernels; false: compiled like the Talker's own layers",
+        "inductor-compiled layer of about 25 kernels (steps of more than 64 rows x tokens keep the compiled layer); "
+        "false: compiled like the Talker's own layers",
     )
 
 

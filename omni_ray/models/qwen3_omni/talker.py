@@ -165,8 +165,9 @@ class TalkerRunner:
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers()
             stack = self.model.code_predictor.model
-            if not (code_predictor_kernels and stack.use_small_batch_kernels()):
-                stack.compile_layers()
+            stack.compile_layers()  # compiled on first use: with the kernels, only steps past them (over 64 rows)
+            if code_predictor_kernels:
+                stack.use_small_batch_kernels()
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = draw_with_kernel(fused_sample) if sampling_kernel else fused_sample
 

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,20 +71,48 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _launched_ahead(runner: Any, seqs: list[Any], steps: int) -> None:
+class _LaunchClock:
+    """Host time spent in a runner's `launch` calls; with `count_syncs` on CUDA, also the host syncs torch saw in
+    them (`torch.cuda.set_sync_debug_mode`): a launch that waits for the GPU cannot run ahead of it."""
+
+    def __init__(self, runner: Any, count_syncs: bool = False) -> None:
+        self.runner = runner
+        self.count_syncs = count_syncs and torch.cuda.is_available()
+        self.launches = 0
+        self.seconds = 0.0
+        self.syncs = 0
+
+    def launch(self, seqs: list[Any]) -> Any:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if self.count_syncs:
+                torch.cuda.set_sync_debug_mode("warn")
+            start = time.perf_counter()
+            try:
+                return self.runner.launch(seqs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.launches += 1
+                if self.count_syncs:
+                    torch.cuda.set_sync_debug_mode("default")
+                    self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _launched_ahead(clock: _LaunchClock, seqs: list[Any], steps: int) -> None:
     """`steps` steps as the engine loop runs a runner with launch/collect: step N+1 is queued before step N is read."""
-    pending = runner.launch(seqs)
+    pending = clock.launch(seqs)
     for _ in range(steps - 1):
-        launched = runner.launch(seqs)
-        runner.collect(pending)
+        launched = clock.launch(seqs)
+        clock.runner.collect(pending)
         pending = launched
-    runner.collect(pending)
+    clock.runner.collect(pending)
 
 
 def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, device: str, stage: str) -> dict[str, Any]:
     """One untimed pass (captures this batch's CUDA graphs), then a timed one: the prefill step and `steps` decode
     steps of the same batch, one at a time; then, for a runner with launch/collect, `steps` more launched ahead (the
-    mean step time of the engine loop's pipelining)."""
+    mean step time of the engine loop's pipelining), with the host's time per launch (a step launched ahead cannot be
+    shorter) and, counted in the untimed pass, the host syncs inside the launches."""
     pipelined = hasattr(runner, "launch")
     for timed in (False, True):
         seqs = make_seqs()
@@ -91,11 +120,16 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
             runner.admit(seq)
         prefill_ms = _timed(lambda: runner.step(seqs), device)
         times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
-        ahead_ms = _timed(lambda: _launched_ahead(runner, seqs, steps), device) / steps if pipelined else None
+        clock = _LaunchClock(runner, count_syncs=not timed and device.startswith("cuda"))
+        ahead_ms = _timed(lambda: _launched_ahead(clock, seqs, steps), device) / steps if pipelined else None
+        if not timed:
+            syncs = clock.syncs
         for seq in seqs:
             runner.release(seq)
     return {"stage": stage, "batch": len(seqs), "prefill_ms_total": prefill_ms,
             "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:]), "step_ms_launched_ahead": ahead_ms,
+            "host_ms_per_launch": 1000 * clock.seconds / clock.launches if pipelined else None,
+            "host_syncs_per_launch": syncs / steps if pipelined else None,
             "graphs": len(runner.graphs), "capture_ms_total": round(runner.graphs.capture_ms)}
 
 
@@ -161,15 +195,18 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "Each row of a batch has its own prompt, so rows route to different experts, as a service's streams do. "
              "Launched ahead: the mean step when each step is queued before the previous one is read back, as the "
              "engine loop runs them; per request and the ratio to the floor use it where measured. Floor: the weight "
-             "bytes a step reads at that batch (experts any row picks; `omni_ray/floors.py`) at 4.3 TB/s.", "",
-             "| stage | batch | step p50 (ms) | launched ahead (ms) | per request (ms) | floor at this batch (ms) | ratio to floor | prefill, all requests (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "bytes a step reads at that batch (experts any row picks; `omni_ray/floors.py`) at 4.3 TB/s. Host per "
+             "launch: the host's time inside each launched-ahead step's `launch` (a step launched ahead takes at least "
+             "that), and how many host syncs torch saw in it (CUDA only).", "",
+             "| stage | batch | step p50 (ms) | launched ahead (ms) | host per launch (ms), syncs | per request (ms) | floor at this batch (ms) | ratio to floor | prefill, all requests (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = r["floor_ms"]
         ahead = "–" if r.get("step_ms_launched_ahead") is None else f"{r['step_ms_launched_ahead']:.1f}"
+        host = "–" if r.get("host_ms_per_launch") is None else f"{r['host_ms_per_launch']:.2f}, {r['host_syncs_per_launch']:g}"
         best = r.get("step_ms_launched_ahead") or r["step_ms_p50"]
         lines.append(f"| {r['stage']}{' + MTP' if r['stage'] == 'talker' else ''} | {r['batch']} | {r['step_ms_p50']:.1f} | "
-                     f"{ahead} | {best / r['batch']:.2f} | {floor:.2f} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
+                     f"{ahead} | {host} | {best / r['batch']:.2f} | {floor:.2f} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

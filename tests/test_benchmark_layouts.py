@@ -120,4 +120,5 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table
+    assert "| host per step thinker / talker: launch + outputs (ms) |" in table and "| – + – / – + – |" in table
     assert "service ready 102 s after `serve.run`" in table

@@ -38,5 +38,7 @@ def test_the_table_gives_the_floor_at_each_batch(tiny_checkpoint: Path, tmp_path
     for stage in ("thinker", "talker"):
         one, four = (r["floor_ms"] for r in rows if r["stage"] == stage)
         assert 0 < one < four  # four rows pick more experts than one
+    for row in rows:  # both runners launch ahead: the host's share of a launched step is measured
+        assert 0 < row["host_ms_per_launch"] and row["host_syncs_per_launch"] == 0  # no sync counting off CUDA
     table = (tmp_path / "engine_steps.md").read_text()
     assert "floor at this batch (ms)" in table and table.count("| thinker |") == 2

@@ -78,11 +78,16 @@ class EngineLoop(Generic[S, O]):
         self.steps = 0
         self.steps_launched_ahead = 0  # steps queued while the previous one was still to be collected
         self.max_batch_seen = 0
-        self._recent: deque[tuple[float, int]] = deque(maxlen=256)  # (step ms, batch size) of the latest steps
+        # (step ms, batch size, host ms in launch, host ms in on_outputs) of the latest steps
+        self._recent: deque[tuple[float, int, float, float]] = deque(maxlen=256)
+        self._launch_ms = 0.0  # of the step being run
+        self._outputs_ms = 0.0
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
         self.stream = stream
-        # a runner with launch/collect lets the loop queue a step before reading the previous one back
-        self.pipelined = launch_ahead and hasattr(runner, "launch") and hasattr(runner, "collect")
+        # a runner with launch/collect lets the loop queue a step before reading the previous one back (and time the
+        # host's part of a step, the launch, on its own)
+        self.split = hasattr(runner, "launch") and hasattr(runner, "collect")
+        self.pipelined = launch_ahead and self.split
 
     def start(self) -> None:
         self._thread.start()
@@ -122,8 +127,12 @@ class EngineLoop(Generic[S, O]):
                 "steps": self.steps,
                 "steps_launched_ahead": self.steps_launched_ahead,
                 "max_batch_seen": self.max_batch_seen,
-                "step_ms_p50": statistics.median(ms for ms, _ in recent) if recent else 0.0,
-                "batch_mean": statistics.fmean(b for _, b in recent) if recent else 0.0,
+                "step_ms_p50": statistics.median(r[0] for r in recent) if recent else 0.0,
+                "batch_mean": statistics.fmean(r[1] for r in recent) if recent else 0.0,
+                # the host's share of a step: queueing its device work, then handing its outputs on; the rest of a
+                # step not launched ahead is the wait for the device
+                "launch_ms_p50": statistics.median(r[2] for r in recent) if recent else 0.0,
+                "outputs_ms_p50": statistics.median(r[3] for r in recent) if recent else 0.0,
             }
 
     def _ready(self, seq: S) -> bool:
@@ -171,6 +180,7 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()
+            self._launch_ms = self._outputs_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
                 if launched is not None and pending is not None:
@@ -184,12 +194,21 @@ class EngineLoop(Generic[S, O]):
             if launched is not None:  # a failed step is not counted
                 self.steps += 1
                 with self._cond:
-                    self._recent.append(((time.perf_counter() - started) * 1000, len(batch)))
+                    self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,
+                                         self._outputs_ms))
 
     def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
-        """Queue a step (or run it whole); sequences it ended leave the batch (their last output is still due)."""
+        """Queue a step (or run it whole: launch, then collect, as the runners' `step` does, with the launch timed);
+        sequences it ended leave the batch (their last output is still due)."""
         try:
-            handle = self.runner.launch(batch) if self.pipelined else self.runner.step(batch)
+            if self.split:
+                started = time.perf_counter()
+                handle = self.runner.launch(batch)
+                self._launch_ms = (time.perf_counter() - started) * 1000
+                if not self.pipelined:
+                    handle = self.runner.collect(handle)
+            else:
+                handle = self.runner.step(batch)
         except Exception as exc:
             self._fail(batch, exc)
             return None
@@ -203,7 +222,9 @@ class EngineLoop(Generic[S, O]):
             self._fail(batch, exc)
             return
         self._retire(batch)
+        started = time.perf_counter()
         self.on_outputs(outputs)
+        self._outputs_ms += (time.perf_counter() - started) * 1000
 
     def _retire(self, batch: list[S]) -> None:
         with self._cond:

@@ -19,6 +19,8 @@ STAGE_GAUGES = {
     "kv_used": "KV cache slots in use",
     "step_ms_p50": "median engine step time over the last 256 steps (ms)",
     "batch_mean": "mean sequences per engine step over the last 256 steps",
+    "launch_ms_p50": "median host time queueing a step's device work, over the last 256 steps (ms)",
+    "outputs_ms_p50": "median host time handing a step's outputs on (stream events, relay), over the last 256 steps (ms)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
 }

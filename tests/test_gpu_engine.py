@@ -21,10 +21,11 @@ TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 
 def _think(
     checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, prompts: tuple[str, ...], lengths: tuple[int, ...],
-    compile_layers: bool,
+    compile_layers: bool, sampling: tuple[SamplingParams, ...] | None = None,
 ) -> tuple[list[ThinkerSequence], dict[str, list[Any]], int]:
-    """Greedy Thinker replies of `lengths` tokens, all in one batch (shorter ones leave early, so the cache compacts
-    mid-run): the sequences, each one's step outputs, and how many graphs ran."""
+    """Thinker replies of `lengths` tokens (greedy, or request i drawing with `sampling[i]`), all in one batch
+    (shorter ones leave early, so the cache compacts mid-run): the sequences, each one's step outputs, and how many
+    graphs ran."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tc = config.thinker_config.text_config
@@ -36,7 +37,8 @@ def _think(
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        seqs.append(ThinkerSequence(f"r{i}", ids, SamplingParams(temperature=0.0), lengths[i], frozenset(), for_talker=True))
+        params = sampling[i] if sampling else SamplingParams(temperature=0.0)
+        seqs.append(ThinkerSequence(f"r{i}", ids, params, lengths[i], frozenset(), for_talker=True))
         thinker.admit(seqs[-1])
     outputs: dict[str, list[Any]] = {s.request_id: [] for s in seqs}
     while any(s.finish_reason is None for s in seqs):
@@ -149,6 +151,19 @@ def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_che
     assert graphs["talker"] >= 4 and [len(f) for f in replayed] == list(lengths)
     assert replayed == eager
     assert reseeded != replayed
+
+
+def test_seeded_thinker_sampling_replayed_from_graphs_draws_eagers_tokens(tiny_checkpoint: Path) -> None:
+    """Greedy, penalized and top-k/top-p rows in one batch of three (a bucket of four): the draw replays from a graph
+    per (row bucket, draw mode), updating the histories it penalizes inside it, and gives eager's tokens."""
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi")
+    sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=3),
+                SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=4))
+    eager, _, eager_graphs = _think(tiny_checkpoint, "cuda", torch.bfloat16, False, prompts, (40, 40, 24), False, sampling)
+    replayed, _, graphs = _think(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, (40, 40, 24), False, sampling)
+    assert eager_graphs == 0 and graphs > 0
+    assert [s.output_ids for s in replayed] == [s.output_ids for s in eager]
+    assert len(set(replayed[1].output_ids)) > 1
 
 
 def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:

@@ -59,6 +59,10 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Captured, or known not to be capturable (it then runs eagerly)."""
+        return key in self._graphs or key in self._uncapturable
+
     def run(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.enabled or key in self._uncapturable:
             return fn(**inputs)

@@ -267,6 +267,34 @@ def needs_filter(params: Sequence[SamplingParams]) -> bool:
 fused_sample = compiled_or_eager(sample, "sampling")
 
 
+@dataclass(frozen=True)
+class DrawMode:
+    """What a batch's draw does that its parameter table cannot say, and so changes its code (one CUDA graph per
+    mode): noise (some row samples), the repetition penalty (some row's is not 1), top-k/top-p filtering (some
+    sampled row uses it) and the candidate cap of a top-k draw (`top_k_cap`)."""
+
+    sampled: bool
+    penalized: bool = False
+    filtered: bool = False
+    top_k_cap: int | None = None
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> "DrawMode":
+        return cls(any(not p.greedy for p in params), any(p.repetition_penalty != 1.0 for p in params),
+                   needs_filter(params), top_k_cap(params))
+
+
+def sample_in_mode(
+    logits: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, mode: DrawMode, seen: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`sample` for rows whose parameters are `table` (`SamplingBatch.table`) and noise keys `keys` (`draw_keys`),
+    both on the device, as `mode` says (`seen` is read only when it penalizes). Graph-capturable."""
+    noise = CounterNoise(keys) if mode.sampled else None
+    return sample(logits, SamplingBatch.from_table(table), noise, seen if mode.penalized else None, banned,
+                  mode.filtered, mode.top_k_cap)
+
+
 def sample_rows(
     logits: torch.Tensor,
     sources: Sequence[NoiseSource],
@@ -276,10 +304,5 @@ def sample_rows(
     """Eager: sample [B, V] logits for B requests given their noise sources (their parameters and keys reach the
     device without waiting for it)."""
     params = [s.params for s in sources]
-    host = {"table": SamplingBatch.table(params), "keys": draw_keys(sources)}
-    inputs = upload(host, logits.device)
-    batch = SamplingBatch.from_table(inputs["table"])
-    noise = CounterNoise(inputs["keys"]) if any(not p.greedy for p in params) else None
-    if seen is not None and all(p.repetition_penalty == 1.0 for p in params):
-        seen = None
-    return sample(logits, batch, noise, seen, banned, needs_filter(params), top_k_cap(params))
+    inputs = upload({"table": SamplingBatch.table(params), "keys": draw_keys(sources)}, logits.device)
+    return sample_in_mode(logits, inputs["table"], inputs["keys"], DrawMode.of(params), seen, banned)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from omni_ray.engine.cuda_graphs import GraphCache
+from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_pow2
 from omni_ray.engine.fixed_shape import (
     capture_prefills,
     decode_forward,
@@ -24,7 +24,7 @@ from omni_ray.engine.fixed_shape import (
 )
 from omni_ray.engine.host_inputs import Download, StepDone, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import NoiseSource, SamplingParams, sample_rows
+from omni_ray.engine.sampler import DrawMode, NoiseSource, SamplingBatch, SamplingParams, draw_keys, sample_in_mode
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
@@ -140,6 +140,9 @@ class ThinkerRunner:
             run_decode(self.graphs, self._decode_forward, kv_len, {"ids": torch.zeros_like(positions), "positions": positions})
         capture_prefills(self.graphs, self.cache, prefill, self.model.lm_head.in_features,
                          self.model.lm_head.weight.dtype, self._prefill_forward)
+        for rows in all_buckets(max_batch):  # greedy, and sampling with temperature alone (the API's default)
+            for mode in (DrawMode(False), DrawMode(True)):
+                self._prepare_draw(rows, mode)
 
     def admit(self, seq: ThinkerSequence) -> None:
         self.cache.check_fits(len(seq.prompt_ids) + seq.max_tokens)
@@ -181,9 +184,9 @@ class ThinkerRunner:
             logits.append(self._decode(decoding))
         sampled = [s for s in prefilling if not s.forced_ids] + decoding
         if sampled:
-            tokens = self._sample(sampled, logits)
+            tokens, embeds = self._sample(sampled, logits)
             if any(s.for_talker for s in sampled):
-                pending.embeds = self.model.embed(tokens).float()
+                pending.embeds = embeds
             pending.tokens = Download(tokens)
         pending.done = StepDone(self.device)  # queued last: once it is reached, every tensor this step relays is made
         for seq in sampled:
@@ -261,7 +264,7 @@ class ThinkerRunner:
             out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
         row_of = {i: row for row, i in enumerate(running)}
         sampled = [i for i, s in enumerate(seqs) if not s.forced_ids]
-        logits = torch.empty(0, self.model.lm_head.out_features, device=self.device)
+        logits = torch.empty(0, self.model.lm_head.out_features, dtype=self.model.lm_head.weight.dtype, device=self.device)
         if sampled:
             last = last_positions(out["hidden"], [row_of[i] for i in sampled], [len(seqs[i].prompt_ids) for i in sampled])
             logits = self.model.lm_head(last)
@@ -312,12 +315,41 @@ class ThinkerRunner:
             seq.num_cached += 1
         return out["logits"][inputs["rows"]]
 
-    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> torch.Tensor:
-        """One batched draw for every sampled row of the step, on the device (no host sync): also each slot's next
-        decode input and part of its history."""
-        slots = to_device(torch.tensor([s.slot for s in seqs], dtype=torch.long), self.device)
-        penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
-        tokens = sample_rows(torch.cat(logits), [s.noise for s in seqs], self.seen[slots] if penalized else None)  # type: ignore[misc]
-        self.seen[slots, tokens] = True
-        self.next_ids[slots] = tokens
-        return tokens
+    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batched draw for every sampled row of the step (prefill and decode rows together), on the device with
+        no host sync, replayed from a CUDA graph per (row bucket, draw mode). Returns the tokens [n] and their
+        layer-0 embeddings [n, h] (what the Talker reads); each slot's history and next decode input are updated."""
+        count, rows = len(seqs), bucket_pow2(len(seqs))
+        params = [s.sampling for s in seqs]
+        host = {"slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)),
+                "table": SamplingBatch.table(params, rows), "keys": draw_keys([s.noise for s in seqs], rows)}  # type: ignore[misc]
+        stacked = torch.cat(logits)
+        if rows > count:  # padding rows: greedy, in the scratch slot
+            stacked = torch.cat([stacked, stacked.new_zeros(rows - count, stacked.shape[1])])
+        mode = DrawMode.of(params)
+        self._prepare_draw(rows, mode)
+        out = self.graphs.run(("draw", rows, mode), self._draw_function(mode),
+                              {"logits": stacked, **upload(host, self.device)})
+        return out["tokens"][:count].clone(), out["embeds"][:count].clone()
+
+    def _draw_function(self, mode: DrawMode) -> Callable[..., dict[str, torch.Tensor]]:
+        def draw(logits: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+            """The draw (graph-capturable): tokens, the slots' histories and next inputs, the tokens' embeddings."""
+            tokens = sample_in_mode(logits, table, keys, mode, self.seen[slots] if mode.penalized else None)
+            self.seen[slots, tokens] = True
+            self.next_ids[slots] = tokens
+            return {"tokens": tokens, "embeds": self.model.embed(tokens).float()}
+
+        return draw
+
+    def _prepare_draw(self, rows: int, mode: DrawMode) -> None:
+        """Capture the draw graph of (rows, mode) from scratch-slot rows: the draw writes the rows' histories, which
+        a penalized draw reads, so a capture on a step's own rows would draw their tokens twice."""
+        if not self.graphs.enabled or ("draw", rows, mode) in self.graphs:
+            return
+        scratch = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+        example = {"logits": torch.zeros(rows, self.model.lm_head.out_features, dtype=self.model.lm_head.weight.dtype,
+                                         device=self.device),
+                   "slots": scratch, "table": SamplingBatch.table([], rows).to(self.device),
+                   "keys": torch.zeros(rows, 2, dtype=torch.long, device=self.device)}
+        self.graphs.prepare(("draw", rows, mode), self._draw_function(mode), example)

@@ -63,7 +63,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
              run_step tests python -m pytest -v -rA --tb=short --durations=0 -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
                ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_top_k_draw.py tests/test_gpu_small_batch.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
       # shellcheck disable=SC2086
-      engine) run_step "$tag" python -m omni_ray.bench --compile --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      engine) run_step "$tag" python -m omni_ray.bench --compile --thinker-sampling served --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;

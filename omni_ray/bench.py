@@ -28,6 +28,7 @@ from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, l
 FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
+SERVED_THINKER = SamplingParams(temperature=0.7)  # what the load tests ask for (request i: seed i)
 
 
 def source_commit() -> str:
@@ -135,7 +136,7 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
-    compiled: bool = False, max_seq_len: int = 0,
+    compiled: bool = False, max_seq_len: int = 0, sampling: SamplingParams = SamplingParams(temperature=0.0),
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + 2 * steps + 8, max_seq_len)
@@ -147,7 +148,8 @@ def bench_thinker(
     rows = []
     for batch in batches:
         def make_seqs(batch: int = batch) -> list[ThinkerSequence]:
-            return [ThinkerSequence(f"t{i}", benchmark_prompt_ids(config, prompt, i), SamplingParams(temperature=0.0),
+            return [ThinkerSequence(f"t{i}", benchmark_prompt_ids(config, prompt, i),
+                                    sampling if sampling.greedy else sampling.model_copy(update={"seed": i}),
                                     2 * steps + 4, frozenset(), for_talker=True)
                     for i in range(batch)]
 
@@ -220,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="fuse each decoder layer with torch.compile")
+    parser.add_argument("--thinker-sampling", choices=["greedy", "served"], default="greedy",
+                        help="served: temperature 0.7, as the load tests ask")
     parser.add_argument("--talker-sampling", choices=["greedy", "served"], default="greedy",
                         help="served: the service's default Talker sampling (top-k 50; the MTP's top-k 50 / top-p 0.8)")
     parser.add_argument("--max-seq-len", type=int, default=2048,
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
-                              args.max_seq_len)
+                              args.max_seq_len, SERVED_THINKER if args.thinker_sampling == "served" else SamplingParams(temperature=0.0))
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
                     + (", layers compiled" if args.compile else "")
-                    + f", Talker sampling {args.talker_sampling}"
+                    + f", Thinker sampling {args.thinker_sampling}, Talker sampling {args.talker_sampling}"
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + f", KV slots of {args.max_seq_len} positions",

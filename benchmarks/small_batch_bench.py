@@ -28,9 +28,10 @@ CONFIGS: list[small_batch.MatmulConfig] = [
 def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
     """Each projection of a layer (its prologue and epilogue as served) at each row count: cuBLAS `F.linear`
     without them, and `rows_matmul` under each config (us per call)."""
-    shapes = {"qkv (norm)": (4096, width, "norm"), "o (residual)": (width, 2048, "residual"),
-              "gate_up (norm, SiLU*up)": (inner, width, "gated"), "down (residual)": (width, inner, "residual"),
-              "code head": (2048, width, "plain")}
+    shapes = {"qkv (norm, own pass)": (4096, width, "norm"), "qkv (norm, partial squares)": (4096, width, "norm-squares"),
+              "o (residual, keeping squares)": (width, 2048, "residual"),
+              "gate_up (norm, partial squares, SiLU*up)": (inner, width, "gated"),
+              "down (residual, keeping squares)": (width, inner, "residual"), "code head": (2048, width, "plain")}
     out = []
     for name, (n, k, kind) in shapes.items():
         weight = torch.randn(2 * n if kind == "gated" else n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -38,13 +39,17 @@ def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
         for count in rows:
             x = torch.randn(count, k, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(count, n, device="cuda", dtype=torch.bfloat16)
+            # the partial sums a residual GEMM leaves: one per 16 columns
+            squares = x.float().pow(2).reshape(count, k // 16, 16).sum(-1).T.contiguous()
             row: dict[str, Any] = {"gemm": name, "rows": count, "default": list(small_batch.matmul_config(n, k))}
             row["cuBLAS"] = 1000 * replay_ms(lambda: F.linear(x, weight))[0]
             for config in CONFIGS:
                 def run(config: small_batch.MatmulConfig = config) -> torch.Tensor:
+                    if kind == "residual":
+                        return small_batch.rows_matmul_keeping_squares(x, weight, residual, config)[0]
                     return small_batch.rows_matmul(
-                        x, weight, norm if kind in ("norm", "gated") else None, gated=kind == "gated",
-                        residual=residual if kind == "residual" else None, config=config)
+                        x, weight, None if kind == "plain" else norm, gated=kind == "gated", config=config,
+                        squares=squares if kind in ("norm-squares", "gated") else None)
                 try:
                     row[str(list(config))] = 1000 * replay_ms(run)[0]
                 except Exception as exc:  # e.g. more shared memory than the GPU has
@@ -79,7 +84,8 @@ def attention_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
 
 def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     """One code-predictor layer step (one new token per row over a 17-position cache), us per call: eager, compiled
-    by inductor as `compile_layers` does, and as five kernels."""
+    by inductor as `compile_layers` does, and as five kernels (a pass's first layer, whose input norm sums the rows'
+    squares itself, and a later one, which reads the previous layer's partial sums)."""
     torch.manual_seed(0)
     eager = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
     eager.fuse_projections()
@@ -95,9 +101,12 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
         x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         cos, sin = eager.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
         row: dict[str, Any] = {"rows": count}
+        fused = kernels.layers[0]
+        squares = small_batch.decoder_layer(fused, x, cos, sin, cache.layers[0], batch)[1]  # of another layer's output
         stacks: dict[str, Callable[..., torch.Tensor]] = {
             "eager": eager.layers[0], "inductor": compiled.layers[0],
-            "five kernels": lambda *a: small_batch.decoder_layer(kernels.layers[0], *a),
+            "five kernels, first layer": lambda *a: small_batch.decoder_layer(fused, *a)[0],
+            "five kernels, later layer": lambda *a: small_batch.decoder_layer(fused, *a, squares)[0],
         }
         for name, layer in stacks.items():
             row[name] = 1000 * replay_ms(lambda layer=layer: layer(x, cos, sin, cache.layers[0], batch))[0]
@@ -119,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_meta("benchmarks.small_batch_bench", argv, gpu=gpu)
     lines = [f"# The code predictor's kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
              f"commit {meta['commit']}", f"# command: {meta['command']}", "",
-             "## One layer, one new token per row", "", "| rows | eager | inductor | five kernels |", "|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels']:.1f} |" for r in layers]
+             "## One layer, one new token per row", "",
+             "| rows | eager | inductor | five kernels, first layer | five kernels, later layer |", "|---|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels, first layer']:.1f} | "
+              f"{r['five kernels, later layer']:.1f} |" for r in layers]
     warps = [f"{w} warps" for w in ATTENTION_WARPS]
     lines += ["", "## The attention kernel (q/k norm, rotary, KV write, attention), one new token per row", "",
               "| rows | " + " | ".join(warps) + " |", "|---|" + "---|" * len(warps)]

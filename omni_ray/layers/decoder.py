@@ -172,11 +172,12 @@ class DecoderStack(nn.Module):
         x = embeds
         if 0 in capture:
             captured[0] = x
+        squares = None  # the kernels' partial sums of x's rows' squares, for the next layer's norm
         for i, layer in enumerate(self.layers):
             if self.small_batch_kernels and small_batch.applies(layer, x, batch):
-                x = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch)
+                x, squares = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
             else:
-                x = layer(x, cos, sin, kv_caches[i], batch)
+                x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:
                 captured[i + 1] = x
         x = self.norm(x)

@@ -4,16 +4,19 @@ The Talker's code predictor runs 15 passes of 5 dense layers per frame, at most 
 inductor, a layer is about 25 kernels (four cuBLAS GEMMs with split-K reductions, norms, rotary, the KV write, a
 softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per frame. Here a layer is five:
 
-1. input RMSNorm + the fused q/k/v projection (every program first sums the squares of the rows it reads: summed
-   inside the product's loop instead, the projection took 10-14 us instead of 6-11 us on an H200);
+1. input RMSNorm + the fused q/k/v projection;
 2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys, one program per (row, KV
    head);
 3. the output projection + the residual;
 4. post-attention RMSNorm + the fused gate/up projection + SiLU(gate) * up;
 5. the down projection + the residual.
 
-Every GEMM holds all rows in one tile (M <= 64) and splits the output columns over programs, so each weight is read
-once per pass. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
+Every GEMM holds up to 32 rows in one tile and splits the output columns over programs, so each weight is read once
+per pass (per 32 rows). A norm needs each row's sum of squares before the GEMM can start: the GEMMs that add a
+residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
+of the next layer) adds up, instead of every one of its programs passing over the rows first (as the first layer's
+q/k/v GEMM does). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us on an
+H200. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
 the eager layer to bf16 rounding, not bit for bit.
 """
 
@@ -32,7 +35,8 @@ try:
 except ImportError:  # a CPU-only install: the layers run their eager code
     triton = None
 
-MAX_ROWS = 64  # rows x tokens of one step in a single GEMM tile
+MAX_ROWS = 64  # rows x tokens of a step the kernels take (past it, the layer's own code: measured up to 64)
+ROW_TILE = 32  # rows per GEMM program: 64 rows in one tile took 13-16 us where 32 took 8-11 (q/k/v, gate/up)
 
 
 if triton is not None:
@@ -40,26 +44,37 @@ if triton is not None:
     @triton.jit
     def _rows_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
+        squares_in_ptr, squares_in_count, squares_out_ptr,
         K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """out[:, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of output columns. (K is a
-        constant: a loop bound that is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are
-        multiplied as fp32, exact for half-precision values, for the interpreter, which multiplies bf16 tiles' raw
-        bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.)"""
-        rows = tl.arange(0, BLOCK_M)
+        """out[rows, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of rows and output columns.
+        SQUARES_IN (a power of two >= squares_in_count, or 0): the RMSNorm reads each row's sum of squares as
+        squares_in_count partial sums [count, M] instead of summing x's squares; SQUARES_OUT: the program writes the
+        partial sums of its output block's squares as row pid of [programs, M]. (K is a constant: a loop bound that
+        is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are multiplied as fp32, exact
+        for half-precision values, for the interpreter, which multiplies bf16 tiles' raw bits. PRECISION: "ieee"
+        for fp32 weights, which tensor cores would otherwise take as tf32.)"""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
         if NORM:  # RMSNorm of each row: its inverse RMS first, then the rows are scaled as they stream in
-            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = (k0 + ks) < K
-                x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                squares += tl.sum(x * x, axis=1)
+            if SQUARES_IN > 0:  # summed by the kernel that wrote x
+                parts = tl.arange(0, SQUARES_IN)
+                partial = tl.load(squares_in_ptr + parts[:, None] * M + rows[None, :],
+                                  mask=(parts < squares_in_count)[:, None] & row_ok[None, :], other=0.0)
+                squares = tl.sum(partial, axis=0)
+            else:
+                squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = (k0 + ks) < K
+                    x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + ks)[None, :],
+                                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    squares += tl.sum(x * x, axis=1)
             inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -86,7 +101,11 @@ if triton is not None:
         out_mask = row_ok[:, None] & col_ok[None, :]
         if RESIDUAL:
             acc += tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=out_mask)
+        if SQUARES_OUT:  # of the rounded output, as the next norm would sum them
+            rounded = tl.where(out_mask, out.to(tl.float32), 0.0)
+            tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1), mask=row_ok)
 
     @triton.jit
     def _head_norm_rope(ptr, norm_ptr, eps, cos_ptr, sin_ptr, D: tl.constexpr):
@@ -171,25 +190,53 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
 def rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: MatmulConfig | None = None,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ weight.T, weight [N, K] (or [2N, K], gate rows then up rows, with `gated`) →
-    [M, N] in x's dtype. `norm_weight`: RMSNorm x first (that scale, `eps`); `gated`: SiLU(gate) * up;
-    `residual` [M, N]: added to the result; `config`: another launch than `matmul_config`'s. One kernel."""
+    """x [M, K] @ weight.T, weight [N, K] (or [2N, K], gate rows then up rows, with `gated`) → [M, N] in x's dtype.
+    `norm_weight`: RMSNorm x first (that scale, `eps`), reading each row's sum of squares from `squares` (partial
+    sums [P, M], as `rows_matmul_keeping_squares` leaves them) when given; `gated`: SiLU(gate) * up; `residual`
+    [M, N]: added to the result; `config`: another launch than `matmul_config`'s. One kernel."""
+    return _rows_matmul(x, weight, norm_weight, eps, gated, residual, config, squares, keep_squares=False)[0]
+
+
+def rows_matmul_keeping_squares(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: MatmulConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows_matmul` with a residual, also returning the partial sums of its output rows' squares [P, M] (one row
+    per program: no atomics, so the sums are the same in every run), which the next norm-fused GEMM reads instead of
+    a pass over the rows."""
+    out, squares = _rows_matmul(x, weight, None, 0.0, False, residual, config, None, keep_squares=True)
+    assert squares is not None
+    return out, squares
+
+
+def _rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gated: bool,
+    residual: torch.Tensor | None, config: MatmulConfig | None, squares: torch.Tensor | None, keep_squares: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, stages, warps = config or matmul_config(n, k)
-    res = residual if residual is not None else out
+    block_m = min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
+    kept = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if keep_squares else None
+    if squares is not None:
+        assert squares.shape[1] == rows and squares.is_contiguous() and squares.dtype == torch.float32
     with _on_device(x):
-        _rows_matmul_kernel[(triton.cdiv(n, block_n),)](
-            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
+        _rows_matmul_kernel[grid](
+            x, x.stride(0), weight, weight.stride(0), out, out.stride(0),
+            residual if residual is not None else out, (residual if residual is not None else out).stride(0),
             norm_weight if norm_weight is not None else weight, eps, rows, n,
+            squares if squares is not None else out, 0 if squares is None else squares.shape[0],
+            kept if kept is not None else out,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=_interpreting(),
+            SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=_interpreting(),
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
-    return out
+    return out, kept
 
 
 def small_attention(
@@ -230,15 +277,19 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-) -> torch.Tensor:
-    """`DecoderLayer.forward` for a dense layer in five kernels (see the module's docstring). x [B, T, h]."""
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DecoderLayer.forward` for a dense layer in five kernels (see the module's docstring). x [B, T, h]; `squares`:
+    the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the layer's output and
+    the same sums of it, for the next layer's input norm."""
     rows, tokens, width = x.shape
     attn, mlp = layer.self_attn, layer.mlp
     flat = x.reshape(rows * tokens, width)
-    qkv = rows_matmul(flat, attn.qkv, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    norm = layer.input_layernorm
+    qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
     attended = small_attention(qkv, attn, cos, sin, kv_cache, batch, rows)
-    flat = rows_matmul(attended, attn.o_proj.weight, residual=flat)
+    flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
     norm = layer.post_attention_layernorm
-    hidden = rows_matmul(flat, mlp.gate_up, norm.weight, norm.variance_epsilon, gated=True)
-    return rows_matmul(hidden, mlp.down_proj.weight, residual=flat).reshape(rows, tokens, width)
+    hidden = rows_matmul(flat, mlp.gate_up, norm.weight, norm.variance_epsilon, gated=True, squares=squares)
+    flat, squares = rows_matmul_keeping_squares(hidden, mlp.down_proj.weight, flat)
+    return flat.reshape(rows, tokens, width), squares

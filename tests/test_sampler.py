@@ -15,6 +15,7 @@ from omni_ray.engine.sampler import (
     draw_keys,
     filter_top_k_top_p,
     penalize_repeats,
+    row_key,
     sample,
     sample_rows,
 )
@@ -218,6 +219,17 @@ def test_padding_rows_are_greedy() -> None:
     assert batch.top_k.tolist() == [3, 0, 0, 0]
     keys = draw_keys([NoiseSource(SamplingParams(temperature=0.5, seed=1))], rows=4)
     assert keys.shape == (4, 2) and keys[0].tolist() != [0, 0] and keys[1:].eq(0).all()
+
+
+def test_a_batchs_keys_are_each_rows_own_and_each_draw_has_new_ones() -> None:
+    """The batched hash gives each row `row_key(seed, draw)` (seeds past 32 bits too) and advances its count."""
+    sources = [NoiseSource(SamplingParams(temperature=0.5, seed=seed)) for seed in (0, 7, 2**40 + 3, 2**62 + 5)]
+    sources[2].draws = 1000
+    expected = [list(row_key(s.seed, s.draws)) for s in sources]
+    assert draw_keys(sources).tolist() == expected
+    again = draw_keys(sources).tolist()
+    assert again == [list(row_key(s.seed, s.draws - 1)) for s in sources] and again != expected
+    assert [s.draws for s in sources] == [2, 2, 1002, 2]
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -161,12 +162,12 @@ def sample(
 MASK32 = 0xFFFFFFFF
 
 
-IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor, np.ndarray)
 
 
 def mix32(x: IntOrTensor) -> IntOrTensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of values in [0, 2^32): Python ints on the host, int64
-    tensors on the device. The multipliers are below 2^31, so no product overflows int64."""
+    """A 32-bit integer hash (two multiply-xorshift rounds) of values in [0, 2^32): Python ints or int64 arrays on the
+    host, int64 tensors on the device. The multipliers are below 2^31, so no product overflows int64."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & MASK32
     x = x ^ (x >> 15)
@@ -174,11 +175,22 @@ def mix32(x: IntOrTensor) -> IntOrTensor:
     return x ^ (x >> 15)
 
 
-def row_key(seed: int, draw: int) -> tuple[int, int]:
-    """The two 32-bit keys of a row's `draw`-th draw under `seed` (any int; only its low 64 bits count)."""
+def seed_key(seed: int) -> int:
+    """The first of a row's two 32-bit keys: the same for every draw under `seed` (any int; only its low 64 bits
+    count)."""
     low, high = seed & MASK32, (seed >> 32) & MASK32
-    first = mix32(low ^ mix32(high ^ 0x9E3779B9))
-    return first, mix32(first ^ mix32((draw & MASK32) ^ 0x85EBCA6B))
+    return mix32(low ^ mix32(high ^ 0x9E3779B9))
+
+
+def draw_key(first: IntOrTensor, draw: IntOrTensor) -> IntOrTensor:
+    """The second key of the `draw`-th draw of rows whose first key is `first`."""
+    return mix32(first ^ mix32((draw & MASK32) ^ 0x85EBCA6B))
+
+
+def row_key(seed: int, draw: int) -> tuple[int, int]:
+    """The two 32-bit keys of a row's `draw`-th draw under `seed`."""
+    first = seed_key(seed)
+    return first, draw_key(first, draw)
 
 
 def exponential_from_hash(keys: torch.Tensor, ids: torch.Tensor, offset: int) -> torch.Tensor:
@@ -242,20 +254,22 @@ class NoiseSource:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.first_key = seed_key(self.seed)
         self.draws = 0
-
-    def next_key(self) -> tuple[int, int]:
-        key = row_key(self.seed, self.draws)
-        self.draws += 1
-        return key
 
 
 def draw_keys(sources: Sequence[NoiseSource], rows: int | None = None) -> torch.Tensor:
     """[rows, 2] int64 on the host: each source's next draw's keys (its draw count advances); padding rows get
-    zeros."""
-    rows = len(sources) if rows is None else rows
-    keys = [source.next_key() for source in sources] + [(0, 0)] * (rows - len(sources))
-    return torch.tensor(keys, dtype=torch.int64).reshape(rows, 2)
+    zeros. The hashes run over the batch at once (NumPy), not row by row: a step makes one to three of these."""
+    count = len(sources)
+    keys = np.zeros((count if rows is None else rows, 2), dtype=np.int64)
+    if count:
+        first = np.fromiter((source.first_key for source in sources), dtype=np.int64, count=count)
+        draws = np.fromiter((source.draws for source in sources), dtype=np.int64, count=count)
+        keys[:count, 0], keys[:count, 1] = first, draw_key(first, draws)
+        for source in sources:
+            source.draws += 1
+    return torch.from_numpy(keys)
 
 
 def needs_filter(params: Sequence[SamplingParams]) -> bool:

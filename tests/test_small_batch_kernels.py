@@ -205,7 +205,8 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         pointers |= {"slots_ptr": "*i64", "index_ptr": "*i64"}
         scalars = {name: "i32" for name in ("qkv_stride", "rope_stride", "slot_stride", "position_stride",
                                             "out_stride", "kv_len")} | {"eps": "fp32", "scale": "fp32"}
-        constants = {"T": int(variant[-1]), "HEADS": 16, "KV_HEADS": 8, "D": 128, "KEYS": 32}
+        constants = {"T": int(variant[-1]), "HEADS": 16, "KV_HEADS": 8, "D": 128, "KEYS": 32,
+                     "ROWS_ARE_SLOTS": variant == "attention-1"}
     else:
         kernel = small_batch._rows_matmul_kernel
         element = "*fp32" if variant == "fp32" else "*bf16"

@@ -128,15 +128,16 @@ if triton is not None:
         qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
         slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, kv_len, scale,
         T: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr,
+        ROWS_ARE_SLOTS: tl.constexpr,
     ):
         """Row b's T new tokens for KV head g: their keys and values into the cache, then each of the head's query
         heads attends over the slot's first kv_len positions up to its own (the new keys are taken from registers,
-        not read back)."""
+        not read back). ROWS_ARE_SLOTS: row b is slot b (slots_ptr is not read)."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         d = tl.arange(0, D)
         positions = tl.arange(0, KEYS)
-        slot = tl.load(slots_ptr + b)
+        slot = b if ROWS_ARE_SLOTS else tl.load(slots_ptr + b)
         cache_at = slot * slot_stride + positions[:, None] * position_stride + g * D + d[None, :]
         in_range = (positions < kv_len)[:, None]
         keys = tl.load(k_cache_ptr + cache_at, mask=in_range, other=0.0).to(tl.float32)
@@ -250,16 +251,15 @@ def small_attention(
     k_cache, v_cache = kv_cache
     tokens = batch.num_tokens
     cos, sin = cos.reshape(rows * tokens, dim), sin.reshape(rows * tokens, dim)
-    slots = torch.arange(rows, device=qkv.device) if batch.rows_are_slots else batch.slots
     index = batch.write_index.reshape(-1)
     out = torch.empty(rows * tokens, heads * dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
     with _on_device(qkv):
         _small_attention_kernel[(rows, kv_heads)](
             qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
-            cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), slots, index, out, out.stride(0),
-            batch.kv_len, dim**-0.5, T=tokens, HEADS=heads, KV_HEADS=kv_heads, D=dim,
-            KEYS=triton.next_power_of_2(batch.kv_len), num_warps=warps,
+            cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), batch.slots, index, out,
+            out.stride(0), batch.kv_len, dim**-0.5, T=tokens, HEADS=heads, KV_HEADS=kv_heads, D=dim,
+            KEYS=triton.next_power_of_2(batch.kv_len), ROWS_ARE_SLOTS=batch.rows_are_slots, num_warps=warps,
         )
     return out
 

@@ -1,6 +1,7 @@
-"""The code predictor's kernels (`layers/small_batch.py`) on a GPU, each replayed from a CUDA graph: every GEMM of a
-layer under several launch configs against cuBLAS, and a whole layer as five kernels against the same layer eager
-and compiled by inductor (as served before the kernels). Full-size Qwen3-Omni-30B shapes, bf16, random weights."""
+"""The small-batch kernels on a GPU, each replayed from a CUDA graph: the code predictor's (`layers/small_batch.py`:
+every GEMM of a layer under several launch configs against cuBLAS, a whole layer as five kernels against the same
+layer eager and compiled by inductor) and the MoE expert kernels (`layers/moe_kernels.py`, against grouped GEMMs).
+Full-size Qwen3-Omni-30B shapes, bf16, random weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from omni_ray.layers.moe import Experts
 
 CONFIGS: list[small_batch.MatmulConfig] = [
     (16, 256, 3, 4), (32, 256, 3, 4), (16, 128, 4, 4), (16, 512, 2, 4), (32, 128, 4, 4), (64, 128, 3, 4),
@@ -114,19 +116,46 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def moe_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """One MoE block's experts (the routing sort, both GEMMs, the weighted sum) per token count, us per call: grouped
+    GEMMs (as served) and the Triton expert kernels; each token picks its own random experts."""
+    out = []
+    for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
+        torch.manual_seed(0)
+        experts = Experts(text.num_experts, text.hidden_size, text.moe_intermediate_size).cuda().to(torch.bfloat16)
+        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
+        torch.nn.init.normal_(experts.down_proj, std=0.02)
+        k = text.num_experts_per_tok
+        for count in rows:
+            x = torch.randn(count, text.hidden_size, device="cuda", dtype=torch.bfloat16)
+            chosen = torch.stack([torch.randperm(text.num_experts)[:k] for _ in range(count)]).cuda()
+            weights = torch.softmax(torch.randn(count, k, device="cuda"), -1).to(torch.bfloat16)
+            grouped_ms, grouped = replay_ms(lambda: experts.grouped(x, chosen, weights))
+            kernels_ms, kernels = replay_ms(lambda: experts.with_kernels(x, chosen, weights))
+            error = ((kernels.float() - grouped.float()).norm() / grouped.float().norm()).item()
+            out.append({"stage": stage, "tokens": count, "grouped GEMMs": 1000 * grouped_ms,
+                        "Triton expert kernels": 1000 * kernels_ms, "relative difference": error})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
+    config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
+    cfg = config.talker_config.code_predictor_config
     rows = [int(r) for r in args.rows.split(",")]
     layers = layer_rows(cfg, rows)
     gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows)
     attention = attention_rows(cfg, rows)
+    try:  # the newest kernels, not yet run on a GPU: a failure is reported, not lost with the rest
+        moe, moe_failure = moe_rows(config, [r for r in rows if r <= 32]), None
+    except Exception as exc:
+        moe, moe_failure = [], f"{type(exc).__name__}: {exc}"
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.small_batch_bench", argv, gpu=gpu)
-    lines = [f"# The code predictor's kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
+    lines = [f"# Small-batch kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
              f"commit {meta['commit']}", f"# command: {meta['command']}", "",
              "## One layer, one new token per row", "",
              "| rows | eager | inductor | five kernels, first layer | five kernels, later layer |", "|---|---|---|---|---|"]
@@ -143,7 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in gemms:
         cells = " | ".join("–" if r[n] is None else f"{r[n]:.1f}" for n in names)
         lines.append(f"| {r['gemm']} | {r['rows']} | {r['default']} | {r['cuBLAS']:.1f} | {cells} |")
-    document = {"meta": meta, "layers": layers, "gemms": gemms, "attention": attention}
+    lines += ["", "## One MoE block's experts (routing sort, both GEMMs, weighted sum), us per call", "",
+              "| stage | tokens | grouped GEMMs | Triton expert kernels | relative difference |", "|---|---|---|---|---|"]
+    lines += [f"| {r['stage']} | {r['tokens']} | {r['grouped GEMMs']:.1f} | {r['Triton expert kernels']:.1f} | "
+              f"{r['relative difference']:.1e} |" for r in moe]
+    if moe_failure:
+        lines.append(f"\nThe MoE kernels failed: {moe_failure}")
+    document = {"meta": meta, "layers": layers, "gemms": gemms, "attention": attention, "moe": moe,
+                "moe_failure": moe_failure}
     write_results(args.out, "small_batch_kernels", document, "\n".join(lines) + "\n")
     return 0
 

@@ -43,6 +43,11 @@ class EngineSettings(_Strict):
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )
+    moe_kernels: bool = Field(
+        default=False,
+        description="on CUDA: a decode batch's MoE expert GEMMs as Triton kernels over the picked experts "
+        "(`layers/moe_kernels.py`) instead of grouped GEMMs; opt-in until measured on a GPU",
+    )
     launch_ahead: bool = Field(
         default=False,
         description="queue each step on the device before reading the previous one back, so that the host's "

@@ -167,6 +167,8 @@ def test_seeded_thinker_sampling_replayed_from_graphs_draws_eagers_tokens(tiny_c
 
 
 def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
+    """The Thinker's expert shapes (128 experts, 2048 wide, 768 inner), 1-100 tokens picking 8: grouped GEMMs, and
+    for decode batches the Triton expert kernels, give the per-expert loop's output."""
     from omni_ray.layers.moe import Experts
 
     torch.manual_seed(0)
@@ -182,6 +184,15 @@ def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:
             # bf16 keeps ~3 significant digits; the two paths round and sum in different orders.
             error = (grouped.float() - looped.float()).norm() / looped.float().norm()
             assert error < 1e-2, error
+            if tokens <= 64:  # the Triton expert kernels (a decode batch), eagerly and from a CUDA graph
+                kernels = experts.with_kernels(x, chosen, weights)
+                error = (kernels.float() - looped.float()).norm() / looped.float().norm()
+                assert error < 1e-2, error
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replayed = experts.with_kernels(x, chosen, weights)
+                graph.replay()
+                torch.testing.assert_close(replayed, kernels)
 
 
 def test_talker_lanes_on_their_own_streams_step_as_they_do_one_after_the_other(tiny_checkpoint: Path) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from omni_ray.layers.attention import Attention, AttentionBatch
 from omni_ray.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
-from omni_ray.layers import small_batch
+from omni_ray.layers import moe_kernels, small_batch
 from omni_ray.layers.moe import SparseMoE
 
 
@@ -134,6 +134,16 @@ class DecoderStack(nn.Module):
             return False
         self.fuse_projections()
         self.small_batch_kernels = True
+        return True
+
+    def use_moe_kernels(self) -> bool:
+        """Decode batches' MoE expert GEMMs as `moe_kernels` Triton kernels instead of grouped GEMMs. Call before
+        `compile_layers`. False (and nothing changes) without Triton."""
+        if moe_kernels.triton is None:
+            return False
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.experts.use_kernels = True
         return True
 
     def compile_layers(self) -> None:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_ray.layers import moe_kernels
 from omni_ray.layers.basic import GatedMLP
 
 
@@ -80,10 +81,14 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.use_kernels = False  # decode batches through `moe_kernels` (see `DecoderStack.use_moe_kernels`)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, H]; experts/weights: [N, k]. On CUDA, with no host sync (so CUDA graphs can capture it): grouped
-        GEMMs in half precision, per-pair gathered weights otherwise; on the CPU one matmul per hit expert."""
+        """x: [N, H]; experts/weights: [N, k]. On CUDA, with no host sync (so CUDA graphs can capture it): a decode
+        batch through the Triton expert kernels when turned on, else grouped GEMMs in half precision, per-pair gathered
+        weights otherwise; on the CPU one matmul per hit expert."""
+        if self.use_kernels and moe_kernels.applies(x):
+            return self.with_kernels(x, experts, weights)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             return self.grouped(x, experts, weights)
         if x.is_cuda:
@@ -113,8 +118,23 @@ class Experts(nn.Module):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        return self._combine(y, place, experts, weights, x.dtype)
+
+    def with_kernels(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`grouped` with its two GEMMs as `moe_kernels.expert_gemms`: one program per picked expert and column
+        block (decode batches)."""
+        _, place, token_of, counts = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
+        y = _expert_gemms(x, self.gate_up_proj, self.down_proj, token_of, counts)
+        return self._combine(y, place, experts, weights, x.dtype)
+
+    @staticmethod
+    def _combine(
+        y: torch.Tensor, place: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Per-pair outputs [pairs, H] in expert order → each token's k results weighted and summed in fp32 (a
+        gather back to pair order, no scatter-add)."""
         per_pair = y[place].unflatten(0, experts.shape).float()  # [N, k, H]
-        return (per_pair * weights[..., None].float()).sum(1).to(x.dtype)
+        return (per_pair * weights[..., None].float()).sum(1).to(dtype)
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair with its own gathered weights: sync-free and exact, but memory grows with
@@ -139,6 +159,15 @@ class Experts(nn.Module):
             out.index_add_(0, tokens, (y * flat_weights[start : start + count, None]).to(out.dtype))
             start += count
         return out
+
+
+@torch.compiler.disable
+def _expert_gemms(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_kernels.expert_gemms` outside inductor's graph (a compiled layer calls it between two compiled parts;
+    replayed from a CUDA graph, the break costs nothing)."""
+    return moe_kernels.expert_gemms(x, gate_up, down, token_of, counts)
 
 
 class SparseMoE(nn.Module):

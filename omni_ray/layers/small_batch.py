@@ -170,7 +170,8 @@ if triton is not None:
                 tl.store(out_ptr + row * out_stride + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Triton runs its interpreter (on the CPU): kernels launch on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -234,7 +235,7 @@ def _rows_matmul(
             kept if kept is not None else out,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=_interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=interpreting(),
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out, kept
@@ -269,7 +270,7 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
     fused projections, few rows and few keys, a decode over the cache (not a from-zero prefill)."""
     mlp, attn = layer.mlp, layer.self_attn
     return (
-        triton is not None and (x.is_cuda or _interpreting()) and getattr(mlp, "gate_up", None) is not None
+        triton is not None and (x.is_cuda or interpreting()) and getattr(mlp, "gate_up", None) is not None
         and attn.qkv is not None and x.shape[0] * x.shape[1] <= MAX_ROWS and not batch.from_zero
         and batch.kv_len <= SMALL_KEY_ATTENTION_MAX_KEYS and attn.head_dim & (attn.head_dim - 1) == 0
     )

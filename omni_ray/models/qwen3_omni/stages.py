@@ -132,7 +132,8 @@ class ThinkerStage(StageBase):
         res, engine = stage.resources, stage.engine
         thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
         cache = _kv_cache(config.thinker_config.text_config, engine, res)
-        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers)
+        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers,
+                               engine.moe_kernels)
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launch_ahead)
@@ -231,7 +232,7 @@ class TalkerStage(StageBase):
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
                                   engine.compile_layers, engine.sampling_kernel,
-                                  engine.code_predictor_kernels)
+                                  engine.code_predictor_kernels, engine.moe_kernels)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

@@ -132,6 +132,7 @@ class TalkerRunner:
         compile_layers: bool = False,
         sampling_kernel: bool = True,
         code_predictor_kernels: bool = True,
+        moe_kernels: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -162,6 +163,8 @@ class TalkerRunner:
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
+        if moe_kernels and self.device.type == "cuda":
+            self.model.model.use_moe_kernels()
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers()
             stack = self.model.code_predictor.model

@@ -108,7 +108,7 @@ class ThinkerRunner:
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
-        compile_layers: bool = False,
+        compile_layers: bool = False, moe_kernels: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -121,6 +121,8 @@ class ThinkerRunner:
         )
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
+        if moe_kernels and self.device.type == "cuda":
+            model.model.use_moe_kernels()
         if compile_layers and self.device.type == "cuda":
             model.model.compile_layers()
         # tokens each slot has seen (prompt + reply), for the repetition penalty

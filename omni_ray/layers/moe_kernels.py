@@ -1,0 +1,122 @@
+"""A decode batch's MoE expert GEMMs as two Triton kernels, one program per (picked expert, column block).
+
+`torch._grouped_mm` (cutlass) took 10 us per GEMM for the Talker's 6 picked experts at batch 1 on an H200, where
+their weights take 1-2 us to read, and 52 us at batch 32. Here a decode batch's rows fit one tile per expert (an
+expert holds at most one pair per token), so a program reads its expert's column block once for all the expert's
+rows. The grid covers only as many experts as can be picked (min(pairs, experts)); each program finds its expert in
+a list of the picked ones made on the device, so nothing waits for the host and CUDA graphs can capture it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from omni_ray.layers.small_batch import interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: the experts run their other code
+    triton = None
+
+MAX_TOKENS = 64  # a decode batch's tokens: every expert's rows in one tile
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
+        x_ptr, x_stride, token_ptr, w_ptr, w_expert_stride, w_row_stride, picked_ptr, offsets_ptr, out_ptr,
+        out_stride, N, num_experts,
+        K: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """out[p, cols] for the pairs p of the program's picked expert e (offsets[e] <= p < offsets[e + 1]):
+        x[token[p]] (GATHER) or x[p] times w[e, cols].T; GATED: w[e] holds gate rows then up rows (N each), and the
+        result is SiLU(gate) * up. A program whose slot in the picked list is empty does nothing."""
+        expert = tl.load(picked_ptr + tl.program_id(0))
+        if expert < num_experts:
+            start = tl.load(offsets_ptr + expert)
+            end = tl.load(offsets_ptr + expert + 1)
+            pairs = start + tl.arange(0, BLOCK_M)
+            pair_ok = pairs < end
+            rows = tl.load(token_ptr + pairs, mask=pair_ok, other=0) if GATHER else pairs
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            ks = tl.arange(0, BLOCK_K)
+            w_base = w_ptr + expert * w_expert_stride
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                k_ok = kk < K
+                x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=pair_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                if FP32_DOT:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if GATED:
+                    up = tl.load(w_base + (cols + N)[:, None] * w_row_stride + kk[None, :],
+                                 mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                    if FP32_DOT:
+                        up = up.to(tl.float32)
+                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
+            if GATED:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_ptr + pairs[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Triton on a GPU (or its interpreter) and a decode batch's few tokens."""
+    return triton is not None and (x.is_cuda or interpreting()) and x.shape[0] <= MAX_TOKENS
+
+
+def picked_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
+    """The experts with pairs, in order, in a list of `slots` entries; unused entries hold len(counts). On the
+    device, with no host sync."""
+    experts = counts.shape[0]
+    rank = torch.cumsum(counts > 0, 0) - 1
+    target = torch.where(counts > 0, rank, slots)  # experts without pairs go to a spare last entry
+    picked = torch.full((slots + 1,), experts, dtype=torch.long, device=counts.device)
+    return picked.scatter(0, target, torch.arange(experts, device=counts.device))[:slots]
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, picked: torch.Tensor, token: torch.Tensor | None,
+    gated: bool, block_m: int,
+) -> torch.Tensor:
+    """For the pairs sorted by expert (expert e's are offsets[e]..offsets[e+1]): x[token[p]] (or x[p] when token is
+    None) @ weight[e].T, weight [E, N, K] (or [E, 2N, K] with `gated`: SiLU(gate) * up). → [pairs, N]."""
+    pairs = token.shape[0] if token is not None else x.shape[0]
+    experts, width, depth = weight.shape
+    n = width // 2 if gated else width
+    assert x.stride(1) == 1 and weight.stride(2) == 1
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    block_n = 32
+    with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
+        _expert_matmul_kernel[(picked.shape[0], triton.cdiv(n, block_n))](
+            x, x.stride(0), token if token is not None else offsets, weight, weight.stride(0), weight.stride(1),
+            picked, offsets, out, out.stride(0), n, experts,
+            K=depth, GATED=gated, GATHER=token is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+            FP32_DOT=interpreting(), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+            num_warps=4, num_stages=3,
+        )
+    return out
+
+
+def expert_gemms(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor,
+) -> torch.Tensor:
+    """Every pair's expert output [pairs, H] for pairs sorted by expert (`Experts._sort_by_expert`): SiLU(gate) * up,
+    then down, as two kernels over the picked experts only."""
+    pairs, experts = token_of.shape[0], counts.shape[0]
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    picked = picked_experts(counts, min(pairs, experts))
+    block_m = max(16, triton.next_power_of_2(x.shape[0]))  # an expert has at most one pair per token
+    hidden = expert_matmul(x, gate_up, offsets, picked, token_of, gated=True, block_m=block_m)
+    return expert_matmul(hidden, down, offsets, picked, None, gated=False, block_m=block_m)

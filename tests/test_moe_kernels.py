@@ -1,0 +1,83 @@
+"""The MoE expert kernels (`layers/moe_kernels.py`) against the per-expert loop: under Triton's interpreter on the
+CPU, and compiled for the H200 without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from omni_ray.layers import moe_kernels
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are defined.
+CHECK = r"""
+import json, torch
+from omni_ray.layers import moe_kernels
+from omni_ray.layers.moe import Experts
+
+torch.manual_seed(0)
+experts_module = Experts(num_experts=12, hidden_size=48, intermediate_size=40)
+with torch.no_grad():
+    experts_module.gate_up_proj.normal_(0, 0.2)
+    experts_module.down_proj.normal_(0, 0.2)
+experts_module.use_kernels = True
+results = {}
+for tokens, k in ((1, 4), (5, 3), (9, 4)):
+    x = torch.randn(tokens, 48)
+    experts = torch.stack([torch.randperm(12)[:k] for _ in range(tokens)])
+    experts[:, 0] = 7  # one expert every token picks
+    weights = torch.rand(tokens, k)
+    assert moe_kernels.applies(x)
+    got = experts_module(x, experts, weights)
+    expected = experts_module.looped(x, experts, weights)
+    counts = torch.bincount(experts.reshape(-1), minlength=12)
+    picked = moe_kernels.picked_experts(counts, min(tokens * k, 12)).tolist()
+    results[f"{tokens}x{k}"] = {"error": (got - expected).abs().max().item(), "scale": expected.abs().max().item(),
+                                "picked": picked, "hit": sorted(set(experts.reshape(-1).tolist()))}
+print(json.dumps(results))
+"""
+
+
+def test_expert_kernels_equal_the_per_expert_loop_under_the_triton_interpreter() -> None:
+    """1, 5 and 9 tokens picking 3-4 of 12 experts, one expert picked by every token: the two kernels (SiLU(gate) *
+    up, then down, over the picked experts only) and the weighted sum give the loop's output; the picked-expert list
+    holds each hit expert once, in order, then empty entries."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"1x4", "5x3", "9x4"}
+    for case, result in results.items():
+        assert result["error"] < 1e-5 * max(1.0, result["scale"]), (case, result)
+        hit = result["hit"]
+        assert result["picked"][: len(hit)] == hit and all(e == 12 for e in result["picked"][len(hit):]), case
+
+
+def test_picked_experts_lists_the_hit_ones_then_empty_entries() -> None:
+    counts = torch.tensor([0, 2, 0, 0, 1, 3])
+    assert moe_kernels.picked_experts(counts, 4).tolist() == [1, 4, 5, 6]
+    assert moe_kernels.picked_experts(counts, 3).tolist() == [1, 4, 5]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
+def test_expert_kernel_compiles_for_the_h200_without_a_gpu(gated: bool) -> None:
+    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), as the Thinker launches it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = {"x_ptr": "*bf16", "token_ptr": "*i64", "w_ptr": "*bf16", "picked_ptr": "*i64", "offsets_ptr": "*i64",
+                "out_ptr": "*bf16"}
+    scalars = {name: "i32" for name in ("x_stride", "w_expert_stride", "w_row_stride", "out_stride", "N",
+                                        "num_experts")}
+    constants = {"K": 2048 if gated else 768, "GATED": gated, "GATHER": gated, "BLOCK_M": 32, "BLOCK_N": 32,
+                 "BLOCK_K": 128, "FP32_DOT": False, "PRECISION": "tf32"}
+    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+    source = ASTSource(moe_kernels._expert_matmul_kernel, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]

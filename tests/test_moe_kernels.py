@@ -3,14 +3,11 @@ CPU, and compiled for the H200 without a GPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _triton import compile_for_h200, run_interpreted
 from omni_ray.layers import moe_kernels
 
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are defined.
@@ -46,11 +43,7 @@ def test_expert_kernels_equal_the_per_expert_loop_under_the_triton_interpreter()
     """1, 5 and 9 tokens picking 3-4 of 12 experts, one expert picked by every token: the two kernels (SiLU(gate) *
     up, then down, over the picked experts only) and the weighted sum give the loop's output; the picked-expert list
     holds each hit expert once, in order, then empty entries."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(CHECK)
     assert set(results) == {"1x4", "5x3", "9x4"}
     for case, result in results.items():
         assert result["error"] < 1e-5 * max(1.0, result["scale"]), (case, result)
@@ -67,17 +60,10 @@ def test_picked_experts_lists_the_hit_ones_then_empty_entries() -> None:
 @pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
 def test_expert_kernel_compiles_for_the_h200_without_a_gpu(gated: bool) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), as the Thinker launches it."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     pointers = {"x_ptr": "*bf16", "token_ptr": "*i64", "w_ptr": "*bf16", "picked_ptr": "*i64", "offsets_ptr": "*i64",
                 "out_ptr": "*bf16"}
     scalars = {name: "i32" for name in ("x_stride", "w_expert_stride", "w_row_stride", "out_stride", "N",
                                         "num_experts")}
     constants = {"K": 2048 if gated else 768, "GATED": gated, "GATHER": gated, "BLOCK_M": 32, "BLOCK_N": 32,
                  "BLOCK_K": 128, "FP32_DOT": False, "PRECISION": "tf32"}
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
-    source = ASTSource(moe_kernels._expert_matmul_kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    compile_for_h200(moe_kernels._expert_matmul_kernel, {**pointers, **scalars}, constants)

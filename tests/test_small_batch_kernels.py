@@ -3,15 +3,13 @@ on the CPU, and compiled for the H200 without a GPU."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _triton import compile_for_h200, run_interpreted
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
@@ -71,11 +69,7 @@ def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> N
     three more write one each, rows in the first slots or in others. The kernels' outputs and the keys and values
     they write equal the eager layers' (fp32: to float rounding; bf16: to its rounding), for every layer of every step
     (the second layer's input norm reads the sums of squares the first layer's kernels left)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(CHECK)
     assert set(results) == {"torch.float32-rows are slots", "torch.float32-slots", "torch.bfloat16-rows are slots"}
     for case, worst in results.items():
         assert worst["used"] == 8, case  # 2 layers x 4 steps ran the kernels
@@ -115,11 +109,7 @@ def test_each_gemm_form_equals_torch_over_two_row_tiles_under_the_triton_interpr
     """40 rows (two tiles of 32): the plain product, the RMSNorm prologue (its own pass over the rows, or the partial
     sums of squares a residual GEMM left), SiLU(gate) * up, and the residual with the partial sums of its output's
     squares, one per column block of 16."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", GEMMS], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    errors = run_interpreted(GEMMS)
     assert errors.pop("partials") == [3, 40]  # 48 output columns in blocks of 16
     for form, error in errors.items():
         assert error < 1e-5, (form, error)
@@ -163,12 +153,7 @@ print(json.dumps({"eager": frames[False], "kernels": frames[True]}))
 def test_talker_frames_with_kernels_equal_the_eager_frames_under_the_triton_interpreter(tiny_checkpoint: Path) -> None:
     """The embedded checkpoint's Talker, two greedy replies batched: every frame's 16 codes are the same whether
     the code predictor's passes run its layers' eager code or the kernels."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", FRAMES, str(tiny_checkpoint)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    frames = json.loads(done.stdout.strip().splitlines()[-1])
+    frames = run_interpreted(FRAMES, str(tiny_checkpoint))
     assert len(frames["eager"]) >= 12 and all(len(codes) == 16 for codes in frames["eager"])
     assert frames["kernels"] == frames["eager"]
     assert len({tuple(codes[1:]) for codes in frames["eager"]}) > 1  # the code predictor's codes vary
@@ -194,10 +179,6 @@ def test_layers_without_triton_on_the_cpu_run_eagerly() -> None:
 def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), in each form the code predictor
     launches: what the interpreter lets pass and a GPU would refuse fails here."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if variant.startswith("attention"):
         kernel = small_batch._small_attention_kernel
         pointers = {name: "*bf16" for name in ("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr",
@@ -221,7 +202,4 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
                      "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False,
                      "PRECISION": "ieee" if variant == "fp32" else "tf32"}
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
-    source = ASTSource(kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    compile_for_h200(kernel, {**pointers, **scalars}, constants)

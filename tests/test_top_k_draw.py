@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
+from _triton import compile_for_h200, run_interpreted
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, SamplingParams
 from omni_ray.engine.top_k_draw import draw_with_kernel
 
@@ -52,11 +49,7 @@ print(json.dumps(results))
 def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
     """Greedy and sampled rows, top-k 1 to 64, top-p 0.3 to 1, repetition penalty, banned ids per row or shared,
     bf16 logits with ties: the kernel's token equals `sample`'s on every row."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_interpreted(CHECK)
     assert len(results) == 3
     for case in results:
         assert case["cap"] == 64
@@ -68,20 +61,13 @@ def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
 def test_kernel_compiles_for_the_h200_without_a_gpu(penalised: bool) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90): what the interpreter lets pass and a
     GPU would refuse (a Python annotation in a jit function, a type Triton cannot lower) fails here."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from omni_ray.engine.top_k_draw import _top_k_draw_kernel
 
     pointers = {"logits_ptr": "*bf16", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
                 "penalty_ptr": "*fp32", "seen_ptr": "*i1", "banned_ptr": "*i1", "keys_ptr": "*i64", "out_ptr": "*i64"}
     scalars = {name: "i32" for name in ("logits_stride", "vocab", "seen_stride", "banned_stride", "offset")}
     constants = {"HAS_SEEN": penalised, "HAS_BANNED": penalised, "BLOCK": 4096 if penalised else 2048, "CAP": 64}
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
-    source = ASTSource(_top_k_draw_kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    compile_for_h200(_top_k_draw_kernel, {**pointers, **scalars}, constants, num_warps=8)
 
 
 def test_draw_with_kernel_hands_what_it_cannot_take_to_its_fallback() -> None:

@@ -224,12 +224,13 @@ def _rows_matmul(
     block_m = min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
     kept = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if keep_squares else None
+    res = residual if residual is not None else out
     if squares is not None:
         assert squares.shape[1] == rows and squares.is_contiguous() and squares.dtype == torch.float32
     with _on_device(x):
         _rows_matmul_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0),
-            residual if residual is not None else out, (residual if residual is not None else out).stride(0),
+            res, res.stride(0),
             norm_weight if norm_weight is not None else weight, eps, rows, n,
             squares if squares is not None else out, 0 if squares is None else squares.shape[0],
             kept if kept is not None else out,

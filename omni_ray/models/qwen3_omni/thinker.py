@@ -325,9 +325,10 @@ class ThinkerRunner:
         params = [s.sampling for s in seqs]
         host = {"slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)),
                 "table": SamplingBatch.table(params, rows), "keys": draw_keys([s.noise for s in seqs], rows)}  # type: ignore[misc]
-        stacked = torch.cat(logits)
+        parts = list(logits)
         if rows > count:  # padding rows: greedy, in the scratch slot
-            stacked = torch.cat([stacked, stacked.new_zeros(rows - count, stacked.shape[1])])
+            parts.append(logits[0].new_zeros(rows - count, logits[0].shape[1]))
+        stacked = torch.cat(parts)
         mode = DrawMode.of(params)
         self._prepare_draw(rows, mode)
         out = self.graphs.run(("draw", rows, mode), self._draw_function(mode),

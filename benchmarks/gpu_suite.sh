@@ -14,8 +14,8 @@
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
-# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine and
-# profile: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
+# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine,
+# profile and smallbatch: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
 # MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
 # time on it).
 set -uo pipefail
@@ -67,7 +67,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       # shellcheck disable=SC2086
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
-      smallbatch) run_step smallbatch python -m benchmarks.small_batch_bench --out "$OUT/results/smallbatch" ;;
+      # shellcheck disable=SC2086
+      smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"
                run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;

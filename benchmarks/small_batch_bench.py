@@ -16,7 +16,7 @@ from transformers import Qwen3OmniMoeConfig
 from benchmarks.draw_bench import replay_ms
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.layers import small_batch
+from omni_ray.layers import moe_kernels, small_batch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.moe import Experts
@@ -138,21 +138,66 @@ def moe_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+MOE_CONFIGS: list[moe_kernels.ExpertMatmulConfig] = [
+    (32, 128, 3, 4), (16, 128, 3, 4), (16, 256, 3, 4), (64, 128, 3, 4), (32, 64, 4, 4), (32, 256, 2, 4),
+    (64, 64, 4, 4), (64, 128, 3, 8), (128, 64, 3, 8), (16, 128, 4, 2),
+]
+
+
+def moe_gemm_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """Each expert GEMM of a decode batch (gate/up with SiLU*up, and down) alone, per launch config [BLOCK_N,
+    BLOCK_K, stages, warps], us per call; each token picks its own random experts."""
+    out = []
+    for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
+        torch.manual_seed(0)
+        experts = Experts(text.num_experts, text.hidden_size, text.moe_intermediate_size).cuda().to(torch.bfloat16)
+        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
+        torch.nn.init.normal_(experts.down_proj, std=0.02)
+        for count in rows:
+            x = torch.randn(count, text.hidden_size, device="cuda", dtype=torch.bfloat16)
+            chosen = torch.stack([torch.randperm(text.num_experts)[:text.num_experts_per_tok] for _ in range(count)])
+            _, _, token_of, counts = Experts._sort_by_expert(chosen.cuda(), text.num_experts)
+            offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+            picked = moe_kernels.picked_experts(counts, min(token_of.shape[0], text.num_experts))
+            block_m = max(16, 1 << (count - 1).bit_length())
+            hidden = moe_kernels.expert_matmul(x, experts.gate_up_proj, offsets, picked, token_of, True, block_m)
+            gemms = {"gate_up (SiLU*up)": (x, experts.gate_up_proj, token_of, True),
+                     "down": (hidden, experts.down_proj, None, False)}
+            for name, (inputs, weight, token, gated) in gemms.items():
+                row: dict[str, Any] = {"stage": stage, "gemm": name, "tokens": count}
+                for launch in MOE_CONFIGS:
+                    try:
+                        row[str(list(launch))] = 1000 * replay_ms(
+                            lambda launch=launch: moe_kernels.expert_matmul(
+                                inputs, weight, offsets, picked, token, gated, block_m, launch))[0]
+                    except Exception as exc:  # e.g. more shared memory than the GPU has
+                        row[str(list(launch))] = None
+                        print(f"{stage} {name} tokens={count} {launch}: {type(exc).__name__}")
+                out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--sections", default="layers,gemms,attention,moe",
+                        help="which of layers, gemms, attention, moe to measure")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     cfg = config.talker_config.code_predictor_config
     rows = [int(r) for r in args.rows.split(",")]
-    layers = layer_rows(cfg, rows)
-    gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows)
-    attention = attention_rows(cfg, rows)
-    try:  # the newest kernels, not yet run on a GPU: a failure is reported, not lost with the rest
-        moe, moe_failure = moe_rows(config, [r for r in rows if r <= 32]), None
+    sections = set(args.sections.split(","))
+    layers = layer_rows(cfg, rows) if "layers" in sections else []
+    gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows) if "gemms" in sections else []
+    attention = attention_rows(cfg, rows) if "attention" in sections else []
+    moe, moe_gemms, moe_failure = [], [], None
+    try:  # a failure of the MoE kernels is reported, not lost with the rest
+        if "moe" in sections:
+            moe = moe_rows(config, [r for r in rows if r <= 32])
+            moe_gemms = moe_gemm_rows(config, [r for r in rows if r <= 32])
     except Exception as exc:
-        moe, moe_failure = [], f"{type(exc).__name__}: {exc}"
+        moe_failure = f"{type(exc).__name__}: {exc}"
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.small_batch_bench", argv, gpu=gpu)
     lines = [f"# Small-batch kernels, us per call replayed from a CUDA graph: {gpu}, {meta['date']}, "
@@ -176,10 +221,16 @@ def main(argv: list[str] | None = None) -> int:
               "| stage | tokens | grouped GEMMs | Triton expert kernels | relative difference |", "|---|---|---|---|---|"]
     lines += [f"| {r['stage']} | {r['tokens']} | {r['grouped GEMMs']:.1f} | {r['Triton expert kernels']:.1f} | "
               f"{r['relative difference']:.1e} |" for r in moe]
+    moe_names = [str(list(c)) for c in MOE_CONFIGS]
+    lines += ["", "## Each MoE expert GEMM alone, per launch config [BLOCK_N, BLOCK_K, stages, warps], us per call", "",
+              "| stage | GEMM | tokens | " + " | ".join(moe_names) + " |", "|---|---|---|" + "---|" * len(moe_names)]
+    for r in moe_gemms:
+        cells = " | ".join("–" if r[n] is None else f"{r[n]:.1f}" for n in moe_names)
+        lines.append(f"| {r['stage']} | {r['gemm']} | {r['tokens']} | {cells} |")
     if moe_failure:
         lines.append(f"\nThe MoE kernels failed: {moe_failure}")
     document = {"meta": meta, "layers": layers, "gemms": gemms, "attention": attention, "moe": moe,
-                "moe_failure": moe_failure}
+                "moe_gemms": moe_gemms, "moe_failure": moe_failure}
     write_results(args.out, "small_batch_kernels", document, "\n".join(lines) + "\n")
     return 0
 

@@ -139,7 +139,7 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, max_seq_len: int = 0, sampling: SamplingParams = SamplingParams(temperature=0.0),
-    moe_kernels: bool = False,
+    moe_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + 2 * steps + 8, max_seq_len)
@@ -163,7 +163,7 @@ def bench_thinker(
 def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
-    sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = False,
+    sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compiled: the Talker draws with inductor's fused sample instead of the Triton kernel")
     parser.add_argument("--no-code-predictor-kernels", action="store_true",
                         help="compiled: the code predictor's layers compiled by inductor instead of its Triton kernels")
-    parser.add_argument("--moe-kernels", action="store_true",
-                        help="decode batches' MoE expert GEMMs as Triton kernels instead of grouped GEMMs")
+    parser.add_argument("--no-moe-kernels", action="store_true",
+                        help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -250,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                               args.max_seq_len, SERVED_THINKER if args.thinker_sampling == "served" else SamplingParams(temperature=0.0),
-                              args.moe_kernels)
+                              not args.no_moe_kernels)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
-                             not args.no_code_predictor_kernels, args.moe_kernels)
+                             not args.no_code_predictor_kernels, not args.no_moe_kernels)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     + f", Thinker sampling {args.thinker_sampling}, Talker sampling {args.talker_sampling}"
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
-                    + (", MoE expert kernels" if args.moe_kernels else "")
+                    + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))

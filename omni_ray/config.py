@@ -44,9 +44,10 @@ class EngineSettings(_Strict):
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )
     moe_kernels: bool = Field(
-        default=False,
+        default=True,
         description="on CUDA: a decode batch's MoE expert GEMMs as Triton kernels over the picked experts "
-        "(`layers/moe_kernels.py`) instead of grouped GEMMs; opt-in until measured on a GPU",
+        "(`layers/moe_kernels.py`) instead of grouped GEMMs (on an H200 the Thinker's step at 32 streams took 13.3 "
+        "instead of 16.1 ms, the Talker's 8.9 instead of 9.4)",
     )
     launch_ahead: bool = Field(
         default=False,

@@ -22,6 +22,8 @@ except ImportError:  # a CPU-only install: the experts run their other code
     triton = None
 
 MAX_TOKENS = 64  # a decode batch's tokens: every expert's rows in one tile
+ExpertMatmulConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, num_warps
+DEFAULT_CONFIG: ExpertMatmulConfig = (32, 128, 3, 4)
 
 
 if triton is not None:
@@ -88,23 +90,24 @@ def picked_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
 
 def expert_matmul(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, picked: torch.Tensor, token: torch.Tensor | None,
-    gated: bool, block_m: int,
+    gated: bool, block_m: int, config: ExpertMatmulConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """For the pairs sorted by expert (expert e's are offsets[e]..offsets[e+1]): x[token[p]] (or x[p] when token is
-    None) @ weight[e].T, weight [E, N, K] (or [E, 2N, K] with `gated`: SiLU(gate) * up). → [pairs, N]."""
+    None) @ weight[e].T, weight [E, N, K] (or [E, 2N, K] with `gated`: SiLU(gate) * up). → [pairs, N]. `config`:
+    the launch (column block, depth block, pipeline stages, warps)."""
     pairs = token.shape[0] if token is not None else x.shape[0]
     experts, width, depth = weight.shape
     n = width // 2 if gated else width
     assert x.stride(1) == 1 and weight.stride(2) == 1
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    block_n = 32
+    block_n, block_k, stages, warps = config
     with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
         _expert_matmul_kernel[(picked.shape[0], triton.cdiv(n, block_n))](
             x, x.stride(0), token if token is not None else offsets, weight, weight.stride(0), weight.stride(1),
             picked, offsets, out, out.stride(0), n, experts,
-            K=depth, GATED=gated, GATHER=token is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+            K=depth, GATED=gated, GATHER=token is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             FP32_DOT=interpreting(), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=3,
+            num_warps=warps, num_stages=stages,
         )
     return out
 

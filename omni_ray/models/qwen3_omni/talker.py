@@ -132,7 +132,7 @@ class TalkerRunner:
         compile_layers: bool = False,
         sampling_kernel: bool = True,
         code_predictor_kernels: bool = True,
-        moe_kernels: bool = False,
+        moe_kernels: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model

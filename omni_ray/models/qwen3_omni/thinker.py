@@ -108,7 +108,7 @@ class ThinkerRunner:
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
-        compile_layers: bool = False, moe_kernels: bool = False,
+        compile_layers: bool = False, moe_kernels: bool = True,
     ) -> None:
         self.model = model
         self.config = config

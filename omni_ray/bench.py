@@ -10,7 +10,9 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,6 +84,7 @@ class _LaunchClock:
         self.launches = 0
         self.seconds = 0.0
         self.syncs = 0
+        self.sync_sites: Counter[str] = Counter()  # where in omni_ray each sync was asked for
 
     def launch(self, seqs: list[Any]) -> Any:
         if not self.count_syncs:  # timed: nothing around the launch but the clock
@@ -90,15 +93,25 @@ class _LaunchClock:
             self.seconds += time.perf_counter() - start
             self.launches += 1
             return handle
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = self._record_sync  # called while the syncing op runs: its stack is the caller's
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 return self.runner.launch(seqs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
                 self.launches += 1
-                self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+
+    def _record_sync(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                     file: Any = None, line: str | None = None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        self.syncs += 1
+        ours = [frame for frame in traceback.extract_stack() if "/omni_ray/" in frame.filename and frame.filename != __file__]
+        site = ours[-1] if ours else None
+        self.sync_sites[f"{site.filename.rsplit('/omni_ray/', 1)[-1]}:{site.lineno} `{site.line}`" if site
+                        else f"{filename}:{lineno}"] += 1
 
 
 def _launched_ahead(clock: _LaunchClock, seqs: list[Any], steps: int) -> None:
@@ -126,13 +139,14 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
         clock = _LaunchClock(runner, count_syncs=not timed and device.startswith("cuda"))
         ahead_ms = _timed(lambda: _launched_ahead(clock, seqs, steps), device) / steps if pipelined else None
         if not timed:
-            syncs = clock.syncs
+            syncs, sync_sites = clock.syncs, dict(clock.sync_sites)
         for seq in seqs:
             runner.release(seq)
     return {"stage": stage, "batch": len(seqs), "prefill_ms_total": prefill_ms,
             "step_ms_p50": statistics.median(times[2:]), "step_ms_min": min(times[2:]), "step_ms_launched_ahead": ahead_ms,
             "host_ms_per_launch": 1000 * clock.seconds / clock.launches if pipelined else None,
             "host_syncs_per_launch": syncs / steps if pipelined else None,
+            "host_sync_sites": sync_sites if pipelined else None,
             "graphs": len(runner.graphs), "capture_ms_total": round(runner.graphs.capture_ms)}
 
 
@@ -212,6 +226,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         best = r.get("step_ms_launched_ahead") or r["step_ms_p50"]
         lines.append(f"| {r['stage']}{' + MTP' if r['stage'] == 'talker' else ''} | {r['batch']} | {r['step_ms_p50']:.1f} | "
                      f"{ahead} | {host} | {best / r['batch']:.2f} | {floor:.2f} | {best / floor:.1f}x | {r['prefill_ms_total']:.0f} |")
+    sites = [(r, site, count) for r in rows for site, count in (r.get("host_sync_sites") or {}).items()]
+    if sites:
+        lines += ["", "Where the launches' host syncs were asked for (count over the launched-ahead steps):", ""]
+        lines += [f"- {r['stage']} batch {r['batch']}: {site} x{count}" for r, site, count in sites]
     return "\n".join(lines) + "\n"
 
 

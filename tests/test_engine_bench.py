@@ -4,11 +4,14 @@ and its table gives each step's ratio to the bandwidth floor at that batch."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
+from omni_ray import bench
 from omni_ray.bench import benchmark_prompt_ids, main
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
@@ -42,3 +45,19 @@ def test_the_table_gives_the_floor_at_each_batch(tiny_checkpoint: Path, tmp_path
         assert 0 < row["host_ms_per_launch"] and row["host_syncs_per_launch"] == 0  # no sync counting off CUDA
     table = (tmp_path / "engine_steps.md").read_text()
     assert "floor at this batch (ms)" in table and table.count("| thinker |") == 2
+
+
+def test_the_launch_clock_counts_syncs_and_says_where_they_were_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Runner:
+        def launch(self, seqs: list[int]) -> str:
+            warnings.warn("called a synchronizing CUDA operation")  # what torch's sync debug mode says
+            warnings.warn("something else")
+            return "pending"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    clock = bench._LaunchClock(Runner(), count_syncs=True)
+    assert clock.launch([1]) == "pending" and clock.launch([1]) == "pending"
+    assert (clock.launches, clock.syncs) == (2, 2)
+    [(site, count)] = clock.sync_sites.items()
+    assert count == 2 and site.startswith(__file__)  # no omni_ray frame asked for it: the warning's own place

@@ -47,6 +47,7 @@ def _think(
         for seq in seqs:  # as the engine loop does: a finished request frees its slot
             if seq.finish_reason is not None and seq.slot >= 0:
                 thinker.release(seq)
+    assert not thinker.graphs.uncapturable  # every step that should replay from a graph did
     return seqs, outputs, len(thinker.graphs)
 
 
@@ -103,6 +104,7 @@ def _reply(
     seqs, outputs, thinker_graphs = _think(checkpoint, device, dtype, cuda_graphs, prompts, lengths, compile_layers)
     talker = _talker(checkpoint, device, dtype, cuda_graphs, compile_layers)
     frames = _speak(talker, seqs, outputs, {s.request_id: n for s, n in zip(seqs, lengths)}, talker_sampling)
+    assert not talker.graphs.uncapturable
     graphs = {"thinker": thinker_graphs, "talker": len(talker.graphs)}
     return [s.output_ids for s in seqs], [frames[s.request_id] for s in seqs], graphs
 
@@ -231,6 +233,7 @@ def test_talker_lanes_on_their_own_streams_step_as_they_do_one_after_the_other(t
     for thread in threads:
         thread.join()
     assert not errors, errors
+    assert not any(lane.graphs.uncapturable for lane in lanes)
     assert [len(one_after_the_other[s.request_id]) for s in seqs] == list(lengths)
     assert together == one_after_the_other
 

@@ -52,7 +52,7 @@ class GraphCache:
         self.enabled = enabled and device.type == "cuda"
         self.device = device
         self._graphs: dict[Hashable, _Captured] = {}
-        self._uncapturable: set[Hashable] = set()  # keys whose capture failed: they run eagerly
+        self.uncapturable: set[Hashable] = set()  # keys whose capture failed: they run eagerly
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.capture_ms = 0.0
 
@@ -61,10 +61,10 @@ class GraphCache:
 
     def __contains__(self, key: Hashable) -> bool:
         """Captured, or known not to be capturable (it then runs eagerly)."""
-        return key in self._graphs or key in self._uncapturable
+        return key in self._graphs or key in self.uncapturable
 
     def run(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not self.enabled or key in self._uncapturable:
+        if not self.enabled or key in self.uncapturable:
             return fn(**inputs)
         entry = self._graphs.get(key)
         if entry is None:
@@ -72,7 +72,7 @@ class GraphCache:
                 entry = self._capture(key, fn, inputs)
             except Exception:  # e.g. a module that syncs with the host: still correct, just eager
                 log.warning("CUDA graph capture of %s failed; running it eagerly", key, exc_info=True)
-                self._uncapturable.add(key)
+                self.uncapturable.add(key)
                 torch.cuda.synchronize(self.device)
                 return fn(**inputs)
         for name, buffer in entry.inputs.items():
@@ -84,7 +84,7 @@ class GraphCache:
         """Capture `key` now from `example_inputs` whose writes are harmless (scratch rows), if it is not captured
         yet. For a `fn` whose writes are not idempotent (read-modify-write state): a `run` that captures would run
         it twice on the real inputs, a prepared key only replays."""
-        if self.enabled and key not in self._graphs and key not in self._uncapturable:
+        if self.enabled and key not in self._graphs and key not in self.uncapturable:
             self.run(key, fn, example_inputs)
 
     def _capture(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> _Captured:

@@ -79,6 +79,12 @@ def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Te
     return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
 
 
+def mark_seen(seen: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """seen[rows[i], tokens[i]] = True, all on the device. (Setting a Python True at tensor indices copies it from the
+    host first: a wait for the device's queued work, and an error inside a CUDA graph's capture.)"""
+    seen.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.bool))
+
+
 def _outside_nucleus(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Over rows of logits sorted ascending (-inf = already removed): what lies outside each row's top-p nucleus.
     The largest logit always stays."""

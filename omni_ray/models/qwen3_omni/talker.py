@@ -24,8 +24,8 @@ from omni_ray.engine.fixed_shape import (
 from omni_ray.engine.host_inputs import Download, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
-    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, needs_filter, sample,
-    top_k_cap,
+    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
+    sample, top_k_cap,
 )
 from omni_ray.engine.top_k_draw import draw_with_kernel
 from omni_ray.layers.attention import AttentionBatch
@@ -365,7 +365,7 @@ class TalkerRunner:
         mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
         out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         # outside the graph: capture must not change what it reads
-        self.seen[inputs["slots"], out["codes"][:, 0]] = True
+        mark_seen(self.seen, inputs["slots"], out["codes"][:, 0])
         return out["codes"][:count].clone(), out["feedback"][:count].clone()
 
     def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:

@@ -24,7 +24,9 @@ from omni_ray.engine.fixed_shape import (
 )
 from omni_ray.engine.host_inputs import Download, StepDone, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.sampler import DrawMode, NoiseSource, SamplingBatch, SamplingParams, draw_keys, sample_in_mode
+from omni_ray.engine.sampler import (
+    DrawMode, NoiseSource, SamplingBatch, SamplingParams, draw_keys, mark_seen, sample_in_mode,
+)
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
 from omni_ray.weights import fuse_expert_weights, load_module, random_module, read_tensors
@@ -151,7 +153,8 @@ class ThinkerRunner:
         self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)
         self.seen[seq.slot] = False
-        self.seen[seq.slot, to_device(torch.tensor(seq.prompt_ids), self.device)] = True
+        prompt = to_device(torch.tensor(seq.prompt_ids), self.device)
+        mark_seen(self.seen, torch.full_like(prompt, seq.slot), prompt)
 
     def release(self, seq: ThinkerSequence) -> None:
         self.slots.release(seq)
@@ -339,7 +342,7 @@ class ThinkerRunner:
         def draw(logits: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, keys: torch.Tensor) -> dict[str, torch.Tensor]:
             """The draw (graph-capturable): tokens, the slots' histories and next inputs, the tokens' embeddings."""
             tokens = sample_in_mode(logits, table, keys, mode, self.seen[slots] if mode.penalized else None)
-            self.seen[slots, tokens] = True
+            mark_seen(self.seen, slots, tokens)
             self.next_ids[slots] = tokens
             return {"tokens": tokens, "embeds": self.model.embed(tokens).float()}
 

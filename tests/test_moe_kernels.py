@@ -57,13 +57,16 @@ def test_picked_experts_lists_the_hit_ones_then_empty_entries() -> None:
     assert moe_kernels.picked_experts(counts, 3).tolist() == [1, 4, 5]
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
-def test_expert_kernel_compiles_for_the_h200_without_a_gpu(gated: bool) -> None:
-    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), as the Thinker launches it."""
+def test_expert_kernel_compiles_for_the_h200_without_a_gpu(gated: bool, tokens: int) -> None:
+    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), as the Thinker launches it for
+    one token and for 32."""
     pointers = {"x_ptr": "*bf16", "token_ptr": "*i64", "w_ptr": "*bf16", "picked_ptr": "*i64", "offsets_ptr": "*i64",
                 "out_ptr": "*bf16"}
     scalars = {name: "i32" for name in ("x_stride", "w_expert_stride", "w_row_stride", "out_stride", "N",
                                         "num_experts")}
-    constants = {"K": 2048 if gated else 768, "GATED": gated, "GATHER": gated, "BLOCK_M": 32, "BLOCK_N": 32,
-                 "BLOCK_K": 128, "FP32_DOT": False, "PRECISION": "tf32"}
-    compile_for_h200(moe_kernels._expert_matmul_kernel, {**pointers, **scalars}, constants)
+    block_n, block_k, stages, warps = moe_kernels.launch_config(gated, tokens)
+    constants = {"K": 2048 if gated else 768, "GATED": gated, "GATHER": gated, "BLOCK_M": max(16, tokens),
+                 "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False, "PRECISION": "tf32"}
+    compile_for_h200(moe_kernels._expert_matmul_kernel, {**pointers, **scalars}, constants, num_warps=warps)

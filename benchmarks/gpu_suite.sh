@@ -9,7 +9,8 @@
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS), baseline (transformers' generate()).
+# MPS), baseline (transformers' generate()), divergence (where the Talker's codes stop matching: graphs vs eager,
+# lanes together vs one after the other, per engine variant; in its log).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
@@ -86,6 +87,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"
             mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
+      # shellcheck disable=SC2086
+      divergence) run_step "$tag" python -m benchmarks.talker_divergence ${!extra_var:-} ;;
       *) echo "unknown step: $name" >&2 ;;
     esac
   done

@@ -142,10 +142,10 @@ def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_che
     """The service's Talker sampling (group 0: top-k 50 and a repetition penalty; MTP: top-k 50, top-p 0.8), seeded:
     the noise is made inside the frame graph from each request's keys, so graph replay draws eager's codes, frame by
     frame, for a batch of four; another seed draws other codes. Compiled: the same layers and the Triton draw kernel
-    run eagerly and replayed. The replayed run goes first. Inductor's kernels for layers compiled with dynamic shapes
-    follow the sizes they were first compiled for (their split reductions among them), and a process keeps the first
-    run's: an eager run first, whose shapes come in another order than a warm-up's, compiled kernels that summed in
-    another order (seen on an H200 with `benchmarks/talker_divergence.py`)."""
+    run eagerly and replayed. The replayed run goes first: on an H200 an eager run first, in a fresh process with the
+    code predictor's and the MoE kernels, gave other codes than replay from frame 1-4 on (bf16), while the variants
+    run after it in the same process matched (`benchmarks/results/2026-12-01_h200_talker_divergence_session12.txt`;
+    in fp32 the replayed compiled layers give the CPU's greedy codes, `test_cuda_graph_decode_matches_cpu...`)."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
     lengths = (48, 32, 48, 17)
     served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)

@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from omni_ray.config import PipelineConfig
+from omni_ray.config import EngineSettings, PipelineConfig
 from omni_ray.serve.app import STAGE_CLASSES, app_from_serve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,3 +70,10 @@ def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:
 def test_invalid_layouts_are_rejected(data: dict) -> None:
     with pytest.raises(ValidationError):
         PipelineConfig.model_validate(data)
+
+
+def test_steps_launch_ahead_on_cuda_devices_unless_set() -> None:
+    unset = EngineSettings()
+    assert unset.launches_ahead("cuda") and unset.launches_ahead("cuda:1") and not unset.launches_ahead("cpu")
+    assert not EngineSettings(launch_ahead=False).launches_ahead("cuda")
+    assert EngineSettings(launch_ahead=True).launches_ahead("cpu")  # as the CPU parity test runs it

@@ -136,7 +136,7 @@ class ThinkerStage(StageBase):
                                engine.moe_kernels)
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
-                                 launch_ahead=engine.launch_ahead)
+                                 launch_ahead=engine.launches_ahead(res.device))
         self.engine.start()
         self.start_reporting()
 
@@ -236,7 +236,8 @@ class TalkerStage(StageBase):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
-            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream, engine.launch_ahead))
+            loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
+                                    engine.launches_ahead(res.device)))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}

@@ -67,6 +67,12 @@ def _speak(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str,
            talker_sampling: SamplingParams = TALKER_GREEDY) -> dict[str, list[list[int]]]:
     """Speech of `lengths[request]` frames for each Thinker reply, all in one batch on `talker`. A seeded
     `talker_sampling` gives request i the seed seed + i."""
+    return _run_to_end(talker, _admit_speeches(talker, seqs, outputs, lengths, talker_sampling))
+
+
+def _admit_speeches(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str, list[Any]],
+                    lengths: dict[str, int], talker_sampling: SamplingParams) -> list[TalkerSequence]:
+    """A Talker sequence per Thinker reply, admitted to `talker`, its text all there."""
     speeches = []
     for i, seq in enumerate(seqs):
         sampling = talker_sampling if talker_sampling.seed is None else \
@@ -79,7 +85,7 @@ def _speak(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str,
                 speech.text_embeds.append(out.talker_embed)
         speech.thinker_done = True
         speeches.append(speech)
-    return _run_to_end(talker, speeches)
+    return speeches
 
 
 def _run_to_end(talker: TalkerRunner, speeches: list[TalkerSequence]) -> dict[str, list[list[int]]]:
@@ -169,6 +175,44 @@ def test_seeded_thinker_sampling_replayed_from_graphs_draws_eagers_tokens(tiny_c
     assert eager_graphs == 0 and graphs > 0
     assert [s.output_ids for s in replayed] == [s.output_ids for s in eager]
     assert len(set(replayed[1].output_ids)) > 1
+
+
+def _launch_without_syncs(runner: Any, seqs: list[Any]) -> Any:
+    """`runner.launch(seqs)` with torch raising on any host sync in it."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return runner.launch(seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_decode_launches_never_wait_for_the_gpu(tiny_checkpoint: Path) -> None:
+    """A decode step's launch, Thinker's and Talker's (graphs, seeded sampling with a repetition penalty), queues its
+    work and returns: torch sees no host sync in it, so an engine launching ahead builds the next step while the GPU
+    runs this one (a sync in every launch, from a history set to a host `True`, was found in session 12)."""
+    prompts = ("Hello there!", "Tell me a story about a dog.")
+    sampling = tuple(SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=i) for i in range(2))
+    seqs, outputs, _ = _think(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, (24, 24), False, sampling)
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    tc = config.thinker_config.text_config
+    thinker = ThinkerRunner(load_thinker(tiny_checkpoint, config, "cuda", torch.bfloat16), config,
+                            SlotKVCache(tc.num_hidden_layers, 4, 256, tc.num_key_value_heads, tc.head_dim,
+                                        torch.bfloat16, "cuda"), cuda_graphs=True)
+    thinker.warmup(4)
+    again = [ThinkerSequence(f"s{i}", seq.prompt_ids, seq.sampling, 8, frozenset(), for_talker=True)
+             for i, seq in enumerate(seqs)]
+    for seq in again:
+        thinker.admit(seq)
+    thinker.step(again)  # the prefill
+    for _ in range(3):
+        thinker.collect(_launch_without_syncs(thinker, again))
+    talker = _talker(tiny_checkpoint, "cuda", torch.bfloat16, True, False)
+    speeches = _admit_speeches(talker, seqs, outputs, {s.request_id: 24 for s in seqs},
+                               SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7))
+    talker.step(speeches)  # the prefill and first frame
+    for _ in range(3):
+        assert all(out.codes is not None for out in talker.collect(_launch_without_syncs(talker, speeches)))
+    assert not thinker.graphs.uncapturable and not talker.graphs.uncapturable
 
 
 def test_grouped_moe_matches_the_loop_on_a_full_size_layer() -> None:

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.loop import run_to_end
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.checkpoint import ensure_default_checkpoint
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
@@ -43,13 +44,7 @@ def think(checkpoint: Any, config: Any, device: str) -> tuple[list[ThinkerSequen
         seqs.append(ThinkerSequence(f"r{i}", tokenizer.encode(text, add_special_tokens=False),
                                     SamplingParams(temperature=0.0), LENGTHS[i], frozenset(), for_talker=True))
         runner.admit(seqs[-1])
-    outputs: dict[str, list[Any]] = {s.request_id: [] for s in seqs}
-    while any(s.finish_reason is None for s in seqs):
-        for out in runner.step([s for s in seqs if s.finish_reason is None]):
-            outputs[out.request_id].append(out)
-        for seq in seqs:
-            if seq.finish_reason is not None and seq.slot >= 0:
-                runner.release(seq)
+    outputs = run_to_end(runner, seqs)
     print("thinker graphs that failed to capture:", runner.graphs.uncapturable or "none")
     return seqs, outputs
 
@@ -81,15 +76,8 @@ def speak(runner: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str, 
                 speech.text_embeds.append(out.talker_embed)
         speech.thinker_done = True
         speeches.append(speech)
-    frames: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
-    while any(s.finish_reason is None for s in speeches):
-        for out in runner.step([s for s in speeches if s.finish_reason is None]):
-            if out.codes is not None:
-                frames[out.request_id].append(out.codes)
-        for speech in speeches:
-            if speech.finish_reason is not None and speech.slot >= 0:
-                runner.release(speech)
-    return frames
+    return {request: [out.codes for out in outs if out.codes is not None]
+            for request, outs in run_to_end(runner, speeches).items()}
 
 
 def first_differences(a: dict[str, list[list[int]]], b: dict[str, list[list[int]]]) -> str:

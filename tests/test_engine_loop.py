@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import pytest
 
 from omni_ray.engine.kv_cache import KVCacheFull
-from omni_ray.engine.loop import EngineLoop
+from omni_ray.engine.loop import EngineLoop, run_to_end
 
 TIMEOUT = 1.5
 
@@ -410,3 +410,23 @@ def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     assert stats["steps_launched_ahead"] == 0
     assert 0 < stats["launch_ms_p50"] <= stats["step_ms_p50"] and 0 < stats["outputs_ms_p50"] <= stats["step_ms_p50"]
     assert h.outputs == [[("A", 1)], [("A", 2)]]
+
+
+@dataclass
+class Output:
+    request_id: str
+    step: int
+
+
+class OutputRunner(FakeRunner):
+    def step(self, seqs: list[FakeSeq]) -> list[Output]:  # type: ignore[override]
+        return [Output(request_id, done) for request_id, done in super().step(seqs)]
+
+
+def test_run_to_end_steps_until_every_sequence_ends_releasing_each_once() -> None:
+    runner = OutputRunner()
+    seqs = [FakeSeq("short", 1), FakeSeq("long", 3)]
+    outputs = run_to_end(runner, seqs)
+    assert {request: [out.step for out in outs] for request, outs in outputs.items()} == {"short": [1], "long": [1, 2, 3]}
+    assert runner.batches == [["short", "long"], ["long"], ["long"]]  # an ended sequence leaves the batch
+    assert runner.released == ["short", "long"]

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3OmniMoeConfig
 
 from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.loop import run_to_end
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -40,13 +41,7 @@ def _think(
         params = sampling[i] if sampling else SamplingParams(temperature=0.0)
         seqs.append(ThinkerSequence(f"r{i}", ids, params, lengths[i], frozenset(), for_talker=True))
         thinker.admit(seqs[-1])
-    outputs: dict[str, list[Any]] = {s.request_id: [] for s in seqs}
-    while any(s.finish_reason is None for s in seqs):
-        for out in thinker.step([s for s in seqs if s.finish_reason is None]):
-            outputs[out.request_id].append(out)
-        for seq in seqs:  # as the engine loop does: a finished request frees its slot
-            if seq.finish_reason is not None and seq.slot >= 0:
-                thinker.release(seq)
+    outputs = run_to_end(thinker, seqs)  # shorter replies free their slots as they end
     assert not thinker.graphs.uncapturable  # every step that should replay from a graph did
     return seqs, outputs, len(thinker.graphs)
 
@@ -90,15 +85,8 @@ def _admit_speeches(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: 
 
 def _run_to_end(talker: TalkerRunner, speeches: list[TalkerSequence]) -> dict[str, list[list[int]]]:
     """Step the batch until every request ends, releasing each as it does; each request's frames."""
-    frames: dict[str, list[list[int]]] = {s.request_id: [] for s in speeches}
-    while any(s.finish_reason is None for s in speeches):
-        for out in talker.step([s for s in speeches if s.finish_reason is None]):
-            if out.codes is not None:
-                frames[out.request_id].append(out.codes)
-        for speech in speeches:
-            if speech.finish_reason is not None and speech.slot >= 0:
-                talker.release(speech)
-    return frames
+    return {request: [out.codes for out in outs if out.codes is not None]
+            for request, outs in run_to_end(talker, speeches).items()}
 
 
 def _reply(

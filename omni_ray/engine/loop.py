@@ -242,3 +242,18 @@ class EngineLoop(Generic[S, O]):
                     self.runner.release(seq)
         for seq in batch:
             self.on_failure(seq.request_id, exc)
+
+
+def run_to_end(runner: Runner[S, O], seqs: list[S]) -> dict[str, list[O]]:
+    """The loop's stepping for one admitted batch, on the caller's thread (tests, benchmarks): step every unfinished
+    sequence until all have ended, releasing each as it ends. Each request's outputs, in order."""
+    outputs: dict[str, list[O]] = {seq.request_id: [] for seq in seqs}
+    released: set[str] = set()
+    while any(seq.finish_reason is None for seq in seqs):
+        for out in runner.step([seq for seq in seqs if seq.finish_reason is None]):
+            outputs[out.request_id].append(out)  # type: ignore[attr-defined]
+        for seq in seqs:
+            if seq.finish_reason is not None and seq.request_id not in released:
+                released.add(seq.request_id)
+                runner.release(seq)
+    return outputs

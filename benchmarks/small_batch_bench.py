@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -116,15 +116,21 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def moe_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
-    """One MoE block's experts (the routing sort, both GEMMs, the weighted sum) per token count, us per call: grouped
-    GEMMs (as served) and the Triton expert kernels; each token picks its own random experts."""
-    out = []
+def stage_experts(config: Any) -> Iterator[tuple[str, Any, Experts]]:
+    """The Thinker's and the Talker's MoE text config, each with one layer's experts at full size (random bf16)."""
     for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
         torch.manual_seed(0)
         experts = Experts(text.num_experts, text.hidden_size, text.moe_intermediate_size).cuda().to(torch.bfloat16)
         torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
         torch.nn.init.normal_(experts.down_proj, std=0.02)
+        yield stage, text, experts
+
+
+def moe_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """One MoE block's experts (the routing sort, both GEMMs, the weighted sum) per token count, us per call: grouped
+    GEMMs (as served) and the Triton expert kernels; each token picks its own random experts."""
+    out = []
+    for stage, text, experts in stage_experts(config):
         k = text.num_experts_per_tok
         for count in rows:
             x = torch.randn(count, text.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -148,11 +154,7 @@ def moe_gemm_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
     """Each expert GEMM of a decode batch (gate/up with SiLU*up, and down) alone, per launch config [BLOCK_N,
     BLOCK_K, stages, warps], us per call; each token picks its own random experts."""
     out = []
-    for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
-        torch.manual_seed(0)
-        experts = Experts(text.num_experts, text.hidden_size, text.moe_intermediate_size).cuda().to(torch.bfloat16)
-        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
-        torch.nn.init.normal_(experts.down_proj, std=0.02)
+    for stage, text, experts in stage_experts(config):
         for count in rows:
             x = torch.randn(count, text.hidden_size, device="cuda", dtype=torch.bfloat16)
             chosen = torch.stack([torch.randperm(text.num_experts)[:text.num_experts_per_tok] for _ in range(count)])

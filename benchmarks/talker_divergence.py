@@ -70,11 +70,7 @@ def speak(runner: TalkerRunner, seqs: list[ThinkerSequence], outputs: dict[str, 
         speech = TalkerSequence(seq.request_id, SERVED.model_copy(update={"seed": 7 + index}), 2302,
                                 max_frames=lengths[seq.request_id])
         runner.admit(speech)
-        for out in outputs[seq.request_id]:
-            speech.prefix = out.talker_prefix or speech.prefix
-            if out.talker_embed is not None:
-                speech.text_embeds.append(out.talker_embed)
-        speech.thinker_done = True
+        speech.hear(outputs[seq.request_id])
         speeches.append(speech)
     return {request: [out.codes for out in outs if out.codes is not None]
             for request, outs in run_to_end(runner, speeches).items()}

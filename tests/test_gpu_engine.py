@@ -74,11 +74,7 @@ def _admit_speeches(talker: TalkerRunner, seqs: list[ThinkerSequence], outputs: 
             talker_sampling.model_copy(update={"seed": talker_sampling.seed + i})
         speech = TalkerSequence(seq.request_id, sampling, 2302, max_frames=lengths[seq.request_id])
         talker.admit(speech)
-        for out in outputs[seq.request_id]:
-            speech.prefix = out.talker_prefix or speech.prefix
-            if out.talker_embed is not None:
-                speech.text_embeds.append(out.talker_embed)
-        speech.thinker_done = True
+        speech.hear(outputs[seq.request_id])
         speeches.append(speech)
     return speeches
 

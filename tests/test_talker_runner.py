@@ -46,15 +46,6 @@ def _runner(parts: dict[str, Any]) -> TalkerRunner:
     return TalkerRunner(load_talker(parts["checkpoint"], config, "cpu", torch.float32), config, cache, max_batch=2)
 
 
-def _feed(seq: TalkerSequence, outputs: list[Any], done: bool = True) -> None:
-    for out in outputs:
-        if out.talker_prefix is not None:
-            seq.prefix = out.talker_prefix
-        if out.talker_embed is not None:
-            seq.text_embeds.append(out.talker_embed)
-    seq.thinker_done = done
-
-
 def _run(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> list[list[int]]:
     frames = []
     for _ in range(max_steps):
@@ -87,7 +78,7 @@ def test_frame_limit_is_proportional_to_the_text(parts: dict[str, Any]) -> None:
     speaker = parts["config"].talker_config.speaker_id["ethan"]
     seq = TalkerSequence("a", GREEDY_TALKER, speaker, max_frames=4096, frames_per_text_token=2.0, frame_budget_base=3)
     runner.admit(seq)
-    _feed(seq, parts["thinker_outputs"])
+    seq.hear(parts["thinker_outputs"])
     frames = _run(runner, seq)
     assert len(seq.text_embeds) == 11  # 12 reply tokens: the last one is never fed back, so never spoken
     assert len(frames) == 3 + 2 * 11
@@ -101,7 +92,7 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
     speaker = config.talker_config.speaker_id["ethan"]
     reference = TalkerSequence("r", GREEDY_TALKER, speaker, max_frames=6)
     runner.admit(reference)
-    _feed(reference, parts["thinker_outputs"])
+    reference.hear(parts["thinker_outputs"])
     first = _run(runner, reference)[0][0]
     # Make codec EOS outscore the group-0 code the model picks for its first frame: a real weight edit.
     eos = config.talker_config.codec_eos_token_id
@@ -114,7 +105,7 @@ def test_codec_eos_stops_the_request_without_a_frame(parts: dict[str, Any]) -> N
         try:
             runner.admit(seq)
             slot = seq.slot
-            _feed(seq, parts["thinker_outputs"])
+            seq.hear(parts["thinker_outputs"])
             if not pipelined:
                 return slot, _run(runner, seq)
             frames, outputs = _run_pipelined(runner, seq)
@@ -164,13 +155,13 @@ def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> Non
     runner.admit(seq)
     outputs = parts["thinker_outputs"]
     assert not runner.ready(seq)  # nothing yet
-    _feed(seq, [replace(outputs[0], talker_embed=None)], done=False)  # prefill states only: no reply token yet
+    seq.hear([replace(outputs[0], talker_embed=None)], done=False)  # prefill states only: no reply token yet
     assert not runner.ready(seq)
-    _feed(seq, outputs[:1], done=False)  # the Thinker's prefill step relays reply token 0's embedding with them
+    seq.hear(outputs[:1], done=False)  # the Thinker's prefill step relays reply token 0's embedding with them
     assert runner.ready(seq)
     runner.step([seq])  # prefill, frame 1
     assert not runner.ready(seq)  # step 0 needs reply token 1: not sent yet
-    _feed(seq, outputs[1:3], done=False)  # embeddings of reply tokens 1 and 2
+    seq.hear(outputs[1:3], done=False)  # embeddings of reply tokens 1 and 2
     for _ in range(2):
         assert runner.ready(seq)
         runner.step([seq])
@@ -192,7 +183,7 @@ def test_seeded_sampled_speech_repeats_and_filters_only_top_k_candidates(parts: 
     def speak(params: SamplingParams) -> list[list[int]]:
         seq = TalkerSequence("s", params, speaker, max_frames=8)
         runner.admit(seq)
-        _feed(seq, parts["thinker_outputs"])
+        seq.hear(parts["thinker_outputs"])
         return _run(runner, seq)
 
     first = speak(sampling)
@@ -209,7 +200,7 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
     whole_runner = _runner(parts)
     whole = TalkerSequence("w", GREEDY_TALKER, speaker, max_frames=30)
     whole_runner.admit(whole)
-    _feed(whole, outputs)
+    whole.hear(outputs)
     expected = _run(whole_runner, whole)
 
     text = config.talker_config.text_config
@@ -224,7 +215,7 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
     assert runner.ready(seq)  # before any reply token
     assert runner.step([seq]) == []  # prefilled, no frame yet
     assert not runner.ready(seq)  # the prompt's last position needs the first reply token
-    _feed(seq, outputs)
+    seq.hear(outputs)
     assert _run(runner, seq) == expected and len(expected) == 30
 
     silent = TalkerSequence("s", GREEDY_TALKER, speaker, max_frames=30)
@@ -248,16 +239,16 @@ def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str
         return seq
 
     one_at_a_time = speech("a")
-    _feed(one_at_a_time, parts["thinker_outputs"])
+    one_at_a_time.hear(parts["thinker_outputs"])
     expected = _run(runner, one_at_a_time)
     ahead = speech("b")
-    _feed(ahead, parts["thinker_outputs"])
+    ahead.hear(parts["thinker_outputs"])
     frames, outputs = _run_pipelined(runner, ahead)
     assert frames == expected and len(frames) == 3 + 2 * 11
     assert [o.finish_reason for o in outputs] == [None] * (len(frames) - 1) + ["length"]
 
     late = speech("c")  # the Thinker's end arrives after the step making frame 25 was launched
-    _feed(late, parts["thinker_outputs"], done=False)
+    late.hear(parts["thinker_outputs"], done=False)
     pending = None
     collected: list[Any] = []
     while len(collected) < 25:
@@ -318,7 +309,7 @@ def test_feedback_is_the_frames_summed_code_embedding(parts: dict[str, Any]) -> 
     sampled = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=11)
     seq = TalkerSequence("s", sampled, parts["config"].talker_config.speaker_id["ethan"], max_frames=4)
     runner.admit(seq)
-    _feed(seq, parts["thinker_outputs"])
+    seq.hear(parts["thinker_outputs"])
     codes, feedback = [], []
     while seq.finish_reason is None:
         codes += [o.codes for o in runner.step([seq]) if o.codes is not None]

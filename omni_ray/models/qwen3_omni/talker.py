@@ -92,6 +92,16 @@ class TalkerSequence:
     def mtp_sampling(self) -> SamplingParams:
         return GREEDY if self.sampling.greedy else MTP_SAMPLING
 
+    def hear(self, outputs: list[Any], done: bool = True) -> None:
+        """Take Thinker step outputs in process (`ThinkerStepOutput`: its prefix states, each reply token's
+        embedding), as the relay hands them over between stages; `done`: the Thinker's reply has ended."""
+        for out in outputs:
+            if out.talker_prefix is not None:
+                self.prefix = out.talker_prefix
+            if out.talker_embed is not None:
+                self.text_embeds.append(out.talker_embed)
+        self.thinker_done = done
+
     def frame_limit(self) -> int:
         if self.frames_per_text_token <= 0 or not self.thinker_done:
             return self.max_frames

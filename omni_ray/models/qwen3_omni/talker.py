@@ -93,8 +93,9 @@ class TalkerSequence:
         return GREEDY if self.sampling.greedy else MTP_SAMPLING
 
     def hear(self, outputs: list[Any], done: bool = True) -> None:
-        """Take Thinker step outputs in process (`ThinkerStepOutput`: its prefix states, each reply token's
-        embedding), as the relay hands them over between stages; `done`: the Thinker's reply has ended."""
+        """Take a Thinker runner's step outputs in process (`ThinkerStepOutput`: the prefix states, each reply
+        token's embedding), as tests and benchmarks drive the two runners (the stages take them from the relay);
+        `done`: the Thinker's reply has ended."""
         for out in outputs:
             if out.talker_prefix is not None:
                 self.prefix = out.talker_prefix

@@ -159,10 +159,8 @@ def moe_gemm_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
             x = torch.randn(count, text.hidden_size, device="cuda", dtype=torch.bfloat16)
             chosen = torch.stack([torch.randperm(text.num_experts)[:text.num_experts_per_tok] for _ in range(count)])
             _, _, token_of, counts = Experts._sort_by_expert(chosen.cuda(), text.num_experts)
-            offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-            picked = moe_kernels.picked_experts(counts, min(token_of.shape[0], text.num_experts))
             block_m = max(16, 1 << (count - 1).bit_length())
-            hidden = moe_kernels.expert_matmul(x, experts.gate_up_proj, offsets, picked, token_of, True, block_m)
+            hidden = moe_kernels.expert_matmul(x, experts.gate_up_proj, counts, token_of, True, block_m)
             gemms = {"gate_up (SiLU*up)": (x, experts.gate_up_proj, token_of, True),
                      "down": (hidden, experts.down_proj, None, False)}
             for name, (inputs, weight, token, gated) in gemms.items():
@@ -171,7 +169,7 @@ def moe_gemm_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
                     try:
                         row[str(list(launch))] = 1000 * replay_ms(
                             lambda launch=launch: moe_kernels.expert_matmul(
-                                inputs, weight, offsets, picked, token, gated, block_m, launch))[0]
+                                inputs, weight, counts, token, gated, block_m, launch))[0]
                     except Exception as exc:  # e.g. more shared memory than the GPU has
                         row[str(list(launch))] = None
                         print(f"{stage} {name} tokens={count} {launch}: {type(exc).__name__}")

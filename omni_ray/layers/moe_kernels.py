@@ -3,8 +3,10 @@
 `torch._grouped_mm` (cutlass) took 10 us per GEMM for the Talker's 6 picked experts at batch 1 on an H200, where
 their weights take 1-2 us to read, and 52 us at batch 32. Here a decode batch's rows fit one tile per expert (an
 expert holds at most one pair per token), so a program reads its expert's column block once for all the expert's
-rows. The grid covers only as many experts as can be picked (min(pairs, experts)); each program finds its expert in
-a list of the picked ones made on the device, so nothing waits for the host and CUDA graphs can capture it.
+rows. The grid covers only as many experts as can be picked (min(pairs, experts)); each program finds its expert
+and its pairs in the per-expert counts itself (a prefix sum over the 128 experts in registers), so nothing waits for
+the host, CUDA graphs can capture it, and no kernel runs before the GEMMs to list the picked experts or their
+offsets (eight small ones per MoE layer did until session 12).
 """
 
 from __future__ import annotations
@@ -38,18 +40,24 @@ if triton is not None:
 
     @triton.jit
     def _expert_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
-        x_ptr, x_stride, token_ptr, w_ptr, w_expert_stride, w_row_stride, picked_ptr, offsets_ptr, out_ptr,
-        out_stride, N, num_experts,
-        K: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        x_ptr, x_stride, token_ptr, w_ptr, w_expert_stride, w_row_stride, counts_ptr, out_ptr, out_stride, N,
+        num_experts,
+        K: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """out[p, cols] for the pairs p of the program's picked expert e (offsets[e] <= p < offsets[e + 1]):
-        x[token[p]] (GATHER) or x[p] times w[e, cols].T; GATED: w[e] holds gate rows then up rows (N each), and the
-        result is SiLU(gate) * up. A program whose slot in the picked list is empty does nothing."""
-        expert = tl.load(picked_ptr + tl.program_id(0))
-        if expert < num_experts:
-            start = tl.load(offsets_ptr + expert)
-            end = tl.load(offsets_ptr + expert + 1)
+        """out[p, cols] for the pairs p of the program's expert e, the program_id(0)-th expert with pairs (pairs are
+        sorted by expert: e's are those after the pairs of experts < e): x[token[p]] (GATHER) or x[p] times
+        w[e, cols].T; GATED: w[e] holds gate rows then up rows (N each), and the result is SiLU(gate) * up. The
+        program finds e and its pairs in the per-expert counts (EXPERTS: a power of two >= num_experts); a program
+        past the last expert with pairs does nothing."""
+        e = tl.arange(0, EXPERTS)
+        counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+        hit = counts > 0
+        mine = hit & (tl.cumsum(hit.to(tl.int32), axis=0) == tl.program_id(0) + 1)
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            expert = tl.sum(tl.where(mine, e, 0), axis=0)
+            start = tl.sum(tl.where(e < expert, counts, 0), axis=0)
+            end = start + tl.sum(tl.where(mine, counts, 0), axis=0)
             pairs = start + tl.arange(0, BLOCK_M)
             pair_ok = pairs < end
             rows = tl.load(token_ptr + pairs, mask=pair_ok, other=0) if GATHER else pairs
@@ -86,23 +94,14 @@ def applies(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or interpreting()) and x.shape[0] <= MAX_TOKENS
 
 
-def picked_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
-    """The experts with pairs, in order, in a list of `slots` entries; unused entries hold len(counts). On the
-    device, with no host sync."""
-    experts = counts.shape[0]
-    rank = torch.cumsum(counts > 0, 0) - 1
-    target = torch.where(counts > 0, rank, slots)  # experts without pairs go to a spare last entry
-    picked = torch.full((slots + 1,), experts, dtype=torch.long, device=counts.device)
-    return picked.scatter(0, target, torch.arange(experts, device=counts.device))[:slots]
-
-
 def expert_matmul(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, picked: torch.Tensor, token: torch.Tensor | None,
-    gated: bool, block_m: int, config: ExpertMatmulConfig = DEFAULT_CONFIG,
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, token: torch.Tensor | None, gated: bool,
+    block_m: int, config: ExpertMatmulConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """For the pairs sorted by expert (expert e's are offsets[e]..offsets[e+1]): x[token[p]] (or x[p] when token is
+    """For the pairs sorted by expert (counts[e] pairs each, in expert order): x[token[p]] (or x[p] when token is
     None) @ weight[e].T, weight [E, N, K] (or [E, 2N, K] with `gated`: SiLU(gate) * up). → [pairs, N]. `config`:
-    the launch (column block, depth block, pipeline stages, warps)."""
+    the launch (column block, depth block, pipeline stages, warps). One program per expert that can have pairs
+    (at most one per pair) and column block: nothing waits for the host, so CUDA graphs capture it."""
     pairs = token.shape[0] if token is not None else x.shape[0]
     experts, width, depth = weight.shape
     n = width // 2 if gated else width
@@ -110,10 +109,11 @@ def expert_matmul(
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     block_n, block_k, stages, warps = config
     with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
-        _expert_matmul_kernel[(picked.shape[0], triton.cdiv(n, block_n))](
-            x, x.stride(0), token if token is not None else offsets, weight, weight.stride(0), weight.stride(1),
-            picked, offsets, out, out.stride(0), n, experts,
-            K=depth, GATED=gated, GATHER=token is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        _expert_matmul_kernel[(min(pairs, experts), triton.cdiv(n, block_n))](
+            x, x.stride(0), token if token is not None else counts, weight, weight.stride(0), weight.stride(1),
+            counts, out, out.stride(0), n, experts,
+            K=depth, GATED=gated, GATHER=token is not None, EXPERTS=triton.next_power_of_2(experts),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             FP32_DOT=interpreting(), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
             num_warps=warps, num_stages=stages,
         )
@@ -125,10 +125,7 @@ def expert_gemms(
 ) -> torch.Tensor:
     """Every pair's expert output [pairs, H] for pairs sorted by expert (`Experts._sort_by_expert`): SiLU(gate) * up,
     then down, as two kernels over the picked experts only."""
-    pairs, experts = token_of.shape[0], counts.shape[0]
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    picked = picked_experts(counts, min(pairs, experts))
-    block_m = max(16, triton.next_power_of_2(x.shape[0]))  # an expert has at most one pair per token
     tokens = x.shape[0]
-    hidden = expert_matmul(x, gate_up, offsets, picked, token_of, True, block_m, launch_config(True, tokens))
-    return expert_matmul(hidden, down, offsets, picked, None, False, block_m, launch_config(False, tokens))
+    block_m = max(16, triton.next_power_of_2(tokens))  # an expert has at most one pair per token
+    hidden = expert_matmul(x, gate_up, counts, token_of, True, block_m, launch_config(True, tokens))
+    return expert_matmul(hidden, down, counts, None, False, block_m, launch_config(False, tokens))

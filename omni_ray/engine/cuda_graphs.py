@@ -54,6 +54,10 @@ class GraphCache:
         self._graphs: dict[Hashable, _Captured] = {}
         self.uncapturable: set[Hashable] = set()  # keys whose capture failed: they run eagerly
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        # Its own capture stream: cuBLAS gives each (handle, stream) its own workspace and a graph keeps the one it was
+        # captured with, so graphs captured on torch's one default capture stream share a workspace, and two
+        # runners replaying at once on their own streams (engine lanes) would both write it.
+        self._capture_stream = torch.cuda.Stream(device) if self.enabled else None
         self.capture_ms = 0.0
 
     def __len__(self) -> int:
@@ -96,7 +100,7 @@ class GraphCache:
             fn(**static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
             outputs = fn(**static)
         entry = _Captured(graph, static, outputs)
         self._graphs[key] = entry

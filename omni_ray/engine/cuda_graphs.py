@@ -88,7 +88,7 @@ class GraphCache:
         """Capture `key` now from `example_inputs` whose writes are harmless (scratch rows), if it is not captured
         yet. For a `fn` whose writes are not idempotent (read-modify-write state): a `run` that captures would run
         it twice on the real inputs, a prepared key only replays."""
-        if self.enabled and key not in self._graphs and key not in self.uncapturable:
+        if self.enabled and key not in self:
             self.run(key, fn, example_inputs)
 
     def _capture(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> _Captured:

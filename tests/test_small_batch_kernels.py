@@ -82,37 +82,47 @@ def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> N
 GEMMS = r"""
 import json, torch
 import torch.nn.functional as F
+from omni_ray.layers import small_batch
 from omni_ray.layers.small_batch import rows_matmul, rows_matmul_keeping_squares
 
 torch.manual_seed(0)
 x, residual = torch.randn(40, 64), torch.randn(40, 48)
 weight, gate_up, norm = torch.randn(48, 64) * 0.1, torch.randn(96, 64) * 0.1, torch.rand(64) + 0.5
 normed = F.rms_norm(x, (64,), norm, eps=1e-6)
-out, squares = rows_matmul_keeping_squares(x, weight[:, :64], residual)
 expected_out = residual + x @ weight.T
 gate, up = (normed @ gate_up.T).chunk(2, dim=-1)
-errors = {
-    "plain": (rows_matmul(x, weight) - x @ weight.T).abs().max().item(),
-    "norm": (rows_matmul(x, weight, norm) - normed @ weight.T).abs().max().item(),
-    "gated": (rows_matmul(x, gate_up, norm, gated=True) - F.silu(gate) * up).abs().max().item(),
-    "residual": (out - expected_out).abs().max().item(),
-    "squares": (squares.sum(0) - expected_out.pow(2).sum(-1)).abs().max().item() / expected_out.pow(2).sum(-1).max().item(),
-    "norm from squares": (rows_matmul(out, weight[:, :48], norm[:48], squares=squares)
-                          - F.rms_norm(expected_out, (48,), norm[:48], eps=1e-6) @ weight[:, :48].T).abs().max().item(),
-    "partials": list(squares.shape),
-}
-print(json.dumps(errors))
+results = {}
+# the default launch, and the depth split in three stretches of 32 (the last past the depth: all masked)
+for name, config in (("whole depth", None), ("split depth", (16, 16, 1, 4, 3))):
+    out, squares = rows_matmul_keeping_squares(x, weight[:, :64], residual, config)
+    results[name] = {
+        "plain": (rows_matmul(x, weight, config=config) - x @ weight.T).abs().max().item(),
+        "norm": (rows_matmul(x, weight, norm, config=config) - normed @ weight.T).abs().max().item(),
+        "gated": (rows_matmul(x, gate_up, norm, gated=True, config=config) - F.silu(gate) * up).abs().max().item(),
+        "residual": (out - expected_out).abs().max().item(),
+        "squares": (squares.sum(0) - expected_out.pow(2).sum(-1)).abs().max().item() / expected_out.pow(2).sum(-1).max().item(),
+        "norm from squares": (rows_matmul(out, weight[:, :48], norm[:48], squares=squares, config=config)
+                              - F.rms_norm(expected_out, (48,), norm[:48], eps=1e-6) @ weight[:, :48].T).abs().max().item(),
+        "partials": list(squares.shape),
+    }
+results["arrival counters left at zero"] = all(
+    int(counters.abs().sum()) == 0 for counters in small_batch._arrivals.values()) and len(small_batch._arrivals) == 1
+print(json.dumps(results))
 """
 
 
 def test_each_gemm_form_equals_torch_over_two_row_tiles_under_the_triton_interpreter() -> None:
     """40 rows (two tiles of 32): the plain product, the RMSNorm prologue (its own pass over the rows, or the partial
     sums of squares a residual GEMM left), SiLU(gate) * up, and the residual with the partial sums of its output's
-    squares, one per column block of 16."""
-    errors = run_interpreted(GEMMS)
-    assert errors.pop("partials") == [3, 40]  # 48 output columns in blocks of 16
-    for form, error in errors.items():
-        assert error < 1e-5, (form, error)
+    squares, one per column block of 16. Each over the whole depth in one program, and split over three programs
+    whose last to arrive adds their sums up (leaving its arrival counters at zero for the next launch)."""
+    results = run_interpreted(GEMMS)
+    assert results.pop("arrival counters left at zero") is True
+    assert set(results) == {"whole depth", "split depth"}
+    for launch, errors in results.items():
+        assert errors.pop("partials") == [3, 40], launch  # 48 output columns in blocks of 16
+        for form, error in errors.items():
+            assert error < 1e-5, (launch, form, error)
 
 
 # A Talker reply's frames with the code predictor's layers as kernels, against the same runner without them.
@@ -174,7 +184,8 @@ def test_layers_without_triton_on_the_cpu_run_eagerly() -> None:
     torch.testing.assert_close(stack(x, None, cache.layers, batch, rope=(cos, sin))[0], expected)
 
 
-@pytest.mark.parametrize("variant", ["norm", "gated-from-squares", "residual-keeping-squares", "fp32", "attention-2",
+@pytest.mark.parametrize("variant", ["norm", "gated-from-squares", "residual-keeping-squares", "fp32",
+                                     "gated-from-squares-split", "residual-keeping-squares-split", "attention-2",
                                      "attention-1"])
 def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), in each form the code predictor
@@ -192,14 +203,17 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         kernel = small_batch._rows_matmul_kernel
         element = "*fp32" if variant == "fp32" else "*bf16"
         pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")}
-        pointers |= {"squares_in_ptr": "*fp32", "squares_out_ptr": "*fp32"}
+        pointers |= {"squares_in_ptr": "*fp32", "squares_out_ptr": "*fp32", "partial_ptr": "*fp32",
+                     "arrivals_ptr": "*i32"}
         scalars = {name: "i32" for name in ("x_stride", "w_stride", "out_stride", "res_stride", "M", "N",
                                             "squares_in_count")}
         scalars["eps"] = "fp32"
-        block_n, block_k, _, _ = small_batch.matmul_config(1024, 3072)
+        block_n, block_k, _, _, split = small_batch.matmul_config(1024, 3072)
         residual = variant.startswith("residual")
+        split = 4 if variant.endswith("-split") else split
+        variant = variant.removesuffix("-split")
         constants = {"K": 1024, "NORM": not residual, "GATED": variant.startswith("gated"), "RESIDUAL": residual,
                      "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
-                     "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False,
+                     "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
                      "PRECISION": "ieee" if variant == "fp32" else "tf32"}
     compile_for_h200(kernel, {**pointers, **scalars}, constants)

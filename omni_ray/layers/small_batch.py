@@ -42,21 +42,41 @@ ROW_TILE = 32  # rows per GEMM program: 64 rows in one tile took 13-16 us where 
 if triton is not None:
 
     @triton.jit
+    def _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
+                              squares_out_ptr, M, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                              SQUARES_OUT: tl.constexpr):
+        """SiLU(gate) * up (GATED), + the residual, rounded into out; SQUARES_OUT: the partial sums of the rounded
+        block's squares, as the next norm would sum them, at row program_id(0) of [column blocks, M]."""
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if RESIDUAL:
+            acc += tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=out_mask)
+        if SQUARES_OUT:
+            rounded = tl.where(out_mask, out.to(tl.float32), 0.0)
+            tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1),
+                     mask=rows < M)
+
+    @triton.jit
     def _rows_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
-        squares_in_ptr, squares_in_count, squares_out_ptr,
+        squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr,
         K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """out[rows, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of rows and output columns.
         SQUARES_IN (a power of two >= squares_in_count, or 0): the RMSNorm reads each row's sum of squares as
         squares_in_count partial sums [count, M] instead of summing x's squares; SQUARES_OUT: the program writes the
-        partial sums of its output block's squares as row pid of [programs, M]. (K is a constant: a loop bound that
-        is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are multiplied as fp32, exact
-        for half-precision values, for the interpreter, which multiplies bf16 tiles' raw bits. PRECISION: "ieee"
-        for fp32 weights, which tensor cores would otherwise take as tf32.)"""
+        partial sums of its output block's squares as row pid of [programs, M]. SPLIT_K > 1: program_id(2) takes
+        one of SPLIT_K stretches of the depth and stores its fp32 sums in partial_ptr [SPLIT_K, 1 or 2, M, N]; the
+        block's last program to arrive (counted in arrivals_ptr, one int32 per block, left at zero) adds the
+        stretches up in their order (the same sums whichever arrives last) and runs the epilogue. (K is a constant:
+        a loop bound that is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are
+        multiplied as fp32, exact for half-precision values, for the interpreter, which multiplies bf16 tiles' raw
+        bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.)"""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -78,9 +98,11 @@ if triton is not None:
             inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < K
+        STRETCH: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K  # depth per program
+        k_start = tl.program_id(2) * STRETCH
+        for k0 in range(0, STRETCH, BLOCK_K):
+            kk = k_start + k0 + ks
+            k_ok = (kk < K) & (k0 + ks < STRETCH)
             x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
                 scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -96,16 +118,31 @@ if triton is not None:
                 if FP32_DOT:
                     up = up.to(tl.float32)
                 acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-        if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         out_mask = row_ok[:, None] & col_ok[None, :]
-        if RESIDUAL:
-            acc += tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=out_mask)
-        if SQUARES_OUT:  # of the rounded output, as the next norm would sum them
-            rounded = tl.where(out_mask, out.to(tl.float32), 0.0)
-            tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1), mask=row_ok)
+        if SPLIT_K == 1:
+            _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
+                                  squares_out_ptr, M, GATED, RESIDUAL, SQUARES_OUT)
+        else:
+            PARTS: tl.constexpr = 2 if GATED else 1
+            block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            at = rows[:, None] * N + cols[None, :]
+            stretch_ptr = partial_ptr + tl.program_id(2) * PARTS * M * N
+            tl.store(stretch_ptr + at, acc, mask=out_mask)
+            if GATED:
+                tl.store(stretch_ptr + M * N + at, acc_up, mask=out_mask)
+            tl.debug_barrier()  # every thread's stores made before the release below
+            if tl.atomic_add(arrivals_ptr + block, 1) == SPLIT_K - 1:  # acq_rel: the others' stores are visible
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):  # in depth order: the same sums in every run
+                    acc += tl.load(partial_ptr + split * PARTS * M * N + at, mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(partial_ptr + (split * PARTS + 1) * M * N + at, mask=out_mask, other=0.0,
+                                          cache_modifier=".cg")
+                _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
+                                      squares_out_ptr, M, GATED, RESIDUAL, SQUARES_OUT)
+                tl.atomic_xchg(arrivals_ptr + block, 0)  # zero again for the next launch
 
     @triton.jit
     def _head_norm_rope(ptr, norm_ptr, eps, cos_ptr, sin_ptr, D: tl.constexpr):
@@ -180,13 +217,31 @@ def _on_device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
     return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
 
 
-MatmulConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, num_warps
+MatmulConfig = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT_K
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
-    """The launch of `rows_matmul` for an output width n and depth k: narrow column blocks, so that even a 1,024-wide
-    projection spreads over 64 programs, each streaming a long stretch of the weight's rows."""
-    return (16 if n <= 2048 else 32), 256, 3, 4
+    """The launch of `rows_matmul` for an output width n and depth k: narrow column blocks, and the depth split so
+    that about 256 programs (two per H200 SM) stream the weight at once, each 512-768 deep; a weight is a few MB,
+    so what bounds a GEMM is how many bytes are in flight, not the arithmetic."""
+    block_n = 32 if n == 4096 else 16
+    split = max(1, min(256 // max(1, n // block_n), k // 512))
+    return block_n, 256, 2 if split > 1 else 3, 4, split
+
+
+_arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
+ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 counters a split-depth `rows_matmul` counts its programs' arrivals in, one set per device and
+    stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
+    on its own stream keeps that stream's set)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _arrivals:  # (allocated inside a capture, its zeroing is the graph's first node: still zeros)
+        _arrivals[key] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return _arrivals[key]
 
 
 def rows_matmul(
@@ -220,10 +275,15 @@ def _rows_matmul(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps = config or matmul_config(n, k)
+    block_n, block_k, stages, warps, split = config or matmul_config(n, k)
     block_m = min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
     kept = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if keep_squares else None
+    partial, arrivals = out, out
+    if split > 1:
+        assert grid[0] * grid[1] <= ARRIVAL_COUNTERS
+        partial = torch.empty(split, 2 if gated else 1, rows, n, dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(x.device)
     res = residual if residual is not None else out
     if squares is not None:
         assert squares.shape[1] == rows and squares.is_contiguous() and squares.dtype == torch.float32
@@ -233,10 +293,10 @@ def _rows_matmul(
             res, res.stride(0),
             norm_weight if norm_weight is not None else weight, eps, rows, n,
             squares if squares is not None else out, 0 if squares is None else squares.shape[0],
-            kept if kept is not None else out,
+            kept if kept is not None else out, partial, arrivals,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, FP32_DOT=interpreting(),
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out, kept

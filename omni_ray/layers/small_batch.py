@@ -221,12 +221,14 @@ MatmulConfig = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, n
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
-    """The launch of `rows_matmul` for an output width n and depth k: narrow column blocks, and the depth split so
-    that about 256 programs (two per H200 SM) stream the weight at once, each 512-768 deep; a weight is a few MB,
-    so what bounds a GEMM is how many bytes are in flight, not the arithmetic."""
-    block_n = 32 if n == 4096 else 16
-    split = max(1, min(256 // max(1, n // block_n), k // 512))
-    return block_n, 256, 2 if split > 1 else 3, 4, split
+    """The launch of `rows_matmul` for an output width n and depth k, as measured on an H200 with each weight
+    streamed from memory (`benchmarks/small_batch_bench.py`, session 13): narrow column blocks, so that even a
+    1,024-wide projection spreads over 64 programs; a narrow and deep one (the code predictor's o and down
+    projections) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of 8.8
+    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head)."""
+    if n <= 1024 and k >= 2048:
+        return 16, 128, 3, 4, 4
+    return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}

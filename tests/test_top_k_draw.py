@@ -14,15 +14,40 @@ from omni_ray.engine.top_k_draw import draw_with_kernel
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernel is defined.
 CHECK = r"""
 import json, random, torch
-from omni_ray.engine.sampler import CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, sample, top_k_cap
+from omni_ray.engine.sampler import (
+    CounterNoise, NoiseSource, SamplingBatch, SamplingParams, _outside_nucleus, draw_keys, penalize_repeats, sample,
+    top_k_cap,
+)
 from omni_ray.engine.top_k_draw import top_k_draw
+
+
+# `sample`'s top-k draw with its candidates from a stable sort: equal logits rank by lower id, as aten's top-k takes
+# them on a GPU (on the CPU, its order of equal logits is not defined)
+def ranked_by_lower_id(logits, params, noise, seen, banned, cap):
+    x = logits.float()
+    if banned is not None:
+        x = x.masked_fill(banned, float("-inf"))
+    if seen is not None:
+        x = penalize_repeats(x, seen, params.penalty)
+    greedy = x.argmax(-1)
+    x = x / params.temperature.clamp_min(1e-5)[:, None]
+    values, index = (t[:, :cap] for t in torch.sort(x, dim=-1, descending=True, stable=True))
+    rank = torch.arange(cap)
+    values = values.masked_fill(rank[None, :] >= params.top_k.clamp(1, cap)[:, None], float("-inf"))
+    values = values.masked_fill(_outside_nucleus(values.flip(-1), params.top_p).flip(-1), float("-inf"))
+    scores = values - noise.at(index).clamp_min(1e-30).log()
+    return torch.where(params.temperature > 0, index.gather(-1, scores.argmax(-1, keepdim=True))[:, 0], greedy)
+
 
 torch.manual_seed(0)
 random.seed(0)
 results = []
-for case, (vocab, penalised, banned_shape) in enumerate([(300, True, "rows"), (200, False, "vocab"), (130, False, None)]):
+cases = [(300, True, "rows", 4.0), (200, False, "vocab", 4.0), (130, False, None, 4.0), (100, False, None, 0.0)]
+for case, (vocab, penalised, banned_shape, spread) in enumerate(cases):
     rows = 12
-    logits = (4 * torch.randn(rows, vocab)).to(torch.bfloat16)  # bf16: equal logits at the top-k boundary
+    logits = (spread * torch.randn(rows, vocab)).to(torch.bfloat16)  # bf16: equal logits at the top-k boundary
+    if spread == 0.0:  # five values only: long runs of equal logits inside and across the top-k and top-p cuts
+        logits = torch.randint(-2, 3, (rows, vocab)).to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0)] + [
         SamplingParams(temperature=random.choice([0.5, 0.9, 1.3]), top_k=random.choice([1, 5, 50, 64]),
                        top_p=random.choice([1.0, 0.8, 0.3]), repetition_penalty=random.choice([1.0, 1.05]), seed=i)
@@ -41,19 +66,25 @@ for case, (vocab, penalised, banned_shape) in enumerate([(300, True, "rows"), (2
     cap = top_k_cap(params)
     kernel = top_k_draw(logits, batch, noise, cap, seen, banned)
     reference = sample(logits, batch, noise, seen, banned, True, cap)
-    results.append({"kernel": kernel.tolist(), "sample": reference.tolist(), "cap": cap})
+    stable = ranked_by_lower_id(logits, batch, noise, seen, banned, cap)
+    results.append({"kernel": kernel.tolist(), "sample": reference.tolist(), "stable": stable.tolist(), "cap": cap,
+                    "spread": spread})
 print(json.dumps(results))
 """
 
 
 def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
     """Greedy and sampled rows, top-k 1 to 64, top-p 0.3 to 1, repetition penalty, banned ids per row or shared,
-    bf16 logits with ties: the kernel's token equals `sample`'s on every row."""
+    bf16 logits with ties: the kernel's token equals `sample`'s on every row. Rows of only five distinct logits
+    (long runs of ties across the top-k and top-p cuts): equal to the same draw over a stable sort (on the CPU, aten's
+    top-k leaves the order of equal logits undefined, so `sample` is no reference there)."""
     results = run_interpreted(CHECK)
-    assert len(results) == 3
+    assert len(results) == 4
     for case in results:
         assert case["cap"] == 64
-        assert case["kernel"] == case["sample"]
+        assert case["kernel"] == case["stable"]
+        if case["spread"] > 0:
+            assert case["kernel"] == case["sample"]
         assert len(set(case["kernel"])) > 6  # the rows drew different tokens: the noise is per row
 
 

@@ -134,7 +134,7 @@ from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
 
-checkpoint = sys.argv[1]
+checkpoint, kernels_used = sys.argv[1], sys.argv[2]
 config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
 text = config.talker_config.text_config
 hidden = config.talker_config.thinker_hidden_size
@@ -146,8 +146,11 @@ frames, used = {}, 0
 for kernels in (False, True):
     cache = SlotKVCache(text.num_hidden_layers, 2, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
     runner = TalkerRunner(load_talker(checkpoint, config, "cpu", torch.float32), config, cache, max_batch=2)
-    if kernels:
+    if kernels and kernels_used == "code predictor layers":
         assert runner.model.code_predictor.model.use_small_batch_kernels()
+    elif kernels:  # the Talker's MoE layers, its shared expert folded into the expert kernels
+        assert runner.model.model.use_moe_kernels()
+        assert all(layer.mlp.shared_parts == 2 for layer in runner.model.model.layers)
     seqs = [TalkerSequence(f"r{i}", SamplingParams(temperature=0.0, repetition_penalty=1.05), speaker_id=0,
                            max_frames=12, prefix=prefix, text_embeds=reply[i:], thinker_done=True) for i in range(2)]
     for seq in seqs:
@@ -160,10 +163,15 @@ print(json.dumps({"eager": frames[False], "kernels": frames[True]}))
 """
 
 
-def test_talker_frames_with_kernels_equal_the_eager_frames_under_the_triton_interpreter(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("kernels_used", ["code predictor layers", "MoE experts"])
+def test_talker_frames_with_kernels_equal_the_eager_frames_under_the_triton_interpreter(
+    tiny_checkpoint: Path, kernels_used: str
+) -> None:
     """The embedded checkpoint's Talker, two greedy replies batched: every frame's 16 codes are the same whether
-    the code predictor's passes run its layers' eager code or the kernels."""
-    frames = run_interpreted(FRAMES, str(tiny_checkpoint))
+    the code predictor's passes run its layers' eager code or the five-kernel layers, and whether the Talker's MoE
+    layers run their experts in a loop plus the shared expert, or the expert kernels with the shared expert folded
+    in (two more experts every token picks)."""
+    frames = run_interpreted(FRAMES, str(tiny_checkpoint), kernels_used)
     assert len(frames["eager"]) >= 12 and all(len(codes) == 16 for codes in frames["eager"])
     assert frames["kernels"] == frames["eager"]
     assert len({tuple(codes[1:]) for codes in frames["eager"]}) > 1  # the code predictor's codes vary

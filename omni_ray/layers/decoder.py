@@ -137,13 +137,15 @@ class DecoderStack(nn.Module):
         return True
 
     def use_moe_kernels(self) -> bool:
-        """Decode batches' MoE expert GEMMs as `moe_kernels` Triton kernels instead of grouped GEMMs. Call before
-        `compile_layers`. False (and nothing changes) without Triton."""
+        """Decode batches' MoE expert GEMMs as `moe_kernels` Triton kernels instead of grouped GEMMs, a shared expert
+        among them (`SparseMoE.fold_shared_expert`). Call before `compile_layers`. False (and nothing changes)
+        without Triton."""
         if moe_kernels.triton is None:
             return False
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.experts.use_kernels = True
+                layer.mlp.fold_shared_expert()
         return True
 
     def compile_layers(self) -> None:

@@ -64,14 +64,18 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        if x.is_cuda and x.shape[0] <= TOP_K_BY_COMPARISON_MAX_ROWS:
+        return self.pick(F.linear(x, self.weight))
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [N, E] → each row's top-k experts' weights (in the logits' dtype) and ids [N, k]."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if logits.is_cuda and logits.shape[0] <= TOP_K_BY_COMPARISON_MAX_ROWS:
             weights, experts = top_k_by_comparison(probs, self.top_k)
         else:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights.to(logits.dtype), experts
 
 
 class Experts(nn.Module):
@@ -82,6 +86,29 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.use_kernels = False  # decode batches through `moe_kernels` (see `DecoderStack.use_moe_kernels`)
+        # the experts' weights, then any a dense expert added (`append_dense_expert`); the kernels read these
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def append_dense_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> int:
+        """Stack a dense SwiGLU expert (gate and up [J, H], down [H, J], J a multiple of the experts' inner size I)
+        after the experts, as J / I more experts of inner size I: SwiGLU splits over the inner dimension, so their
+        outputs add up to the dense expert's. The experts' own weights become views of the stacked ones (no second
+        copy). Returns how many experts were added."""
+        experts, twice_inner, hidden = self.gate_up_proj.shape
+        inner = twice_inner // 2
+        parts = gate.shape[0] // inner
+        assert gate.shape == up.shape == (parts * inner, hidden) and down.shape == (hidden, parts * inner)
+        gate_up = torch.empty(experts + parts, twice_inner, hidden, dtype=gate.dtype, device=gate.device)
+        gate_up[:experts] = self.gate_up_proj.detach()
+        gate_up[experts:, :inner] = gate.detach().reshape(parts, inner, hidden)
+        gate_up[experts:, inner:] = up.detach().reshape(parts, inner, hidden)
+        down_stacked = torch.empty(experts + parts, hidden, inner, dtype=down.dtype, device=down.device)
+        down_stacked[:experts] = self.down_proj.detach()
+        down_stacked[experts:] = down.detach().reshape(hidden, parts, inner).transpose(0, 1)
+        self.gate_up_proj = nn.Parameter(gate_up[:experts], requires_grad=False)
+        self.down_proj = nn.Parameter(down_stacked[:experts], requires_grad=False)
+        self.stacked = (gate_up, down_stacked)
+        return parts
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; experts/weights: [N, k]. On CUDA, with no host sync (so CUDA graphs can capture it): a decode
@@ -122,9 +149,10 @@ class Experts(nn.Module):
 
     def with_kernels(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`grouped` with its two GEMMs as `moe_kernels.expert_gemms`: one program per picked expert and column
-        block (decode batches)."""
-        _, place, token_of, counts = self._sort_by_expert(experts, self.gate_up_proj.shape[0])
-        y = _expert_gemms(x, self.gate_up_proj, self.down_proj, token_of, counts)
+        block (decode batches). Ids past the experts pick those `append_dense_expert` added."""
+        gate_up, down = self.stacked or (self.gate_up_proj, self.down_proj)
+        _, place, token_of, counts = self._sort_by_expert(experts, gate_up.shape[0])
+        y = _expert_gemms(x, gate_up, down, token_of, counts)
         return self._combine(y, place, experts, weights, x.dtype)
 
     @staticmethod
@@ -189,12 +217,43 @@ class SparseMoE(nn.Module):
         if shared_intermediate_size > 0:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.router_and_shared_gate: torch.Tensor | None = None  # set by `fold_shared_expert`
+        self.shared_parts = 0
+
+    def fold_shared_expert(self) -> bool:
+        """For the expert kernels' decode batches: the shared expert as `shared_parts` more experts that every token
+        picks, each weighted by the shared expert's sigmoid gate, and that gate as one more router column; its own
+        GEMMs, SiLU and gate (five kernels a layer) go. False (nothing changes) without a shared expert, or one whose
+        inner size is not a multiple of the experts'."""
+        shared = self.shared_expert
+        if self.router_and_shared_gate is not None:
+            return True
+        inner = self.experts.down_proj.shape[-1]
+        if shared is None or shared.gate_proj.out_features % inner:
+            return False
+        self.shared_parts = self.experts.append_dense_expert(
+            shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        self.router_and_shared_gate = torch.cat([self.gate.weight, self.shared_expert_gate.weight]).detach()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.router_and_shared_gate is not None and self.experts.use_kernels and moe_kernels.applies(flat):
+            return self._with_shared_expert_folded(flat).reshape(shape)
         weights, experts = self.gate(flat)
         out = self.experts(flat, experts, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)
+
+    def _with_shared_expert_folded(self, flat: torch.Tensor) -> torch.Tensor:
+        """One GEMM for the router and the shared expert's gate, then the picked experts and the shared expert's
+        parts in the expert kernels (see `fold_shared_expert`)."""
+        assert self.router_and_shared_gate is not None
+        logits = F.linear(flat, self.router_and_shared_gate)
+        weights, experts = self.gate.pick(logits[:, :-1])
+        first = self.experts.gate_up_proj.shape[0]
+        shared_ids = torch.arange(first, first + self.shared_parts, device=flat.device).expand(flat.shape[0], -1)
+        shared_weights = torch.sigmoid(logits[:, -1:]).to(weights.dtype).expand(-1, self.shared_parts)
+        return self.experts.with_kernels(flat, torch.cat([experts, shared_ids], 1), torch.cat([weights, shared_weights], 1))

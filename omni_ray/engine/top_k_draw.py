@@ -7,9 +7,8 @@ Here one program per row holds the row in registers and makes the same decisions
 `cap` logits (ties: the lower token id first, as aten's top-k takes them), ranks past the row's top_k dropped, then
 what lies outside the top-p nucleus of the rest (cumulated from the smallest probability up, as transformers does),
 then argmax(logit/T - log(noise)) with the same counter noise. Greedy rows take the argmax (the first of equal
-maxima). Only the logits are sorted (fp32; the top `cap`): what stays is a prefix of those ranks, so it is the row's
-tokens above the prefix's last value and, of those equal to it, the lowest ids; the noise and the argmax then run
-over the whole row. (Sorting 64-bit (logit, id) keys instead took 23-26 us per draw on an H200 in session 12.)
+maxima). (Sorting only the fp32 logits instead, then finding the kept tokens and drawing over the whole row, was not
+faster: 0.227 ms a frame on an H200 in session 13, `benchmarks/results/2026-12-01_h200_frame_draws_session13_*`.)
 """
 
 from __future__ import annotations
@@ -44,6 +43,11 @@ if triton is not None:
         return x ^ (x >> 15)
 
     @triton.jit
+    def _orderable(bits):
+        """float32 bits (as int32) ↔ int32 that orders as the floats do (an involution)."""
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
     def _top_k_draw_kernel(
         logits_ptr, logits_stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr,
         seen_ptr, seen_stride, banned_ptr, banned_stride, keys_ptr, offset, out_ptr,
@@ -63,33 +67,28 @@ if triton is not None:
         greedy = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64)
         temperature = tl.load(temperature_ptr + row)
         x = tl.math.div_rn(x, tl.maximum(temperature, 1e-5))  # IEEE division, as torch divides
-        # The top `CAP` logits, sorted: ranks past the row's top_k dropped, then what lies outside the top-p nucleus
-        # of the rest (mass cumulated from the smallest kept probability up; the largest logit always stays). What
-        # stays is a prefix of the ranks: every token above its last value, and of the tokens equal to it the
-        # lowest ids (ties rank by lower id first, as aten's top-k takes them).
-        top = tl.topk(x, CAP)  # descending
+        # One int64 per token that sorts by logit, then by lower id: the top-k keeps both in one bitonic sort.
+        packed = (_orderable(x.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (BLOCK - 1 - cols).to(tl.int64)
+        top = tl.topk(packed, CAP)  # descending
+        index = BLOCK - 1 - top.to(tl.int32)  # the low half
+        values = _orderable((top >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
         rank = tl.arange(0, CAP)
         top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), CAP)
-        values = tl.where(rank >= top_k, float("-inf"), top)
+        values = tl.where(rank >= top_k, float("-inf"), values)
+        # top-p: mass cumulated from the smallest kept probability up; the largest logit always stays
         weights = tl.exp(values - tl.max(values, axis=0))
         cumulative = tl.cumsum(weights / tl.sum(weights, axis=0), axis=0, reverse=True)
         outside = (cumulative <= 1.0 - tl.load(top_p_ptr + row)) | (values == float("-inf"))
-        kept_ranks = (~outside) | (rank == 0)
-        last = tl.max(tl.where(rank == tl.sum(kept_ranks.to(tl.int32), axis=0) - 1, top, float("-inf")), axis=0)
-        ties_kept = tl.sum((kept_ranks & (top == last)).to(tl.int32), axis=0)
-        at_last = inside & (x == last)
-        lower_ids_at_last = tl.cumsum(at_last.to(tl.int32), axis=0) - at_last.to(tl.int32)
-        kept = inside & ((x > last) | (at_last & (lower_ids_at_last < ties_kept)))
-        # argmax(logit/T - log(noise)) over the kept tokens, with the counter noise of `sampler.exponential_from_hash`
-        # at their ids; equal scores go to the higher logit, then the lower id (the first in rank order, as `sample`)
+        values = tl.where(outside & (rank > 0), float("-inf"), values)
+        # the counter noise of `sampler.exponential_from_hash` at the candidates' ids
         key0 = tl.load(keys_ptr + 2 * row).to(tl.uint32)
         key1 = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
-        hashed = _mix32(_mix32((cols + offset).to(tl.uint32) ^ key0) + key1)
+        hashed = _mix32(_mix32((index + offset).to(tl.uint32) ^ key0) + key1)
         uniform = ((hashed >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        scores = tl.where(kept, x - tl.log(tl.maximum(-tl.log(uniform), 1e-30)), float("-inf"))
-        tied = kept & (scores == tl.max(scores, axis=0))
-        tied = tied & (x == tl.max(tl.where(tied, x, float("-inf")), axis=0))
-        drawn = tl.min(tl.where(tied, cols, BLOCK), axis=0)
+        noise = -tl.log(uniform)
+        scores = values - tl.log(tl.maximum(noise, 1e-30))
+        best = tl.argmax(scores, axis=0, tie_break_left=True)
+        drawn = tl.sum(tl.where(rank == best, index, 0), axis=0)
         drawn = tl.minimum(drawn, vocab - 1).to(tl.int64)  # every token banned: some token, never past the vocabulary
         tl.store(out_ptr + row, tl.where(temperature > 0, drawn, greedy))
 

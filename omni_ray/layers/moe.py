@@ -256,4 +256,5 @@ class SparseMoE(nn.Module):
         first = self.experts.gate_up_proj.shape[0]
         shared_ids = torch.arange(first, first + self.shared_parts, device=flat.device).expand(flat.shape[0], -1)
         shared_weights = torch.sigmoid(logits[:, -1:]).to(weights.dtype).expand(-1, self.shared_parts)
-        return self.experts.with_kernels(flat, torch.cat([experts, shared_ids], 1), torch.cat([weights, shared_weights], 1))
+        experts, weights = torch.cat([experts, shared_ids], 1), torch.cat([weights, shared_weights], 1)
+        return self.experts.with_kernels(flat, experts, weights)

@@ -12,7 +12,8 @@ softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per fra
 5. the down projection + the residual.
 
 Every GEMM holds up to 32 rows in one tile and splits the output columns over programs, so each weight is read once
-per pass (per 32 rows). A norm needs each row's sum of squares before the GEMM can start: the GEMMs that add a
+per pass (per 32 rows); the narrow, deep ones also split their depth, the last program of a column block to finish
+adding the others' partial sums in a fixed order. A norm needs each row's sum of squares before the GEMM can start: the GEMMs that add a
 residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
 of the next layer) adds up, instead of every one of its programs passing over the rows first (as the first layer's
 q/k/v GEMM does). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us on an
@@ -50,7 +51,8 @@ if triton is not None:
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if RESIDUAL:
-            acc += tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+            residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0)
+            acc += residual.to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=out_mask)
         if SQUARES_OUT:

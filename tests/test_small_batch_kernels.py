@@ -59,6 +59,10 @@ for dtype, rows_are_slots in ((torch.float32, True), (torch.float32, False), (to
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
         start, length = start + length, 1
+    # the final norm and a head [50, 64] over the last position: one kernel, against the norm then the GEMM
+    head, hidden = (torch.randn(50, 64) * 0.2).to(dtype), torch.randn(rows, 2, 64).to(dtype)
+    expected = eager.head_logits(hidden, head).float()
+    worst["head"] = (fused.head_logits(hidden, head).float() - expected).abs().max().item() / expected.abs().max().item()
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}"] = worst
 print(json.dumps(results))
 """
@@ -68,13 +72,15 @@ def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> N
     """A two-layer dense stack over a 17-position cache holding stale keys: the first step writes two tokens per row,
     three more write one each, rows in the first slots or in others. The kernels' outputs and the keys and values
     they write equal the eager layers' (fp32: to float rounding; bf16: to its rounding), for every layer of every step
-    (the second layer's input norm reads the sums of squares the first layer's kernels left)."""
+    (the second layer's input norm reads the sums of squares the first layer's kernels left). So do the last
+    position's logits, the final norm fused into the head's GEMM."""
     results = run_interpreted(CHECK)
     assert set(results) == {"torch.float32-rows are slots", "torch.float32-slots", "torch.bfloat16-rows are slots"}
     for case, worst in results.items():
         assert worst["used"] == 8, case  # 2 layers x 4 steps ran the kernels
         bf16 = "bfloat16" in case
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
+        assert worst["head"] < (3e-2 if bf16 else 1e-5), (case, worst)
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
 
 

@@ -39,8 +39,8 @@ def codebook_pass(
     Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
     made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
     longer: compiled layers and a one-kernel draw are what the Talker uses."""
-    hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin))
-    logits = F.linear(hidden[:, -1], head)
+    hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin), normed=False)
+    logits = stack.head_logits(hidden, head)
     code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)
     embedded = F.embedding(code, table)
     return code, embedded[:, None], feedback + embedded

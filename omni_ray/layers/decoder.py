@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_ray.layers.attention import Attention, AttentionBatch
@@ -169,9 +170,11 @@ class DecoderStack(nn.Module):
         batch: AttentionBatch,
         capture: tuple[int, ...] = (),
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        normed: bool = True,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """embeds [B, T, H]; positions [B, T] or [3, B, T] for M-RoPE. `rope`: their (cos, sin) [B, T, head_dim],
-        when the caller has them already (positions are then ignored)."""
+        when the caller has them already (positions are then ignored). `normed=False`: the last layer's output
+        without the final norm (`head_logits` applies it)."""
         if rope is not None:
             cos, sin = rope
         else:
@@ -192,7 +195,17 @@ class DecoderStack(nn.Module):
                 x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:
                 captured[i + 1] = x
-        x = self.norm(x)
+        if normed:
+            x = self.norm(x)
         if self.spec.num_layers in capture:
             captured[self.spec.num_layers] = x
         return x, captured
+
+    def head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """The last position's logits [B, V] from `hidden` [B, T, h], the un-normed output of `forward(...,
+        normed=False)`, by `head` [V, h]: the final norm and the head's GEMM in one kernel where the small-batch
+        kernels run, else the norm, then the GEMM."""
+        last = hidden[:, -1]
+        if self.small_batch_kernels and small_batch.takes_rows(last):
+            return small_batch.rows_matmul(last, head, self.norm.weight, self.norm.variance_epsilon)
+        return F.linear(self.norm(last), head)

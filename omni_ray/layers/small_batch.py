@@ -330,6 +330,11 @@ def small_attention(
     return out
 
 
+def takes_rows(x: torch.Tensor) -> bool:
+    """Whether `rows_matmul` takes x [M, K]: Triton on a GPU (or its interpreter), at most `MAX_ROWS` rows."""
+    return triton is not None and (x.is_cuda or interpreting()) and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
+
+
 def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) -> bool:
     """Whether `decoder_layer` can run this layer's step: Triton on a GPU (or its interpreter), a dense layer with
     fused projections, few rows and few keys, a decode over the cache (not a from-zero prefill)."""

@@ -11,7 +11,7 @@ import torch
 
 from omni_ray.bench import run_meta, write_results
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, fused_sample, sample
-from omni_ray.engine.top_k_draw import draw_with_kernel
+from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import MTP_SAMPLING
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = "cuda"
     draws = {"eager aten ops": sample, "inductor (fused_sample)": fused_sample,
-             "Triton top_k_draw": draw_with_kernel(fused_sample)}
+             "Triton top_k_draw": KernelDraw(fused_sample)}
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:
         row: dict[str, float | int] = {"rows": rows}

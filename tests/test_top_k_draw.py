@@ -9,7 +9,7 @@ import torch
 
 from _triton import compile_for_h200, run_interpreted
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, SamplingParams
-from omni_ray.engine.top_k_draw import draw_with_kernel
+from omni_ray.engine.top_k_draw import KernelDraw
 
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernel is defined.
 CHECK = r"""
@@ -88,28 +88,71 @@ def test_kernel_draws_what_sample_draws_under_the_triton_interpreter() -> None:
         assert len(set(case["kernel"])) > 6  # the rows drew different tokens: the noise is per row
 
 
-@pytest.mark.parametrize("penalised", [True, False], ids=["group0", "code-predictor"])
-def test_kernel_compiles_for_the_h200_without_a_gpu(penalised: bool) -> None:
+# The draw that also looks its tokens up and adds them to the feedback, against the draw alone and torch.
+EMBED = r"""
+import json, torch
+from omni_ray.engine.sampler import CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys
+from omni_ray.engine.top_k_draw import top_k_draw, top_k_draw_and_embed
+
+torch.manual_seed(0)
+rows, vocab, width = 5, 300, 96
+params = [SamplingParams(temperature=0.0)] + [SamplingParams(temperature=0.9, top_k=50, seed=i) for i in range(rows - 1)]
+batch = SamplingBatch.of(params, "cpu")
+noise = CounterNoise(draw_keys([NoiseSource(p) for p in params]), 4096)
+logits = (4 * torch.randn(rows, vocab)).to(torch.bfloat16)
+alone = top_k_draw(logits, batch, noise, 64)
+results = {"distinct": len(set(alone.tolist()))}
+for dtype in (torch.float32, torch.bfloat16):
+    table, feedback = torch.randn(vocab, width).to(dtype), torch.randn(rows, width).to(dtype)
+    tokens, embedded, summed = top_k_draw_and_embed(logits, batch, noise, 64, table, feedback)
+    expected = feedback + table[tokens]
+    results[str(dtype)] = {"tokens equal": bool((tokens == alone).all()),
+                           "embedded equal": bool(torch.equal(embedded, table[tokens])),
+                           "summed error": (summed.float() - expected.float()).abs().max().item(),
+                           "largest": expected.float().abs().max().item()}
+print(json.dumps(results))
+"""
+
+
+def test_the_draw_that_embeds_its_tokens_under_the_triton_interpreter() -> None:
+    """Greedy and sampled rows: the kernel's tokens are `top_k_draw`'s and its embeddings the table's rows for them.
+    Feedback + embeddings equal torch's sum in fp32, and in bf16 to one unit in the last place: the interpreter
+    truncates fp32 to bf16, where a GPU rounds to nearest even as torch does."""
+    results = run_interpreted(EMBED)
+    assert results.pop("distinct") > 1
+    for dtype, result in results.items():
+        assert result["tokens equal"] and result["embedded equal"], (dtype, result)
+        bf16 = "bfloat16" in dtype
+        assert result["summed error"] <= (2 ** -7 * result["largest"] if bf16 else 0.0), (dtype, result)
+
+
+@pytest.mark.parametrize("variant", ["group0", "code-predictor", "code-predictor-embedding"])
+def test_kernel_compiles_for_the_h200_without_a_gpu(variant: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90): what the interpreter lets pass and a
     GPU would refuse (a Python annotation in a jit function, a type Triton cannot lower) fails here."""
     from omni_ray.engine.top_k_draw import _top_k_draw_kernel
 
+    penalised = variant == "group0"
     pointers = {"logits_ptr": "*bf16", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
-                "penalty_ptr": "*fp32", "seen_ptr": "*i1", "banned_ptr": "*i1", "keys_ptr": "*i64", "out_ptr": "*i64"}
-    scalars = {name: "i32" for name in ("logits_stride", "vocab", "seen_stride", "banned_stride", "offset")}
-    constants = {"HAS_SEEN": penalised, "HAS_BANNED": penalised, "BLOCK": 4096 if penalised else 2048, "CAP": 64}
+                "penalty_ptr": "*fp32", "seen_ptr": "*i1", "banned_ptr": "*i1", "keys_ptr": "*i64", "out_ptr": "*i64",
+                "table_ptr": "*bf16", "feedback_ptr": "*bf16", "embedded_ptr": "*bf16", "summed_ptr": "*bf16"}
+    scalars = {name: "i32" for name in ("logits_stride", "vocab", "seen_stride", "banned_stride", "offset",
+                                        "table_stride", "feedback_stride", "width")}
+    constants = {"HAS_SEEN": penalised, "HAS_BANNED": penalised, "BLOCK": 4096 if penalised else 2048, "CAP": 64,
+                 "EMBED": variant.endswith("embedding"), "BLOCK_WIDTH": 1024}
     compile_for_h200(_top_k_draw_kernel, {**pointers, **scalars}, constants, num_warps=8)
 
 
-def test_draw_with_kernel_hands_what_it_cannot_take_to_its_fallback() -> None:
-    """Off CUDA (and for an unfiltered draw, or a cap past the kernel's), the wrapped draw is the fallback's."""
+def test_kernel_draw_hands_what_it_cannot_take_to_its_fallback() -> None:
+    """Off CUDA (and for an unfiltered draw, or a cap past the kernel's), the wrapped draw is the fallback's; so is
+    the token `draw_and_embed` looks up."""
     calls: list[tuple[Any, ...]] = []
 
     def fallback(*args: Any) -> torch.Tensor:
         calls.append(args)
         return torch.zeros(2, dtype=torch.long)
 
-    draw = draw_with_kernel(fallback)
+    draw = KernelDraw(fallback)
     logits = torch.randn(2, 16)
     params = SamplingBatch.of([SamplingParams(top_k=5, seed=1)] * 2, "cpu")
     noise = CounterNoise(torch.zeros(2, 2, dtype=torch.long))
@@ -117,3 +160,7 @@ def test_draw_with_kernel_hands_what_it_cannot_take_to_its_fallback() -> None:
     draw(logits, params, noise, None, None, False, None)
     assert len(calls) == 2
     assert calls[0][5:] == (True, 8) and calls[1][5:] == (False, None)
+    table, feedback = torch.randn(16, 4), torch.randn(2, 4)
+    tokens, embedded, summed = draw.draw_and_embed(logits, params, noise, True, 8, table, feedback)
+    assert len(calls) == 3 and tokens.tolist() == [0, 0]
+    assert torch.equal(embedded, table[[0, 0]]) and torch.equal(summed, feedback + table[[0, 0]])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, sample
+from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
 
@@ -33,7 +34,7 @@ def codebook_pass(
     the last position's logits by `head` [V, h], one draw per row (noise from `noise_keys` shifted by
     `noise_offset`), and that code's embedding in `table` [V, h]. Returns codes [B], their embeddings [B, 1, h] (the
     next pass's input) and `feedback` [B, h] plus those embeddings (a frame's summed code embedding, built as it goes).
-    `draw`: `sample`, or a faster draw with its signature (`fused_sample`, `top_k_draw.draw_with_kernel`).
+    `draw`: `sample`, or a faster draw with its signature (`fused_sample`, `top_k_draw.KernelDraw`).
     Graph-capturable.
 
     Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
@@ -41,6 +42,10 @@ def codebook_pass(
     longer: compiled layers and a one-kernel draw are what the Talker uses."""
     hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin), normed=False)
     logits = stack.head_logits(hidden, head)
-    code = draw(logits, params, CounterNoise(noise_keys, noise_offset), filtered=filtered, top_k_cap=top_k_cap)
+    noise = CounterNoise(noise_keys, noise_offset)
+    if isinstance(draw, KernelDraw):  # the lookup and the sum inside the draw's kernel
+        code, embedded, feedback = draw.draw_and_embed(logits, params, noise, filtered, top_k_cap, table, feedback)
+        return code, embedded[:, None], feedback
+    code = draw(logits, params, noise, filtered=filtered, top_k_cap=top_k_cap)
     embedded = F.embedding(code, table)
     return code, embedded[:, None], feedback + embedded

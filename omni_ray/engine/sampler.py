@@ -283,7 +283,7 @@ def needs_filter(params: Sequence[SamplingParams]) -> bool:
 
 
 # `sample` as a few inductor kernels (about 20 otherwise, for a top-k draw): the Talker's frame draws with it where
-# the one-kernel draw (`top_k_draw.draw_with_kernel`) does not apply or is turned off.
+# the one-kernel draw (`top_k_draw.KernelDraw`) does not apply or is turned off.
 fused_sample = compiled_or_eager(sample, "sampling")
 
 

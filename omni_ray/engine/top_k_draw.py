@@ -17,13 +17,14 @@ from contextlib import nullcontext
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton (a CPU-only install): `draw_with_kernel` falls back
+except ImportError:  # no Triton (a CPU-only install): `KernelDraw` falls back
     triton = None
 
 
@@ -51,8 +52,12 @@ if triton is not None:
     def _top_k_draw_kernel(
         logits_ptr, logits_stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr,
         seen_ptr, seen_stride, banned_ptr, banned_stride, keys_ptr, offset, out_ptr,
+        table_ptr, table_stride, feedback_ptr, feedback_stride, embedded_ptr, summed_ptr, width,
         HAS_SEEN: tl.constexpr, HAS_BANNED: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+        EMBED: tl.constexpr, BLOCK_WIDTH: tl.constexpr,
     ):
+        """Row `row`'s token into out_ptr; EMBED: also its row of the table [V, width] into embedded_ptr [B, width],
+        and that plus the row's feedback vector into summed_ptr (rounded once, as torch adds)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < vocab
@@ -90,7 +95,16 @@ if triton is not None:
         best = tl.argmax(scores, axis=0, tie_break_left=True)
         drawn = tl.sum(tl.where(rank == best, index, 0), axis=0)
         drawn = tl.minimum(drawn, vocab - 1).to(tl.int64)  # every token banned: some token, never past the vocabulary
-        tl.store(out_ptr + row, tl.where(temperature > 0, drawn, greedy))
+        token = tl.where(temperature > 0, drawn, greedy)
+        tl.store(out_ptr + row, token)
+        if EMBED:
+            at = tl.arange(0, BLOCK_WIDTH)
+            inside_width = at < width
+            vector = tl.load(table_ptr + token * table_stride + at, mask=inside_width)
+            tl.store(embedded_ptr + row * width + at, vector, mask=inside_width)
+            previous = tl.load(feedback_ptr + row * feedback_stride + at, mask=inside_width).to(tl.float32)
+            summed = (previous + vector.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+            tl.store(summed_ptr + row * width + at, summed, mask=inside_width)
 
 
 def top_k_draw(
@@ -103,6 +117,29 @@ def top_k_draw(
 ) -> torch.Tensor:
     """`sample(logits, params, noise, seen, banned, filtered=True, top_k_cap=cap)` as one kernel: logits [B, V] →
     tokens [B] long. `cap`: a power of two at most `MAX_CAP`; banned [B, V] or [V] bool. Graph-capturable."""
+    return _launch(logits, params, noise, cap, seen, banned, None)[0]
+
+
+def top_k_draw_and_embed(
+    logits: torch.Tensor,
+    params: SamplingBatch,
+    noise: CounterNoise,
+    cap: int,
+    table: torch.Tensor,
+    feedback: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`top_k_draw` (no penalty, no banned ids) that also looks each token up in `table` [V, h] and adds that to
+    the row's `feedback` [B, h], in the same kernel: tokens [B], their embeddings [B, h] and feedback + embeddings
+    [B, h] (a codebook pass's draw, `F.embedding` and sum in one launch). Graph-capturable."""
+    tokens, embedded, summed = _launch(logits, params, noise, cap, None, None, (table, feedback))
+    assert embedded is not None and summed is not None
+    return tokens, embedded, summed
+
+
+def _launch(
+    logits: torch.Tensor, params: SamplingBatch, noise: CounterNoise, cap: int, seen: torch.Tensor | None,
+    banned: torch.Tensor | None, embedding: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     rows, vocab = logits.shape
     assert triton is not None and cap & (cap - 1) == 0 and cap <= MAX_CAP and vocab <= MAX_VOCAB
     block = max(triton.next_power_of_2(vocab), cap)
@@ -112,22 +149,45 @@ def top_k_draw(
     banned_arg = banned if banned is not None else out
     banned_stride = 0 if banned is None or banned.dim() == 1 else banned.stride(0)
     keys = noise.keys.contiguous()
+    table, feedback, embedded, summed = out, out, None, None
+    if embedding is not None:
+        table, feedback = embedding
+        assert table.stride(-1) == 1 and feedback.stride(-1) == 1 and table.shape[1] == feedback.shape[1]
+        embedded = torch.empty(rows, table.shape[1], dtype=table.dtype, device=table.device)
+        summed = torch.empty(rows, table.shape[1], dtype=torch.promote_types(table.dtype, feedback.dtype),
+                             device=table.device)
+    width = table.shape[1] if embedding is not None else 1
     # Triton launches on the current device, which may be another (on the CPU: Triton's interpreter)
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
         _top_k_draw_kernel[(rows,)](
             logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p, params.penalty,
             seen_arg, seen_arg.stride(0), banned_arg, banned_stride, keys, noise.offset, out,
+            table, table.stride(0), feedback, feedback.stride(0), embedded if embedded is not None else out,
+            summed if summed is not None else out, width,
             HAS_SEEN=seen is not None, HAS_BANNED=banned is not None, BLOCK=block, CAP=cap,
+            EMBED=embedding is not None, BLOCK_WIDTH=triton.next_power_of_2(width),
             num_warps=8 if block >= 4096 else 4,
         )
-    return out
+    return out, embedded, summed
 
 
-def draw_with_kernel(fallback: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+class KernelDraw:
     """A `sample`-shaped draw that runs `top_k_draw` where it applies (CUDA logits, Triton present, a filtered top-k
-    draw with noise and a cap the kernel takes) and `fallback` otherwise."""
+    draw with noise and a cap the kernel takes) and `fallback` otherwise; `draw_and_embed` also looks the tokens up
+    in the same kernel."""
 
-    def draw(
+    def __init__(self, fallback: Callable[..., torch.Tensor]) -> None:
+        self.fallback = fallback
+
+    @staticmethod
+    def applies(logits: torch.Tensor, noise: object, filtered: bool, top_k_cap: int | None) -> bool:
+        return (
+            triton is not None and logits.is_cuda and isinstance(noise, CounterNoise) and filtered
+            and top_k_cap is not None and top_k_cap <= MAX_CAP and logits.shape[-1] <= MAX_VOCAB
+        )
+
+    def __call__(
+        self,
         logits: torch.Tensor,
         params: SamplingBatch,
         noise: torch.Tensor | CounterNoise | None,
@@ -136,11 +196,25 @@ def draw_with_kernel(fallback: Callable[..., torch.Tensor]) -> Callable[..., tor
         filtered: bool = True,
         top_k_cap: int | None = None,
     ) -> torch.Tensor:
-        if (
-            triton is not None and logits.is_cuda and isinstance(noise, CounterNoise) and filtered
-            and top_k_cap is not None and top_k_cap <= MAX_CAP and logits.shape[-1] <= MAX_VOCAB
-        ):
+        if self.applies(logits, noise, filtered, top_k_cap):
+            assert isinstance(noise, CounterNoise) and top_k_cap is not None
             return top_k_draw(logits, params, noise, top_k_cap, seen, banned)
-        return fallback(logits, params, noise, seen, banned, filtered, top_k_cap)
+        return self.fallback(logits, params, noise, seen, banned, filtered, top_k_cap)
 
-    return draw
+    def draw_and_embed(
+        self,
+        logits: torch.Tensor,
+        params: SamplingBatch,
+        noise: CounterNoise,
+        filtered: bool,
+        top_k_cap: int | None,
+        table: torch.Tensor,
+        feedback: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens [B], `F.embedding(tokens, table)` and `feedback` plus that: one kernel where it applies."""
+        if self.applies(logits, noise, filtered, top_k_cap):
+            assert top_k_cap is not None
+            return top_k_draw_and_embed(logits, params, noise, top_k_cap, table, feedback)
+        tokens = self(logits, params, noise, None, None, filtered, top_k_cap)
+        embedded = F.embedding(tokens, table)
+        return tokens, embedded, feedback + embedded

@@ -27,7 +27,7 @@ from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
     sample, top_k_cap,
 )
-from omni_ray.engine.top_k_draw import draw_with_kernel
+from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
@@ -183,7 +183,7 @@ class TalkerRunner:
             if code_predictor_kernels:
                 stack.use_small_batch_kernels()
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
-            self._sample = draw_with_kernel(fused_sample) if sampling_kernel else fused_sample
+            self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_kernels_equal_the_eager_code_predictor_on_the_gpu(rows: int) -> None:
     """Qwen3-Omni-30B's code predictor (5 layers, 1,024 wide, 16 query and 8 KV heads of 128), random bf16 weights,
     a frame's first four passes (two tokens, then one): the hidden states and the keys and values written agree
-    with the eager layers to bf16 rounding, and a graph replay gives the kernels' eager output."""
+    with the eager layers to bf16 rounding, and a graph replay gives the kernels' eager output. So do the last
+    position's logits with the final norm inside the code head's GEMM."""
     pytest.importorskip("triton")
     cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
     torch.manual_seed(0)
@@ -55,3 +56,10 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(rows: int) -> None:
         replayed = fused(x, None, caches[1].layers, batch, rope=(cos, sin))[0]
     graph.replay()
     torch.testing.assert_close(replayed.float(), got)
+
+    # the final norm inside the code head's GEMM (2,048 codes), against the norm, then the GEMM
+    head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+    hidden = torch.randn(rows, 2, 1024, device="cuda").to(torch.bfloat16)
+    expected = eager.head_logits(hidden, head).float()
+    logits = fused.head_logits(hidden, head)
+    assert (logits.float() - expected).abs().max().item() < 3e-2 * expected.abs().max().item()

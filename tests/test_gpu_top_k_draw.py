@@ -50,3 +50,31 @@ def test_kernel_draws_eagers_tokens_on_the_gpu(group0: bool) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, kernel[-1])
+
+
+def test_the_draw_that_embeds_its_codes_on_the_gpu() -> None:
+    """A code-predictor draw for 32 rows over 2,048 logits with the codebook's 1,024-wide table: the kernel's codes
+    are `top_k_draw`'s, its embeddings the table's rows, and feedback + embeddings torch's bf16 sum bit for bit
+    (both round to nearest even); a graph replay gives the eager call's outputs."""
+    pytest.importorskip("triton")
+    from omni_ray.engine.top_k_draw import top_k_draw_and_embed
+
+    rows, vocab, width = 32, 2048, 1024
+    params = [MTP_SAMPLING.model_copy(update={"seed": i}) for i in range(rows)]
+    batch = SamplingBatch.of(params, "cuda")
+    noise = CounterNoise(draw_keys([NoiseSource(p) for p in params]).cuda(), 4096)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=generator)).to(torch.bfloat16)
+    table = torch.randn(vocab, width, device="cuda", generator=generator).to(torch.bfloat16)
+    feedback = torch.randn(rows, width, device="cuda", generator=generator).to(torch.bfloat16)
+    codes, embedded, summed = top_k_draw_and_embed(logits, batch, noise, 64, table, feedback)
+    assert torch.equal(codes, top_k_draw(logits, batch, noise, 64))
+    assert len(set(codes.tolist())) > 16
+    assert torch.equal(embedded, table[codes]) and torch.equal(summed, feedback + table[codes])
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = top_k_draw_and_embed(logits, batch, noise, 64, table, feedback)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(replayed, (codes, embedded, summed)))

@@ -181,6 +181,7 @@ class KernelDraw:
 
     @staticmethod
     def applies(logits: torch.Tensor, noise: object, filtered: bool, top_k_cap: int | None) -> bool:
+        """CUDA logits, Triton present, a filtered top-k draw with counter noise and a cap the kernel takes."""
         return (
             triton is not None and logits.is_cuda and isinstance(noise, CounterNoise) and filtered
             and top_k_cap is not None and top_k_cap <= MAX_CAP and logits.shape[-1] <= MAX_VOCAB

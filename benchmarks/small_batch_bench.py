@@ -36,7 +36,8 @@ def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
     shapes = {"qkv (norm, own pass)": (4096, width, "norm"), "qkv (norm, partial squares)": (4096, width, "norm-squares"),
               "o (residual, keeping squares)": (width, 2048, "residual"),
               "gate_up (norm, partial squares, SiLU*up)": (inner, width, "gated"),
-              "down (residual, keeping squares)": (width, inner, "residual"), "code head": (2048, width, "plain")}
+              "down (residual, keeping squares)": (width, inner, "residual"),
+              "code head (final norm, own pass)": (2048, width, "norm")}
     out = []
     for name, (n, k, kind) in shapes.items():
         size = (2 * n if kind == "gated" else n, k)
@@ -56,7 +57,7 @@ def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
                     if kind == "residual":
                         return small_batch.rows_matmul_keeping_squares(x, weight, residual, config)[0]
                     return small_batch.rows_matmul(
-                        x, weight, None if kind == "plain" else norm, gated=kind == "gated", config=config,
+                        x, weight, norm, gated=kind == "gated", config=config,
                         squares=squares if kind in ("norm-squares", "gated") else None)
                 try:
                     row[str(list(config))] = 1000 * replay_ms(lambda: [call(w) for w in weights][-1], 50)[0] / copies

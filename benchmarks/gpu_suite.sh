@@ -6,7 +6,8 @@
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
 # prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
-# eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs), vocoder (window vs stateful vocoder, with and without cuDNN
+# eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
+# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
 # MPS), baseline (transformers' generate()), divergence (where the Talker's codes stop matching: graphs vs eager,
@@ -68,6 +69,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
       # shellcheck disable=SC2086
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
+      persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
       # shellcheck disable=SC2086
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"

@@ -1,0 +1,203 @@
+"""Would one persistent kernel per code-predictor pass pay? A probe, not serving code: (1) what a grid barrier among
+P resident programs costs on this GPU, and (2) the code predictor's four GEMMs of a layer (q/k/v, o, gate/up, down
+at full size, plain products; attention and the epilogues left out) chained at 1 / 8 / 32 rows, as four kernels
+replayed from one CUDA graph against one persistent kernel whose programs wait for each other between the GEMMs,
+with and without loading the first depth block of their next weight tile before they wait. Weights cycle through
+copies past L2's size, as a pass's five layers do. The persistent kernels need all their programs resident at once
+(one per SM by default): on a GPU shared with other work they may wait long, and a step's time limit ends them.
+
+    python -m benchmarks.persistent_probe --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from benchmarks.draw_bench import replay_ms
+from omni_ray.bench import run_meta, write_results
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only install: nothing to probe
+    triton = None
+
+# (depth, width) of each GEMM of a code-predictor layer, each reading the previous one's output's first columns
+CHAIN = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))
+BLOCK_N, BLOCK_K = 32, 256
+
+
+if triton is not None:
+
+    @triton.jit
+    def _wait_for_all(arrivals_ptr, target):
+        """A grid barrier: this program arrives, then spins until `target` arrivals are counted (every program of
+        the launch must be resident, or it never returns)."""
+        tl.debug_barrier()  # the whole program's stores before the release
+        seen = tl.atomic_add(arrivals_ptr, 1, sem="release") + 1
+        while seen < target:
+            seen = tl.atomic_add(arrivals_ptr, 0, sem="acquire")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _gemm_phase(a_ptr, a_stride, w_ptr, out_ptr, out_stride, M, first_w, pid, PROGRAMS: tl.constexpr,
+                    K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PREFETCHED: tl.constexpr):
+        """out[:M, tiles] = a[:M, :K] @ w[tiles, :K].T for this program's column tiles (pid, pid + PROGRAMS, ...);
+        PREFETCHED: `first_w` already holds its first tile's first depth block."""
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+        for turn in range(0, (TILES + PROGRAMS - 1) // PROGRAMS):  # constant bounds: the interpreter needs them
+            tile = pid + turn * PROGRAMS
+            if tile < TILES:
+                cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    a = tl.load(a_ptr + rows[:, None] * a_stride + (k0 + ks)[None, :], mask=(rows < M)[:, None],
+                                other=0.0)
+                    w = first_w
+                    if PREFETCHED:
+                        if (turn != 0) | (k0 != 0):
+                            w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :])
+                    else:
+                        w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :])
+                    acc = tl.dot(a, tl.trans(w), acc)
+                tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=(rows < M)[:, None])
+
+    @triton.jit
+    def _first_block(w_ptr, pid, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The first depth block of this program's first column tile of w [N, K] (zeros past N: no tile)."""
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tl.load(w_ptr + cols[:, None] * K + tl.arange(0, BLOCK_K)[None, :], mask=(cols < N)[:, None], other=0.0)
+
+    @triton.jit
+    def _chain_kernel(x_ptr, w0, w1, w2, w3, h0, h1, h2, out_ptr, arrivals_ptr, M,
+                      K0: tl.constexpr, N0: tl.constexpr, K1: tl.constexpr, N1: tl.constexpr,
+                      K2: tl.constexpr, N2: tl.constexpr, K3: tl.constexpr, N3: tl.constexpr,
+                      PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH: tl.constexpr):
+        """The four GEMMs one after the other, every program waiting for all between them; the last program to
+        leave zeroes the two counters (arrivals_ptr[0]: the barriers', [1]: the leaving) for the next launch.
+        PREFETCH: each program loads the first block of its next weight tile before it waits."""
+        pid = tl.program_id(0)
+        unused = tl.zeros([BLOCK_N, BLOCK_K], dtype=w0.dtype.element_ty)
+        _gemm_phase(x_ptr, K0, w0, h0, N0, M, unused, pid, PROGRAMS, K0, N0, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        ahead = unused
+        if PREFETCH:
+            ahead = _first_block(w1, pid, K1, N1, BLOCK_N, BLOCK_K)
+        _wait_for_all(arrivals_ptr, PROGRAMS)
+        _gemm_phase(h0, N0, w1, h1, N1, M, ahead, pid, PROGRAMS, K1, N1, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
+        ahead = unused
+        if PREFETCH:
+            ahead = _first_block(w2, pid, K2, N2, BLOCK_N, BLOCK_K)
+        _wait_for_all(arrivals_ptr, 2 * PROGRAMS)
+        _gemm_phase(h1, N1, w2, h2, N2, M, ahead, pid, PROGRAMS, K2, N2, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
+        ahead = unused
+        if PREFETCH:
+            ahead = _first_block(w3, pid, K3, N3, BLOCK_N, BLOCK_K)
+        _wait_for_all(arrivals_ptr, 3 * PROGRAMS)
+        _gemm_phase(h2, N2, w3, out_ptr, N3, M, ahead, pid, PROGRAMS, K3, N3, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
+        if tl.atomic_add(arrivals_ptr + 1, 1) == PROGRAMS - 1:  # everyone is past the last barrier
+            tl.atomic_xchg(arrivals_ptr, 0)
+            tl.atomic_xchg(arrivals_ptr + 1, 0)
+
+    @triton.jit
+    def _barriers_kernel(arrivals_ptr, ROUNDS: tl.constexpr, PROGRAMS: tl.constexpr):
+        """ROUNDS grid barriers and nothing else (the counters zeroed by the last program to leave)."""
+        for round in tl.static_range(ROUNDS):
+            _wait_for_all(arrivals_ptr, (round + 1) * PROGRAMS)
+        if tl.atomic_add(arrivals_ptr + 1, 1) == PROGRAMS - 1:
+            tl.atomic_xchg(arrivals_ptr, 0)
+            tl.atomic_xchg(arrivals_ptr + 1, 0)
+
+
+def chain_persistent(x: torch.Tensor, weights: list[torch.Tensor], arrivals: torch.Tensor, programs: int,
+                     prefetch: bool) -> torch.Tensor:
+    """The four GEMMs of `CHAIN` in one persistent launch of `programs` programs (at most the resident ones)."""
+    rows = x.shape[0]
+    hidden = [torch.empty(rows, n, dtype=x.dtype, device=x.device) for _, n in CHAIN]
+    dims = {f"{name}{i}": value for i, (k, n) in enumerate(CHAIN) for name, value in (("K", k), ("N", n))}
+    _chain_kernel[(programs,)](x, *weights, *hidden[:3], hidden[3], arrivals, rows, **dims, PROGRAMS=programs,
+                               BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               PREFETCH=prefetch, num_warps=4, num_stages=2)
+    return hidden[3]
+
+
+def chain_reference(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The same chain in torch: each GEMM reads the previous output's first `depth` columns."""
+    h = x
+    for (k, _), w in zip(CHAIN, weights):
+        h = h[:, :k] @ w.T
+    return h
+
+
+def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
+    """Barrier cost and the chain at each row count (us), on the current CUDA device."""
+    arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    barrier_us = {}
+    for rounds in (1, 16):
+        def barriers(rounds: int = rounds) -> torch.Tensor:
+            _barriers_kernel[(programs,)](arrivals, ROUNDS=rounds, PROGRAMS=programs)
+            return arrivals
+        barrier_us[rounds] = 1000 * replay_ms(barriers)[0]
+    per_barrier = (barrier_us[16] - barrier_us[1]) / 15
+    layer_bytes = sum(2 * k * n for k, n in CHAIN)
+    copies = max(2, (256 * 2**20) // layer_bytes)
+    weight_sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03 for k, n in CHAIN]
+                   for _ in range(copies)]
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, CHAIN[0][0], device="cuda", dtype=torch.bfloat16)
+        expected = chain_reference(x.float(), [w.float() for w in weight_sets[0]])
+        row: dict[str, Any] = {"rows": rows}
+        runs = {
+            "four kernels (cuBLAS)": lambda ws: chain_reference(x, ws),
+            "persistent": lambda ws: chain_persistent(x, ws, arrivals, programs, False),
+            "persistent, next block loaded before waiting": lambda ws: chain_persistent(x, ws, arrivals, programs, True),
+        }
+        for name, run in runs.items():
+            ms, got = replay_ms(lambda run=run: [run(ws) for ws in weight_sets][-1], 50)
+            row[name] = 1000 * ms / copies
+            if name != "four kernels (cuBLAS)":
+                got = run(weight_sets[0]).float()
+                row[f"{name}: relative error"] = ((got - expected).norm() / expected.norm()).item()
+        out.append(row)
+    return {"programs": programs, "barrier_us": per_barrier, "launch_with_one_barrier_us": barrier_us[1],
+            "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--programs", type=int, default=0, help="resident programs (default: the GPU's SM count)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    programs = args.programs or torch.cuda.get_device_properties(0).multi_processor_count
+    result = probe([int(r) for r in args.rows.split(",")], programs)
+    gpu = torch.cuda.get_device_name()
+    meta = run_meta("benchmarks.persistent_probe", argv, gpu=gpu)
+    names = [name for name in result["chain"][0] if name != "rows" and "error" not in name]
+    floor_us = result["layer_bytes"] / 4.3e12 * 1e6
+    lines = [f"# A persistent kernel's grid barrier, and a code-predictor layer's four GEMMs chained: {gpu}, "
+             f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
+             f"{programs} programs: a grid barrier costs {result['barrier_us']:.2f} us; a launch of one barrier "
+             f"{result['launch_with_one_barrier_us']:.2f} us (replayed from a graph).", "",
+             f"The chain reads {result['layer_bytes'] / 2**20:.1f} MiB of weights ({floor_us:.1f} us at 4.3 TB/s), "
+             f"from {result['weight_copies']} copies cycled past L2. us per chain:", "",
+             "| rows | " + " | ".join(names) + " | persistent kernels' relative error |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for row in result["chain"]:
+        errors = ", ".join(f"{row[key]:.1e}" for key in row if "error" in key)
+        lines.append(f"| {row['rows']} | " + " | ".join(f"{row[n]:.1f}" for n in names) + f" | {errors} |")
+    write_results(args.out, "persistent_probe", {"meta": meta, **result}, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

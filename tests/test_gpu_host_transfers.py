@@ -9,7 +9,7 @@ import torch
 
 from omni_ray.engine.host_inputs import Download, StepDone, to_device
 from omni_ray.relay import RelayItem
-from omni_ray.stages.base import host_copy, warm_host_copy
+from omni_ray.stages.base import host_copies, host_copy, warm_host_copy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -17,8 +17,8 @@ BUSY_CYCLES = 2_000_000_000  # about a second of GPU clock: far longer than any 
 
 
 def _calls_that_waited() -> list[str]:
-    """A step's completion event, its download, an upload and the relay's host copy, each called with "the next
-    step" queued behind them: the calls that returned only once that work had finished."""
+    """A step's completion event, its download, an upload and the relay's host copies (one item, a step's items),
+    each called with "the next step" queued behind them: the calls that returned only once that work had finished."""
     device = torch.device("cuda")
     made = torch.arange(12, device=device).float()  # "this step's" tensor
     done = StepDone(device)
@@ -41,6 +41,12 @@ def _calls_that_waited() -> list[str]:
         copied = host_copy(RelayItem("r", tensors={"x": made}))
         check("host_copy")
         assert torch.equal(copied.tensors["x"], torch.arange(12).float())
+        on_cpu = RelayItem("c", tensors={"y": torch.ones(2)})
+        step = host_copies([RelayItem(f"r{i}", tensors={"x": made[i]}) for i in range(3)] + [on_cpu])
+        check("host_copies")
+        assert [item.tensors["x"].item() for item in step[:3]] == [0.0, 1.0, 2.0]
+        assert all(item.tensors["x"].is_pinned() for item in step[:3])
+        assert step[3] is on_cpu
     finally:
         stream.synchronize()
     assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))

@@ -223,11 +223,12 @@ class StageBase:
         if self._event_loop is None or not items:
             return
         transport = self.sender.transport
-        routed = []
-        for item in items:
-            peer = self._consumers.get(item.request_id)
-            routed.append((peer, host_copy(item) if peer is not None and transport.needs_host_tensors(peer) else item))
-        self._event_loop.call_soon_threadsafe(self._route, routed)
+        peers = [self._consumers.get(item.request_id) for item in items]
+        on_host = [i for i, peer in enumerate(peers) if peer is not None and transport.needs_host_tensors(peer)]
+        items = list(items)
+        for i, copied in zip(on_host, host_copies([items[i] for i in on_host])):  # one wait for the whole step
+            items[i] = copied
+        self._event_loop.call_soon_threadsafe(self._route, list(zip(peers, items)))
 
     def send_to_consumer(self, request_id: str, kind: str = "end", **meta: Any) -> None:
         """An end or error marker for the request's consumer. Call on the event loop."""
@@ -268,29 +269,41 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def host_copy(item: RelayItem) -> RelayItem:
-    """The item with its tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
+    """`host_copies` of one item."""
+    return host_copies([item])[0]
+
+
+def host_copies(items: list[RelayItem]) -> list[RelayItem]:
+    """The items with their tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
     RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
-    step). The first such copy in a process still waits for that work (on an H200; later ones do not), so a stage on
-    a GPU makes one at startup (`warm_host_copy`). In the benchmarked layouts no device tensor takes this path
-    (Thinker → Talker: NCCL or CUDA IPC; Talker → vocoder: codes already on the host)."""
-    if all(t.device.type == "cpu" for t in item.tensors.values()):
-        return item
-    tensors = {}
+    step). Every copy is queued first, then the host waits once per stream: a step's items cost one wait, not one
+    each (with a wait per item, the Thinker spent 8.6 ms per step handing on its outputs at batch 32 in the 1-GPU
+    service under MPS, session 13). The first such copy in a process
+    still waits for the queued work (on an H200; later ones do not), so a stage on a GPU makes one at startup
+    (`warm_host_copy`). Used where the next stage is on the host path (TCP): by default, two processes sharing one
+    GPU (Thinker → Talker in the 1-GPU layout)."""
+    copied: list[RelayItem] = []
     used: set[torch.cuda.Stream] = set()
-    for name, tensor in item.tensors.items():
-        if tensor.device.type != "cuda":
-            tensors[name] = tensor.cpu()
+    for item in items:
+        if all(t.device.type == "cpu" for t in item.tensors.values()):
+            copied.append(item)
             continue
-        stream = _COPY_STREAMS.get(tensor.device)
-        if stream is None:
-            stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
-        with torch.cuda.stream(stream):
-            tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            tensors[name].copy_(tensor, non_blocking=True)
-        used.add(stream)
-    for stream in used:  # every copy queued first, then one wait per stream
+        tensors = {}
+        for name, tensor in item.tensors.items():
+            if tensor.device.type != "cuda":
+                tensors[name] = tensor.cpu()
+                continue
+            stream = _COPY_STREAMS.get(tensor.device)
+            if stream is None:
+                stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
+            with torch.cuda.stream(stream):
+                tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                tensors[name].copy_(tensor, non_blocking=True)
+            used.add(stream)
+        copied.append(RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq))
+    for stream in used:
         stream.synchronize()
-    return RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq)
+    return copied
 
 
 def warm_host_copy(device: torch.device) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Callable, Iterator
 import pytest
 
 from omni_ray.engine.kv_cache import KVCacheFull
-from omni_ray.engine.loop import EngineLoop, run_to_end
+from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, EngineLoop, run_to_end
 
 TIMEOUT = 1.5
 
@@ -279,6 +280,21 @@ def test_stop_ends_the_thread(make: Callable[..., Harness]) -> None:
     h.wait_finished("A")
     h.loop.stop()
     assert not h.loop._thread.is_alive()
+
+
+def test_starting_a_loop_shortens_the_gil_switch_interval(make: Callable[..., Harness]) -> None:
+    """The engine thread gets the GIL back from a busy event loop within the short interval, not Python's 5 ms; a
+    shorter interval someone set already is kept."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        make().loop.start()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S, rel=0.05)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S / 2)
+        make().loop.start()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S / 2, rel=0.05)  # kept in whole µs
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_abort_that_arrives_before_the_request_still_applies(make: Callable[..., Harness]) -> None:

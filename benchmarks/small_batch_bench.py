@@ -123,6 +123,35 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def stack_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
+    """One code-predictor pass (all its layers, one new token per row over a 17-position cache) as five kernels a
+    layer, us per call, launched plainly and as programmatic dependent launches (`small_batch.PROGRAMMATIC_LAUNCH`).
+    The layers' weights (about 150 MB) do not fit in L2: each replay streams them from memory."""
+    torch.manual_seed(0)
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    stack.use_small_batch_kernels()
+    floor_us = sum(p.numel() * p.element_size() for p in stack.layers.parameters()) / 4.3e12 * 1e6
+    out = []
+    for count in rows:
+        cache = SlotKVCache(len(stack.layers), 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
+        slots = torch.arange(count, device="cuda")
+        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
+        batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
+        x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        cos, sin = stack.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+        row: dict[str, Any] = {"rows": count, "floor": floor_us}
+        before = small_batch.PROGRAMMATIC_LAUNCH
+        try:
+            for name, pdl in (("plain launches", False), ("programmatic launches", True)):
+                small_batch.PROGRAMMATIC_LAUNCH = pdl
+                row[name] = 1000 * replay_ms(
+                    lambda: stack(x, None, cache.layers, batch, rope=(cos, sin), normed=False)[0])[0]
+        finally:
+            small_batch.PROGRAMMATIC_LAUNCH = before
+        out.append(row)
+    return out
+
+
 def stage_experts(config: Any) -> Iterator[tuple[str, Any, Experts]]:
     """The Thinker's and the Talker's MoE text config, each with one layer's experts at full size (random bf16)."""
     for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
@@ -187,8 +216,8 @@ def moe_gemm_rows(config: Any, rows: list[int]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,8,32,64")
-    parser.add_argument("--sections", default="layers,gemms,attention,moe",
-                        help="which of layers, gemms, attention, moe to measure")
+    parser.add_argument("--sections", default="layers,stack,gemms,attention,moe",
+                        help="which of layers, stack, gemms, attention, moe to measure")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
@@ -196,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     sections = set(args.sections.split(","))
     layers = layer_rows(cfg, rows) if "layers" in sections else []
+    stack = stack_rows(cfg, rows) if "stack" in sections else []
     gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows) if "gemms" in sections else []
     attention = attention_rows(cfg, rows) if "attention" in sections else []
     moe, moe_gemms, moe_failure = [], [], None
@@ -213,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
              "| rows | eager | inductor | five kernels, first layer | five kernels, later layer |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels, first layer']:.1f} | "
               f"{r['five kernels, later layer']:.1f} |" for r in layers]
+    lines += ["", "## One pass: every layer, five kernels each, launched plainly or as programmatic dependent "
+              "launches (floor: the layers' weights at 4.3 TB/s)", "",
+              "| rows | plain launches | programmatic launches | floor |", "|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['plain launches']:.1f} | {r['programmatic launches']:.1f} | {r['floor']:.1f} |"
+              for r in stack]
     warps = [f"{w} warps" for w in ATTENTION_WARPS]
     lines += ["", "## The attention kernel (q/k norm, rotary, KV write, attention), one new token per row", "",
               "| rows | " + " | ".join(warps) + " |", "|---|" + "---|" * len(warps)]
@@ -237,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['stage']} | {r['gemm']} | {r['tokens']} | {cells} |")
     if moe_failure:
         lines.append(f"\nThe MoE kernels failed: {moe_failure}")
-    document = {"meta": meta, "layers": layers, "gemms": gemms, "attention": attention, "moe": moe,
+    document = {"meta": meta, "layers": layers, "stack": stack, "gemms": gemms, "attention": attention, "moe": moe,
                 "moe_gemms": moe_gemms, "moe_failure": moe_failure}
     write_results(args.out, "small_batch_kernels", document, "\n".join(lines) + "\n")
     return 0

@@ -21,10 +21,10 @@ def run_interpreted(script: str, *args: str) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compile_for_h200(kernel: Any, types: dict[str, str], constants: dict[str, Any], num_warps: int = 4) -> None:
+def compile_for_h200(kernel: Any, types: dict[str, str], constants: dict[str, Any], num_warps: int = 4) -> str:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), with no GPU: what the interpreter
     lets pass and a GPU would refuse (a Python annotation in a jit function, a type Triton cannot lower) fails here.
-    `types`: each runtime argument's Triton type; `constants`: the constexpr arguments."""
+    `types`: each runtime argument's Triton type; `constants`: the constexpr arguments. Returns the PTX."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,3 +33,4 @@ def compile_for_h200(kernel: Any, types: dict[str, str], constants: dict[str, An
     source = ASTSource(kernel, signature, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    return compiled.asm["ptx"]

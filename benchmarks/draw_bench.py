@@ -1,6 +1,7 @@
 """A Talker frame's 16 draws (group 0 over 3,072 logits with its penalty and banned ids, then 15 code-predictor draws
 over 2,048) replayed from one CUDA graph: eager aten ops, inductor's fused `sample`, and the Triton `top_k_draw`
-kernel, at 1, 8 and 32 rows; plus how many draws the kernel and eager `sample` agree on."""
+kernel (as served, and with other num_warps), at 1, 8 and 32 rows; plus how many draws the kernel and eager `sample`
+agree on."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 
 from omni_ray.bench import run_meta, write_results
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, fused_sample, sample
-from omni_ray.engine.top_k_draw import KernelDraw
+from omni_ray.engine.top_k_draw import KernelDraw, top_k_draw
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import MTP_SAMPLING
 
 GROUP0_VOCAB, MTP_VOCAB, MTP_DRAWS, CAP = 3072, 2048, 15, 64
+WARPS = (1, 2, 8, 16)  # the kernel's other launches (its default: `top_k_draw.draw_warps`)
 
 
 def frame_draws(draw: Callable[..., torch.Tensor], rows: int, device: str) -> Callable[[], torch.Tensor]:
@@ -65,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     device = "cuda"
-    draws = {"eager aten ops": sample, "inductor (fused_sample)": fused_sample,
-             "Triton top_k_draw": KernelDraw(fused_sample)}
+    draws: dict[str, Callable[..., torch.Tensor]] = {
+        "eager aten ops": sample, "inductor (fused_sample)": fused_sample, "Triton top_k_draw": KernelDraw(fused_sample)}
+    for warps in WARPS:
+        draws[f"Triton, {warps} warps"] = lambda logits, params, noise, seen, banned, _, cap, warps=warps: top_k_draw(
+            logits, params, noise, cap, seen, banned, warps)
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:
         row: dict[str, float | int] = {"rows": rows}
@@ -75,17 +80,19 @@ def main(argv: list[str] | None = None) -> int:
             row[name], outputs[name] = replay_ms(frame_draws(draw, rows, device))
         eager, kernel = outputs["eager aten ops"], outputs["Triton top_k_draw"]
         row["draws"], row["kernel equals eager"] = eager.numel(), int((eager == kernel).sum())
+        row["other warps equal the kernel"] = all(torch.equal(outputs[f"Triton, {w} warps"], kernel) for w in WARPS)
         rows_out.append(row)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.draw_bench", argv, gpu=gpu)
     names = list(draws)
     lines = [f"# A Talker frame's 16 draws from one CUDA graph, ms per frame: {gpu}, {meta['date']}, commit {meta['commit']}",
              f"# command: {meta['command']}", "",
-             "| rows | " + " | ".join(names) + " | kernel's draws equal to eager's |",
-             "|---|" + "---|" * (len(names) + 1)]
+             "| rows | " + " | ".join(names) + " | kernel's draws equal to eager's | other warps' draws equal |",
+             "|---|" + "---|" * (len(names) + 2)]
     for row in rows_out:
         times = " | ".join(f"{row[name]:.3f}" for name in names)
-        lines.append(f"| {row['rows']} | {times} | {row['kernel equals eager']} of {row['draws']} |")
+        lines.append(f"| {row['rows']} | {times} | {row['kernel equals eager']} of {row['draws']} | "
+                     f"{'yes' if row['other warps equal the kernel'] else 'no'} |")
     write_results(args.out, "frame_draws", {"meta": meta, "rows": rows_out}, "\n".join(lines) + "\n")
     return 0
 

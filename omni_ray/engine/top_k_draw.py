@@ -32,6 +32,11 @@ MAX_CAP = 256  # larger top-k caps keep the aten draw: the kernel sorts `cap` ca
 MAX_VOCAB = 16384  # a row in one program's registers
 
 
+def draw_warps(block: int) -> int:
+    """num_warps of a draw over `block` (a power of two) candidates."""
+    return 8 if block >= 4096 else 4
+
+
 if triton is not None:
 
     @triton.jit
@@ -114,10 +119,12 @@ def top_k_draw(
     cap: int,
     seen: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """`sample(logits, params, noise, seen, banned, filtered=True, top_k_cap=cap)` as one kernel: logits [B, V] →
-    tokens [B] long. `cap`: a power of two at most `MAX_CAP`; banned [B, V] or [V] bool. Graph-capturable."""
-    return _launch(logits, params, noise, cap, seen, banned, None)[0]
+    tokens [B] long. `cap`: a power of two at most `MAX_CAP`; banned [B, V] or [V] bool; `warps`: another
+    num_warps than `draw_warps`'. Graph-capturable."""
+    return _launch(logits, params, noise, cap, seen, banned, None, warps)[0]
 
 
 def top_k_draw_and_embed(
@@ -138,7 +145,7 @@ def top_k_draw_and_embed(
 
 def _launch(
     logits: torch.Tensor, params: SamplingBatch, noise: CounterNoise, cap: int, seen: torch.Tensor | None,
-    banned: torch.Tensor | None, embedding: tuple[torch.Tensor, torch.Tensor] | None,
+    banned: torch.Tensor | None, embedding: tuple[torch.Tensor, torch.Tensor] | None, warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     rows, vocab = logits.shape
     assert triton is not None and cap & (cap - 1) == 0 and cap <= MAX_CAP and vocab <= MAX_VOCAB
@@ -166,7 +173,7 @@ def _launch(
             summed if summed is not None else out, width,
             HAS_SEEN=seen is not None, HAS_BANNED=banned is not None, BLOCK=block, CAP=cap,
             EMBED=embedding is not None, BLOCK_WIDTH=triton.next_power_of_2(width),
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=warps or draw_warps(block),
         )
     return out, embedded, summed
 

@@ -3,7 +3,8 @@ P resident programs costs on this GPU, and (2) the code predictor's four GEMMs o
 at full size, plain products; attention and the epilogues left out) chained at 1 / 8 / 32 rows, as four kernels
 replayed from one CUDA graph against one persistent kernel whose programs wait for each other between the GEMMs,
 with and without loading the first depth block of their next weight tile before they wait. Weights cycle through
-copies past L2's size, as a pass's five layers do. The persistent kernels need all their programs resident at once
+copies past L2's size, as a pass's five layers do. Also (3): whether a programmatic dependent launch starts before
+the kernel ahead of it ends, eagerly and replayed from a graph. The persistent kernels need all their programs resident at once
 (one per SM by default): on a GPU shared with other work they may wait long, and a step's time limit ends them.
 
     python -m benchmarks.persistent_probe --out benchmarks/results
@@ -116,6 +117,57 @@ if triton is not None:
             tl.atomic_xchg(arrivals_ptr + 1, 0)
 
 
+    @triton.jit
+    def _global_ns():
+        """The GPU's global nanosecond timer (the same clock on every SM)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _stamped_spin_kernel(times_ptr, spin_ns, WAIT: tl.constexpr):
+        """Program 0 stamps when it started, when it was let through (WAIT: after `gdc_wait`, the end of the
+        kernel before), and when it ended, after spinning `spin_ns`; it lets the next kernel start at once."""
+        started = _global_ns()
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        through = _global_ns()
+        tl.extra.cuda.gdc_launch_dependents()
+        now = through
+        while now - through < spin_ns:
+            now = _global_ns()
+        if tl.program_id(0) == 0:
+            tl.store(times_ptr, started)
+            tl.store(times_ptr + 1, through)
+            tl.store(times_ptr + 2, now)
+
+
+def pdl_overlap(spin_us: float = 20.0) -> dict[str, float]:
+    """Does a programmatic dependent launch start before the kernel ahead of it ends, here (eagerly) and replayed from
+    a CUDA graph? Two spinning kernels; the second launched with `launch_pdl`. Returns, per mode, us from the first
+    kernel's end to the second's start (negative: it started early) and to its `gdc_wait` returning."""
+    out = {}
+    for mode in ("eager", "graph"):
+        first, second = (torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2))
+
+        def pair() -> None:
+            _stamped_spin_kernel[(4,)](first, int(spin_us * 1000), WAIT=False)
+            _stamped_spin_kernel[(4,)](second, int(spin_us * 1000), WAIT=True, launch_pdl=True)
+
+        pair()  # compiled outside any capture
+        torch.cuda.synchronize()
+        if mode == "graph":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                pair()
+            graph.replay()
+        else:
+            pair()
+        torch.cuda.synchronize()
+        out[f"{mode}: second started, us after the first ended"] = (second[0] - first[2]).item() / 1000
+        out[f"{mode}: second let through, us after the first ended"] = (second[1] - first[2]).item() / 1000
+    return out
+
+
 def chain_persistent(x: torch.Tensor, weights: list[torch.Tensor], arrivals: torch.Tensor, programs: int,
                      prefetch: bool) -> torch.Tensor:
     """The four GEMMs of `CHAIN` in one persistent launch of `programs` programs (at most the resident ones)."""
@@ -168,7 +220,7 @@ def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
                 row[f"{name}: relative error"] = ((got - expected).norm() / expected.norm()).item()
         out.append(row)
     return {"programs": programs, "barrier_us": per_barrier, "launch_with_one_barrier_us": barrier_us[1],
-            "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies}
+            "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies, "pdl_overlap": pdl_overlap()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              f"{programs} programs: a grid barrier costs {result['barrier_us']:.2f} us; a launch of one barrier "
              f"{result['launch_with_one_barrier_us']:.2f} us (replayed from a graph).", "",
+             "A programmatic dependent launch after a kernel that spins 20 us and lets it start at once (negative: "
+             "before that kernel ended): " + "; ".join(f"{k} {v:.1f}" for k, v in result["pdl_overlap"].items()),
+             "",
              f"The chain reads {result['layer_bytes'] / 2**20:.1f} MiB of weights ({floor_us:.1f} us at 4.3 TB/s), "
              f"from {result['weight_copies']} copies cycled past L2. us per chain:", "",
              "| rows | " + " | ".join(names) + " | persistent kernels' relative error |",

@@ -1,6 +1,6 @@
 """The persistent-kernel probe (`benchmarks/persistent_probe.py`): its chained GEMMs under Triton's interpreter with one
 program (whose grid barriers pass at once: the interpreter runs programs one after another, so more would wait
-forever), and its kernels compiled for the H200 without a GPU."""
+forever), and its kernels (the programmatic-launch probe's too) compiled for the H200 without a GPU."""
 
 from __future__ import annotations
 
@@ -48,3 +48,14 @@ def test_the_probe_kernels_compile_for_the_h200_without_a_gpu(prefetch: bool) ->
     constants = {**dims, "PROGRAMS": 132, "BLOCK_M": 32, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "PREFETCH": prefetch}
     compile_for_h200(_chain_kernel, {**pointers, "arrivals_ptr": "*i32", "M": "i32"}, constants)
     compile_for_h200(_barriers_kernel, {"arrivals_ptr": "*i32"}, {"ROUNDS": 4, "PROGRAMS": 132})
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_the_programmatic_launch_probe_compiles_for_the_h200_without_a_gpu(wait: bool) -> None:
+    """The spinning kernel that stamps the global timer: it waits for the kernel ahead only when told to, and always
+    lets the next one start."""
+    from benchmarks.persistent_probe import _stamped_spin_kernel
+
+    ptx = compile_for_h200(_stamped_spin_kernel, {"times_ptr": "*i64", "spin_ns": "i64"}, {"WAIT": wait})
+    assert "%globaltimer" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert ("griddepcontrol.wait" in ptx) == wait

@@ -24,10 +24,12 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2WavDecoderBlock,
     Qwen3OmniMoeCode2WavDecoderResidualUnit,
     Qwen3OmniMoeConvNeXtBlock,
+    Qwen3OmniMoeSnakeBeta,
     apply_rotary_pos_emb,
 )
 
 from omni_ray.errors import CapacityError
+from omni_ray.vocoder.snake import fused_snakes
 
 State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
 
@@ -65,6 +67,7 @@ class StatefulCode2Wav:
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.samples_per_frame = int(module.total_upsample)
+        self.snakes = fused_snakes(module, Qwen3OmniMoeSnakeBeta)  # each SnakeBeta as one kernel (`snake.py`)
 
     @torch.inference_mode()
     def step(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
@@ -144,8 +147,8 @@ class StatefulCode2Wav:
         return x + h.permute(0, 2, 1)
 
     def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
-        h = self._causal_conv(unit.conv1, unit.act1(x), walk)
-        return x + self._causal_conv(unit.conv2, unit.act2(h), walk)
+        h = self._causal_conv(unit.conv1, self.snakes[id(unit.act1)](x), walk)
+        return x + self._causal_conv(unit.conv2, self.snakes[id(unit.act2)](h), walk)
 
     def _decoder_block(self, block: nn.Module, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:
         if isinstance(block, Qwen3OmniMoeCausalConvNet):
@@ -158,7 +161,9 @@ class StatefulCode2Wav:
             return self._trans_conv(block, x, walk, first)
         if isinstance(block, Qwen3OmniMoeCode2WavDecoderResidualUnit):
             return self._residual_unit(block, x, walk)
-        return block(x)  # SnakeBeta: elementwise
+        if id(block) in self.snakes:
+            return self.snakes[id(block)](x)
+        return block(x)
 
 
 class StateStore:

@@ -1,0 +1,92 @@
+"""The fused SnakeBeta kernel (`vocoder/snake.py`) against transformers' module: under Triton's interpreter, on a
+time-sliced (strided) input with random per-channel weights, and compiled for the H200 without a GPU."""
+
+from __future__ import annotations
+
+from _triton import compile_for_h200, run_interpreted
+
+SNAKE = r"""
+import json, torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+from omni_ray.vocoder.snake import BLOCK, FusedSnake
+
+torch.manual_seed(0)
+results = {}
+for dtype in (torch.float32, torch.bfloat16):
+    module = Qwen3OmniMoeSnakeBeta(5)
+    with torch.no_grad():  # distinct frequencies and magnitudes per channel (the checkpoint's init is all zeros)
+        module.alpha.copy_(torch.randn(5) * 0.5)
+        module.beta.copy_(torch.randn(5) * 0.5)
+    module = module.to(dtype)
+    x = (torch.randn(2, 5, BLOCK + 40) * 2).to(dtype)[..., 3:]  # past one block, and not contiguous
+    fused = FusedSnake(module)
+    got, expected = fused(x), module(x)
+    reference = module.float()(x.float())  # the same math in fp32
+    results[str(dtype)] = {
+        "applies": fused.applies(x), "shape": list(got.shape) == list(x.shape), "dtype": str(got.dtype),
+        "error": (got.float() - reference).abs().max().item(),
+        "module error": (expected.float() - reference).abs().max().item(),
+    }
+print(json.dumps(results))
+"""
+
+
+def test_the_fused_snake_equals_the_module_under_the_triton_interpreter() -> None:
+    """fp32: equal to the module to float rounding. bf16: within the module's own distance from fp32 math (it rounds
+    after each of its ops; the kernel once)."""
+    results = run_interpreted(SNAKE)
+    fp32, bf16 = results["torch.float32"], results["torch.bfloat16"]
+    assert fp32["applies"] and fp32["shape"] and fp32["dtype"] == "torch.float32"
+    assert fp32["error"] < 1e-5
+    assert bf16["applies"] and bf16["shape"] and bf16["dtype"] == "torch.bfloat16"
+    assert bf16["error"] <= bf16["module error"] and bf16["module error"] > 0
+
+
+def test_the_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
+    from omni_ray.vocoder.snake import BLOCK, _snake_kernel
+
+    types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "alpha_ptr": "*fp32",
+             "inverse_beta_ptr": "*fp32", "out_ptr": "*bf16", "channels": "i32", "length": "i32"}
+    compile_for_h200(_snake_kernel, types, {"BLOCK": BLOCK})
+
+
+STREAM = r"""
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
+
+module = _tiny_code2wav()
+snakes = [m for m in module.modules() if isinstance(m, Qwen3OmniMoeSnakeBeta)]
+with torch.no_grad():
+    for snake in snakes:
+        snake.alpha.copy_(torch.randn_like(snake.alpha) * 0.3)
+        snake.beta.copy_(torch.randn_like(snake.beta) * 0.3)
+codes = _codes(40)
+with torch.inference_mode():
+    whole = module(codes[None]).flatten()
+stateful = StatefulCode2Wav(module)
+
+def refuse(x):
+    raise AssertionError("the module's own SnakeBeta ran")
+
+for snake in snakes:
+    snake.forward = refuse
+pieces, state, position = [], None, 0
+for size in (1, 2, 4, 8, 8, 8, 8, 1):
+    wav, state = stateful.step(codes[None, :, position : position + size], torch.tensor([position]), state)
+    pieces.append(wav[0])
+    position += size
+streamed = torch.cat(pieces)
+print(json.dumps({"snakes": len(snakes), "fused": len(stateful.snakes), "same shape": streamed.shape == whole.shape,
+                  "error": (streamed - whole).abs().max().item(), "scale": whole.std().item()}))
+"""
+
+
+def test_a_stateful_stream_with_fused_snakes_equals_the_one_shot_decode_under_the_triton_interpreter() -> None:
+    """Every SnakeBeta of the stateful decoder runs as the kernel (the module's own forward refuses), with random
+    weights, and the streamed samples equal transformers' one-shot decode."""
+    result = run_interpreted(STREAM)
+    assert result["snakes"] == result["fused"] > 0 and result["same shape"]
+    assert result["error"] < 1e-5 and result["scale"] > 0.01

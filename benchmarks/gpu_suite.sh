@@ -10,7 +10,7 @@
 # persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS), baseline (transformers' generate()), divergence (where the Talker's codes stop matching: graphs vs eager,
+# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the Talker's codes stop matching: graphs vs eager,
 # lanes together vs one after the other, per engine variant; in its log).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
@@ -84,6 +84,11 @@ for step in "${@:-tests engine vocoder e2e}"; do
            run_step "$tag" env OMNI_RAY_PROFILE_DIR="$OUT/results/$tag/profiles" OMNI_RAY_PROFILE_MIN_BATCH=24 \
              python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --concurrency 32 --rounds 1 \
              $extra --out "$OUT/results/$tag" ;;
+      e2e1prof) mps_on "$tag"  # e2eprof's profiles, in the 1-GPU layout under MPS
+            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 OMNI_RAY_PROFILE_DIR="$OUT/results/$tag/profiles" \
+              OMNI_RAY_PROFILE_MIN_BATCH=24 python -m benchmarks.e2e_serve \
+              --serve-config benchmarks/serve_30b_random_1gpu.yaml --concurrency 32 --rounds 1 $extra --out "$OUT/results/$tag"
+            mps_off ;;
       e2e1) mps_on "$tag"  # four processes on one GPU: always under MPS
             # shellcheck disable=SC2086
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"

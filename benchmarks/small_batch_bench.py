@@ -125,8 +125,7 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
 
 def stack_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     """One code-predictor pass (all its layers, one new token per row over a 17-position cache) as five kernels a
-    layer, us per call, launched plainly and as programmatic dependent launches (`small_batch.PROGRAMMATIC_LAUNCH`).
-    The layers' weights (about 150 MB) do not fit in L2: each replay streams them from memory."""
+    layer, us per call. The layers' weights (about 150 MB) do not fit in L2: each replay streams them from memory."""
     torch.manual_seed(0)
     stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
     stack.use_small_batch_kernels()
@@ -139,16 +138,8 @@ def stack_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
         batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
         x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         cos, sin = stack.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
-        row: dict[str, Any] = {"rows": count, "floor": floor_us}
-        before = small_batch.PROGRAMMATIC_LAUNCH
-        try:
-            for name, pdl in (("plain launches", False), ("programmatic launches", True)):
-                small_batch.PROGRAMMATIC_LAUNCH = pdl
-                row[name] = 1000 * replay_ms(
-                    lambda: stack(x, None, cache.layers, batch, rope=(cos, sin), normed=False)[0])[0]
-        finally:
-            small_batch.PROGRAMMATIC_LAUNCH = before
-        out.append(row)
+        pass_ms = replay_ms(lambda: stack(x, None, cache.layers, batch, rope=(cos, sin), normed=False)[0])[0]
+        out.append({"rows": count, "pass": 1000 * pass_ms, "floor": floor_us})
     return out
 
 
@@ -243,11 +234,9 @@ def main(argv: list[str] | None = None) -> int:
              "| rows | eager | inductor | five kernels, first layer | five kernels, later layer |", "|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['eager']:.1f} | {r['inductor']:.1f} | {r['five kernels, first layer']:.1f} | "
               f"{r['five kernels, later layer']:.1f} |" for r in layers]
-    lines += ["", "## One pass: every layer, five kernels each, launched plainly or as programmatic dependent "
-              "launches (floor: the layers' weights at 4.3 TB/s)", "",
-              "| rows | plain launches | programmatic launches | floor |", "|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['plain launches']:.1f} | {r['programmatic launches']:.1f} | {r['floor']:.1f} |"
-              for r in stack]
+    lines += ["", "## One pass: every layer, five kernels each (floor: the layers' weights at 4.3 TB/s)", "",
+              "| rows | pass | floor |", "|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['pass']:.1f} | {r['floor']:.1f} |" for r in stack]
     warps = [f"{w} warps" for w in ATTENTION_WARPS]
     lines += ["", "## The attention kernel (q/k norm, rotary, KV write, attention), one new token per row", "",
               "| rows | " + " | ".join(warps) + " |", "|---|" + "---|" * len(warps)]

@@ -18,20 +18,13 @@ from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain-launch", "programmatic-launch"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_kernels_equal_the_eager_code_predictor_on_the_gpu(
-    rows: int, pdl: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kernels_equal_the_eager_code_predictor_on_the_gpu(rows: int) -> None:
     """Qwen3-Omni-30B's code predictor (5 layers, 1,024 wide, 16 query and 8 KV heads of 128), random bf16 weights,
     a frame's first four passes (two tokens, then one): the hidden states and the keys and values written agree
     with the eager layers to bf16 rounding, and a graph replay gives the kernels' eager output. So do the last
-    position's logits with the final norm inside the code head's GEMM. With programmatic dependent launches (each
-    kernel starting while the one before still runs), every output is bit for bit the plain launches' output."""
+    position's logits with the final norm inside the code head's GEMM."""
     pytest.importorskip("triton")
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9+")
-    monkeypatch.setattr(small_batch, "PROGRAMMATIC_LAUNCH", pdl)
     cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
     torch.manual_seed(0)
     eager = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
@@ -41,7 +34,7 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(
     fused = copy.deepcopy(eager)
     eager.fuse_projections()
     assert fused.use_small_batch_kernels()
-    caches = [SlotKVCache(5, 32, 17, 8, 128, torch.bfloat16, "cuda") for _ in range(3)]  # eager, kernels, plain
+    caches = [SlotKVCache(5, 32, 17, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
     slots = torch.arange(rows, device="cuda")
     start, length = 0, 2
     for _ in range(4):
@@ -52,12 +45,6 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(
         assert all(small_batch.applies(layer, x, batch) for layer in fused.layers)
         expected = eager(x, None, caches[0].layers, batch, rope=(cos, sin))[0].float()
         got = fused(x, None, caches[1].layers, batch, rope=(cos, sin))[0].float()
-        if pdl:
-            monkeypatch.setattr(small_batch, "PROGRAMMATIC_LAUNCH", False)
-            assert torch.equal(fused(x, None, caches[2].layers, batch, rope=(cos, sin))[0].float(), got)
-            assert all(torch.equal(a, b) for one, other in zip(caches[1].layers, caches[2].layers)
-                       for a, b in zip(one, other))  # each layer's keys, then values
-            monkeypatch.setattr(small_batch, "PROGRAMMATIC_LAUNCH", True)
         assert (got - expected).abs().max().item() < 3e-2 * expected.abs().max().item()
         for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
             assert (k0.float() - k1.float()).abs().max().item() < 0.1
@@ -67,9 +54,8 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = fused(x, None, caches[1].layers, batch, rope=(cos, sin))[0]
-    for _ in range(3):
-        graph.replay()
-        torch.testing.assert_close(replayed.float(), got, rtol=0, atol=0)
+    graph.replay()
+    torch.testing.assert_close(replayed.float(), got)
 
     # the final norm inside the code head's GEMM (2,048 codes), against the norm, then the GEMM
     head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
@@ -77,6 +63,3 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(
     expected = eager.head_logits(hidden, head).float()
     logits = fused.head_logits(hidden, head)
     assert (logits.float() - expected).abs().max().item() < 3e-2 * expected.abs().max().item()
-    if pdl:
-        monkeypatch.setattr(small_batch, "PROGRAMMATIC_LAUNCH", False)
-        assert torch.equal(fused.head_logits(hidden, head), logits)

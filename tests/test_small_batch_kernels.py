@@ -201,14 +201,10 @@ def test_layers_without_triton_on_the_cpu_run_eagerly() -> None:
 
 @pytest.mark.parametrize("variant", ["norm", "gated-from-squares", "residual-keeping-squares", "fp32",
                                      "gated-from-squares-split", "residual-keeping-squares-split", "attention-2",
-                                     "attention-1", "norm-pdl", "residual-keeping-squares-split-pdl",
-                                     "attention-1-pdl"])
+                                     "attention-1"])
 def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), in each form the code predictor
-    launches: what the interpreter lets pass and a GPU would refuse fails here. A programmatic launch's kernel (-pdl)
-    waits for the kernel before it, lets the next one start, and (a GEMM) asks L2 for its weights first."""
-    pdl = variant.endswith("-pdl")
-    variant = variant.removesuffix("-pdl")
+    launches: what the interpreter lets pass and a GPU would refuse fails here."""
     if variant.startswith("attention"):
         kernel = small_batch._small_attention_kernel
         pointers = {name: "*bf16" for name in ("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr",
@@ -217,7 +213,7 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         scalars = {name: "i32" for name in ("qkv_stride", "rope_stride", "slot_stride", "position_stride",
                                             "out_stride", "kv_len")} | {"eps": "fp32", "scale": "fp32"}
         constants = {"T": int(variant[-1]), "HEADS": 16, "KV_HEADS": 8, "D": 128, "KEYS": 32,
-                     "ROWS_ARE_SLOTS": variant == "attention-1", "PDL": pdl}
+                     "ROWS_ARE_SLOTS": variant == "attention-1"}
     else:
         kernel = small_batch._rows_matmul_kernel
         element = "*fp32" if variant == "fp32" else "*bf16"
@@ -234,8 +230,5 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         constants = {"K": 1024, "NORM": not residual, "GATED": variant.startswith("gated"), "RESIDUAL": residual,
                      "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
-                     "PRECISION": "ieee" if variant == "fp32" else "tf32", "PDL_LINES": 4 if pdl else 0,
-                     "LINE": 32 if variant == "fp32" else 64}
-    ptx = compile_for_h200(kernel, {**pointers, **scalars}, constants)
-    assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == pdl
-    assert ("prefetch.global.L2" in ptx) == (pdl and not variant.startswith("attention"))
+                     "PRECISION": "ieee" if variant == "fp32" else "tf32"}
+    compile_for_h200(kernel, {**pointers, **scalars}, constants)

@@ -61,32 +61,13 @@ if triton is not None:
                      mask=rows < M)
 
     @triton.jit
-    def _prefetch_to_l2(ptrs):
-        """Ask L2 for the 128-byte lines at `ptrs` (no registers, no wait)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @triton.jit
-    def _prefetch_weight_block(w_ptr, w_stride, cols, N, k_start, K: tl.constexpr, STRETCH: tl.constexpr,
-                               LINES: tl.constexpr, LINE: tl.constexpr, GATED: tl.constexpr):
-        """L2 prefetch of this program's weight rows `cols` (and the up rows N below, GATED) over its depth stretch:
-        one request per 128-byte line, LINE elements each (out-of-range lines clamp onto in-range ones)."""
-        rows = tl.where(cols < N, cols, N - 1)
-        depth = k_start + tl.arange(0, LINES) * LINE
-        depth = tl.where(depth < k_start + STRETCH, depth, k_start + STRETCH - 1)
-        depth = tl.where(depth < K, depth, K - 1)
-        _prefetch_to_l2(w_ptr + rows[:, None] * w_stride + depth[None, :])
-        if GATED:
-            _prefetch_to_l2(w_ptr + (rows + N)[:, None] * w_stride + depth[None, :])
-
-    @triton.jit
     def _rows_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
         squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr,
         K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL_LINES: tl.constexpr, LINE: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """out[rows, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of rows and output columns.
         SQUARES_IN (a power of two >= squares_in_count, or 0): the RMSNorm reads each row's sum of squares as
@@ -97,21 +78,12 @@ if triton is not None:
         stretches up in their order (the same sums whichever arrives last) and runs the epilogue. (K is a constant:
         a loop bound that is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are
         multiplied as fp32, exact for half-precision values, for the interpreter, which multiplies bf16 tiles' raw
-        bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.) PDL_LINES > 0: a
-        programmatic dependent launch (see `PROGRAMMATIC_LAUNCH`), which may start while the kernel before it still
-        runs: it asks L2 for its weights (PDL_LINES lines of LINE elements per weight row), then waits for that
-        kernel before it reads or writes anything else."""
+        bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.)"""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
-        STRETCH: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K  # depth per program
-        k_start = tl.program_id(2) * STRETCH
-        if PDL_LINES > 0:
-            _prefetch_weight_block(w_ptr, w_stride, cols, N, k_start, K, STRETCH, PDL_LINES, LINE, GATED)
-            tl.extra.cuda.gdc_wait()  # the kernel before has finished: its outputs (this one's inputs) are complete
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start fetching its own weights now
         if NORM:  # RMSNorm of each row: its inverse RMS first, then the rows are scaled as they stream in
             if SQUARES_IN > 0:  # summed by the kernel that wrote x
                 parts = tl.arange(0, SQUARES_IN)
@@ -128,6 +100,8 @@ if triton is not None:
             inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        STRETCH: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K  # depth per program
+        k_start = tl.program_id(2) * STRETCH
         for k0 in range(0, STRETCH, BLOCK_K):
             kk = k_start + k0 + ks
             k_ok = (kk < K) & (k0 + ks < STRETCH)
@@ -193,15 +167,11 @@ if triton is not None:
         qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
         slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, kv_len, scale,
         T: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr,
-        ROWS_ARE_SLOTS: tl.constexpr, PDL: tl.constexpr,
+        ROWS_ARE_SLOTS: tl.constexpr,
     ):
         """Row b's T new tokens for KV head g: their keys and values into the cache, then each of the head's query
         heads attends over the slot's first kv_len positions up to its own (the new keys are taken from registers,
-        not read back). ROWS_ARE_SLOTS: row b is slot b (slots_ptr is not read). PDL: a programmatic dependent
-        launch, waiting for the kernel before it first."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        not read back). ROWS_ARE_SLOTS: row b is slot b (slots_ptr is not read)."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         d = tl.arange(0, D)
@@ -263,20 +233,6 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 
-# Programmatic dependent launch (Hopper and later): each kernel here lets the next one start once it has begun its
-# own work, and a kernel so started fetches its weights into L2 before it waits for the one before it. Chained GEMMs
-# of a few rows otherwise leave memory idle while each launches and ramps up (about 4 us or more per kernel, cuBLAS's
-# too, on an H200). Read at launch; the launch is captured into CUDA graphs as it is. OMNI_RAY_PROGRAMMATIC_LAUNCH=1
-# switches it on (being measured: benchmarks/small_batch_bench.py, section "stack").
-PROGRAMMATIC_LAUNCH = os.environ.get("OMNI_RAY_PROGRAMMATIC_LAUNCH") == "1"
-L2_LINE_BYTES = 128
-
-
-def programmatic_launch(tensor: torch.Tensor) -> bool:
-    """Whether the kernels launch with PDL on this tensor's device: switched on, on a GPU of compute capability 9+."""
-    return PROGRAMMATIC_LAUNCH and tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9
-
-
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
 
@@ -335,9 +291,6 @@ def _rows_matmul(
     res = residual if residual is not None else out
     if squares is not None:
         assert squares.shape[1] == rows and squares.is_contiguous() and squares.dtype == torch.float32
-    line = L2_LINE_BYTES // weight.element_size()
-    stretch = triton.cdiv(k, split * block_k) * block_k
-    pdl_lines = triton.next_power_of_2(triton.cdiv(stretch, line)) if programmatic_launch(x) else 0
     with _on_device(x):
         _rows_matmul_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0),
@@ -348,8 +301,7 @@ def _rows_matmul(
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, FP32_DOT=interpreting(),
-            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", PDL_LINES=pdl_lines, LINE=line,
-            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl_lines else {}),
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out, kept
 
@@ -368,14 +320,12 @@ def small_attention(
     index = batch.write_index.reshape(-1)
     out = torch.empty(rows * tokens, heads * dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
-    pdl = programmatic_launch(qkv)
     with _on_device(qkv):
         _small_attention_kernel[(rows, kv_heads)](
             qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
             cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), batch.slots, index, out,
             out.stride(0), batch.kv_len, dim**-0.5, T=tokens, HEADS=heads, KV_HEADS=kv_heads, D=dim,
-            KEYS=triton.next_power_of_2(batch.kv_len), ROWS_ARE_SLOTS=batch.rows_are_slots, PDL=pdl,
-            num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+            KEYS=triton.next_power_of_2(batch.kv_len), ROWS_ARE_SLOTS=batch.rows_are_slots, num_warps=warps,
         )
     return out
 

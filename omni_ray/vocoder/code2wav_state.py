@@ -29,7 +29,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_ray.errors import CapacityError
-from omni_ray.vocoder.snake import fused_snakes
+from omni_ray.vocoder.kernels import conv1d, fused_snakes
 
 State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
 
@@ -67,7 +67,7 @@ class StatefulCode2Wav:
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.samples_per_frame = int(module.total_upsample)
-        self.snakes = fused_snakes(module, Qwen3OmniMoeSnakeBeta)  # each SnakeBeta as one kernel (`snake.py`)
+        self.snakes = fused_snakes(module, Qwen3OmniMoeSnakeBeta)  # each SnakeBeta as one kernel (`kernels.py`)
 
     @torch.inference_mode()
     def step(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
@@ -116,14 +116,15 @@ class StatefulCode2Wav:
     # ---- convolutions ----------------------------------------------------------------------------------------
     @staticmethod
     def _causal_conv(op: Qwen3OmniMoeCausalConvNet, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
-        """Stride-1 causal convolution: the carried input samples replace the one-shot's left zero padding."""
+        """Stride-1 causal convolution: the carried input samples replace the one-shot's left zero padding. One to a
+        single output channel (the decoder's last) runs as `single_output_conv1d`."""
         if op.stride != 1:
             raise ValueError("streaming needs stride-1 causal convolutions")
         if op.padding == 0:
-            return op.conv(x)
+            return conv1d(x, op.conv)
         padded = torch.cat([walk.take(x, op.padding), x], dim=-1)
         walk.keep(padded[..., -op.padding :])
-        return op.conv(padded)
+        return conv1d(padded, op.conv)
 
     @staticmethod
     def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:

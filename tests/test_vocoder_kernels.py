@@ -1,5 +1,6 @@
-"""The fused SnakeBeta kernel (`vocoder/snake.py`) against transformers' module: under Triton's interpreter, on a
-time-sliced (strided) input with random per-channel weights, and compiled for the H200 without a GPU."""
+"""The vocoder's Triton kernels (`vocoder/kernels.py`): the fused SnakeBeta against transformers' module and the
+one-output-channel convolution against torch's, under Triton's interpreter on strided inputs with random weights;
+a stateful stream running both against the one-shot decode; each compiled for the H200 without a GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from _triton import compile_for_h200, run_interpreted
 SNAKE = r"""
 import json, torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
-from omni_ray.vocoder.snake import BLOCK, FusedSnake
+from omni_ray.vocoder.kernels import BLOCK, FusedSnake
 
 torch.manual_seed(0)
 results = {}
@@ -42,12 +43,54 @@ def test_the_fused_snake_equals_the_module_under_the_triton_interpreter() -> Non
     assert bf16["error"] <= bf16["module error"] and bf16["module error"] > 0
 
 
+CONV = r"""
+import json, torch
+from omni_ray.vocoder.kernels import BLOCK, single_output_conv1d, takes_single_output
+
+torch.manual_seed(0)
+results = {}
+for dtype, channels, taps, dilation, bias in ((torch.float32, 96, 7, 1, True), (torch.float32, 40, 3, 2, False),
+                                              (torch.bfloat16, 96, 7, 1, True)):
+    conv = torch.nn.Conv1d(channels, 1, taps, dilation=dilation, bias=bias).to(dtype)
+    x = torch.randn(3, channels, BLOCK + 50, dtype=dtype)[..., 5:]  # past one block, not contiguous
+    got, expected = single_output_conv1d(x, conv), conv(x)
+    reference = torch.nn.functional.conv1d(x.float(), conv.weight.float(),
+                                           None if conv.bias is None else conv.bias.float(), dilation=dilation)
+    results[f"{dtype} {channels} {taps} {dilation} {bias}"] = {
+        "taken": takes_single_output(conv), "shape": list(got.shape) == list(expected.shape),
+        "error": (got.float() - reference).abs().max().item(), "torch error": (expected.float() - reference).abs().max().item(),
+        "scale": reference.abs().max().item()}
+results["two outputs taken"] = takes_single_output(torch.nn.Conv1d(8, 2, 3))
+print(json.dumps(results))
+"""
+
+
+def test_the_single_output_convolution_equals_torch_under_the_triton_interpreter() -> None:
+    """The decoder's last convolution's shape (96 channels, 7 taps), a dilated one without bias, and bf16: equal to
+    fp32 math to float rounding (bf16: within one rounding of the output, as torch's own)."""
+    results = run_interpreted(CONV)
+    assert results.pop("two outputs taken") is False
+    for case, result in results.items():
+        assert result["taken"] and result["shape"], case
+        tolerance = 1e-4 * result["scale"] if "float32" in case else max(result["torch error"], 1e-2 * result["scale"])
+        assert result["error"] <= tolerance, (case, result)
+
+
 def test_the_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
-    from omni_ray.vocoder.snake import BLOCK, _snake_kernel
+    from omni_ray.vocoder.kernels import BLOCK, _snake_kernel
 
     types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "alpha_ptr": "*fp32",
              "inverse_beta_ptr": "*fp32", "out_ptr": "*bf16", "channels": "i32", "length": "i32"}
     compile_for_h200(_snake_kernel, types, {"BLOCK": BLOCK})
+
+
+def test_the_single_output_conv_kernel_compiles_for_the_h200_without_a_gpu() -> None:
+    from omni_ray.vocoder.kernels import BLOCK, _single_output_conv_kernel
+
+    types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "w_ptr": "*bf16",
+             "bias_ptr": "*bf16", "out_ptr": "*bf16", "length": "i32"}
+    constants = {"CHANNELS": 96, "TAPS": 7, "DILATION": 1, "HAS_BIAS": True, "BLOCK_C": 32, "BLOCK": BLOCK}
+    compile_for_h200(_single_output_conv_kernel, types, constants)
 
 
 STREAM = r"""
@@ -73,6 +116,9 @@ def refuse(x):
 
 for snake in snakes:
     snake.forward = refuse
+last = module.decoder[-1].conv  # the one-output-channel convolution
+assert last.out_channels == 1
+last.forward = refuse
 pieces, state, position = [], None, 0
 for size in (1, 2, 4, 8, 8, 8, 8, 1):
     wav, state = stateful.step(codes[None, :, position : position + size], torch.tensor([position]), state)
@@ -85,8 +131,8 @@ print(json.dumps({"snakes": len(snakes), "fused": len(stateful.snakes), "same sh
 
 
 def test_a_stateful_stream_with_fused_snakes_equals_the_one_shot_decode_under_the_triton_interpreter() -> None:
-    """Every SnakeBeta of the stateful decoder runs as the kernel (the module's own forward refuses), with random
-    weights, and the streamed samples equal transformers' one-shot decode."""
+    """Every SnakeBeta of the stateful decoder and its last convolution run as the kernels (the modules' own forwards
+    refuse), with random weights, and the streamed samples equal transformers' one-shot decode."""
     result = run_interpreted(STREAM)
     assert result["snakes"] == result["fused"] > 0 and result["same shape"]
     assert result["error"] < 1e-5 and result["scale"] > 0.01

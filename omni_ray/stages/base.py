@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -266,22 +265,7 @@ class StageBase:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])
 
 
-class _HostStaging:
-    """Per device: a side stream and a pinned host buffer (grown as needed, reused) that a step's relay tensors are
-    copied into together."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self.pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
-        self.lock = threading.Lock()  # lanes' engine threads may hand on outputs at once
-
-    def host_bytes(self, nbytes: int) -> torch.Tensor:
-        if self.pinned.numel() < nbytes:
-            self.pinned = torch.empty(max(nbytes, 2 * self.pinned.numel()), dtype=torch.uint8, pin_memory=True)
-        return self.pinned[:nbytes]
-
-
-_STAGING: dict[torch.device, _HostStaging] = {}
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def host_copy(item: RelayItem) -> RelayItem:
@@ -290,45 +274,36 @@ def host_copy(item: RelayItem) -> RelayItem:
 
 
 def host_copies(items: list[RelayItem]) -> list[RelayItem]:
-    """The items with their tensors on the CPU. A step's device tensors (they are complete, see RelayItem) are
-    gathered into one device buffer and copied into a reused pinned buffer on a side stream (a copy on the
-    producer's stream would wait for everything queued since, such as its next step); the host waits once, then
-    each tensor is cut out as its own CPU tensor. Per step that is one gather, one copy and one wait whatever the
-    item count: copied one by one, a 1-GPU service's Thinker made about 30 copies, event records and pinned
-    allocations per step at batch 32, each CUDA call taking 10-30 us under MPS (session 14's in-service profile).
-    The first side-stream copy in a process still waits for the queued work (on an H200; later ones do not), so a
-    stage on a GPU makes one at startup (`warm_host_copy`). Used where the next stage is on the host path (TCP): by
-    default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
-    on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
-    tensors: list[dict[str, torch.Tensor]] = [dict(item.tensors) for item in items]
-    for index, item in enumerate(items):
+    """The items with their tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
+    RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
+    step). Every copy is queued first, then the host waits once per stream: a step's items cost one wait, not one
+    each (with a wait per item, the Thinker spent 8.6 ms per step handing on its outputs at batch 32 in the 1-GPU
+    service under MPS, session 13). The first such copy in a process
+    still waits for the queued work (on an H200; later ones do not), so a stage on a GPU makes one at startup
+    (`warm_host_copy`). Used where the next stage is on the host path (TCP): by default, two processes sharing one
+    GPU (Thinker → Talker in the 1-GPU layout)."""
+    copied: list[RelayItem] = []
+    used: set[torch.cuda.Stream] = set()
+    for item in items:
+        if all(t.device.type == "cpu" for t in item.tensors.values()):
+            copied.append(item)
+            continue
+        tensors = {}
         for name, tensor in item.tensors.items():
-            if tensor.device.type == "cuda":
-                on_device.setdefault(tensor.device, []).append((index, name, tensor))
-            elif tensor.device.type != "cpu":
-                tensors[index][name] = tensor.cpu()
-    for device, found in on_device.items():
-        for (index, name, _), copied in zip(found, _stage_to_host(device, [t for _, _, t in found])):
-            tensors[index][name] = copied
-    return [item if not any(t.device.type == "cuda" for t in item.tensors.values())
-            else RelayItem(item.request_id, item.kind, tensors[index], item.meta, item.seq)
-            for index, item in enumerate(items)]
-
-
-def _stage_to_host(device: torch.device, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of complete tensors on one device: their bytes gathered by one device `cat`, one copy into the
-    pinned staging buffer, one wait, then one CPU tensor each."""
-    staging = _STAGING.get(device)
-    if staging is None:
-        staging = _STAGING.setdefault(device, _HostStaging(device))
-    sizes = [tensor.numel() * tensor.element_size() for tensor in found]
-    with staging.lock, torch.cuda.stream(staging.stream):
-        gathered = torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in found])
-        host = staging.host_bytes(gathered.numel())
-        host.copy_(gathered, non_blocking=True)
-        staging.stream.synchronize()
-        pieces = host.split(sizes)
-        return [piece.clone().view(tensor.dtype).view(tensor.shape) for piece, tensor in zip(pieces, found)]
+            if tensor.device.type != "cuda":
+                tensors[name] = tensor.cpu()
+                continue
+            stream = _COPY_STREAMS.get(tensor.device)
+            if stream is None:
+                stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
+            with torch.cuda.stream(stream):
+                tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                tensors[name].copy_(tensor, non_blocking=True)
+            used.add(stream)
+        copied.append(RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq))
+    for stream in used:
+        stream.synchronize()
+    return copied
 
 
 def warm_host_copy(device: torch.device) -> None:

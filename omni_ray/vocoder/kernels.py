@@ -32,7 +32,8 @@ BLOCK = 1024  # samples per program
 
 if triton is not None:
 
-    @triton.jit
+    # Lengths and strides vary with every decode shape: not specialized on (one compile per dtype, not per shape)
+    @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "channels", "length"])
     def _snake_kernel(x_ptr, x_batch_stride, x_channel_stride, alpha_ptr, inverse_beta_ptr, out_ptr, channels,
                       length, BLOCK: tl.constexpr):  # no annotations in jit functions: Triton reads them as its own
         """One (batch, channel) row's block of samples: out = x + sin(x * alpha)^2 * inverse_beta, in fp32."""
@@ -47,7 +48,7 @@ if triton is not None:
         tl.store(out_ptr + row * length + at, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "length"])
     def _single_output_conv_kernel(x_ptr, x_batch_stride, x_channel_stride, w_ptr, bias_ptr, out_ptr, length,
                                    CHANNELS: tl.constexpr, TAPS: tl.constexpr, DILATION: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):

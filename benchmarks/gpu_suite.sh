@@ -10,8 +10,9 @@
 # persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder, with and without cuDNN
 # autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the Talker's codes stop matching: graphs vs eager,
-# lanes together vs one after the other, per engine variant; in its log).
+# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the
+# Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
+# log).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),

@@ -4,8 +4,9 @@ at full size, plain products; attention and the epilogues left out) chained at 1
 replayed from one CUDA graph against one persistent kernel whose programs wait for each other between the GEMMs,
 with and without loading the first depth block of their next weight tile before they wait. Weights cycle through
 copies past L2's size, as a pass's five layers do. Also (3): whether a programmatic dependent launch starts before
-the kernel ahead of it ends, eagerly and replayed from a graph. The persistent kernels need all their programs resident at once
-(one per SM by default): on a GPU shared with other work they may wait long, and a step's time limit ends them.
+the kernel ahead of it ends, eagerly and replayed from a graph. The persistent kernels need all their programs
+resident at once (one per SM by default): on a GPU shared with other work they may wait long, and a step's time
+limit ends them.
 
     python -m benchmarks.persistent_probe --out benchmarks/results
 """
@@ -115,7 +116,6 @@ if triton is not None:
         if tl.atomic_add(arrivals_ptr + 1, 1) == PROGRAMS - 1:
             tl.atomic_xchg(arrivals_ptr, 0)
             tl.atomic_xchg(arrivals_ptr + 1, 0)
-
 
     @triton.jit
     def _global_ns():

@@ -277,11 +277,11 @@ def host_copies(items: list[RelayItem]) -> list[RelayItem]:
     """The items with their tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
     RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
     step). Every copy is queued first, then the host waits once per stream: a step's items cost one wait, not one
-    each (with a wait per item, the Thinker spent 8.6 ms per step handing on its outputs at batch 32 in the 1-GPU
-    service under MPS, session 13). The first such copy in a process
-    still waits for the queued work (on an H200; later ones do not), so a stage on a GPU makes one at startup
-    (`warm_host_copy`). Used where the next stage is on the host path (TCP): by default, two processes sharing one
-    GPU (Thinker → Talker in the 1-GPU layout)."""
+    each. (Handing on a step's outputs at batch 32 in the 1-GPU service under MPS took the Thinker 8.6 ms with a
+    wait per item, session 13, and 7.2 ms with one, session 14, on another machine; the rest is mostly the copies'
+    CUDA calls, 10-30 us each there.) The first such copy in a process still waits for the queued work (on an H200;
+    later ones do not), so a stage on a GPU makes one at startup (`warm_host_copy`). Used where the next stage is on
+    the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
     copied: list[RelayItem] = []
     used: set[torch.cuda.Stream] = set()
     for item in items:

@@ -5,10 +5,11 @@
   times per call, mostly at its highest sample rates. `FusedSnake` reads x once and writes once, in fp32 with α =
   exp(alpha) and 1 / (exp(beta) + 1e-9) taken once from the weights: it agrees with the module to the model dtype's
   rounding (as fp32 math would, not op by op).
-- The decoder's last convolution maps 96 channels at 24 kHz to one sample stream. cuDNN ran it as a
-  non-tensor-core `implicit_convolve_sgemm` of about 1.4 ms per call inside the 1-GPU service (17% of the vocoder's
-  GPU time, session 14's profile). `single_output_conv1d` reads the input once, each program summing channels x taps
-  for a block of samples in fp32.
+- The decoder's last convolution maps 96 channels at 24 kHz to one sample stream. The costliest kernel of the
+  vocoder inside the 1-GPU service was a non-tensor-core cuDNN `implicit_convolve_sgemm`, about 1.4 ms per call
+  and 17% of its GPU time (session 14's profile), called about as often as the decoder runs: most likely this
+  convolution, which the profile does not name. `single_output_conv1d` reads the input once, each program summing
+  channels x taps for a block of samples in fp32.
 
 Without Triton, or off CUDA outside Triton's interpreter, torch runs them as before.
 """
@@ -46,7 +47,6 @@ if triton is not None:
         wave = tl.sin(x * tl.load(alpha_ptr + channel))
         out = x + wave * wave * tl.load(inverse_beta_ptr + channel)
         tl.store(out_ptr + row * length + at, out.to(out_ptr.dtype.element_ty), mask=inside)
-
 
     @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "length"])
     def _single_output_conv_kernel(x_ptr, x_batch_stride, x_channel_stride, w_ptr, bias_ptr, out_ptr, length,

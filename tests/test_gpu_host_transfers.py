@@ -21,6 +21,8 @@ def _calls_that_waited() -> list[str]:
     each called with "the next step" queued behind them: the calls that returned only once that work had finished."""
     device = torch.device("cuda")
     made = torch.arange(12, device=device).float()  # "this step's" tensor
+    mixed = {"half": made[:5].to(torch.bfloat16), "ids": made[3:6].long().reshape(1, 3), "flags": made > 6,
+             "cpu": torch.arange(2), "empty": made[:0]}  # this step's too; byte sizes that leave later ones unaligned
     done = StepDone(device)
     downloaded = Download(made)
     torch.cuda._sleep(BUSY_CYCLES)  # "the next step", queued after it on the same stream
@@ -42,11 +44,14 @@ def _calls_that_waited() -> list[str]:
         check("host_copy")
         assert torch.equal(copied.tensors["x"], torch.arange(12).float())
         on_cpu = RelayItem("c", tensors={"y": torch.ones(2)})
-        step = host_copies([RelayItem(f"r{i}", tensors={"x": made[i]}) for i in range(3)] + [on_cpu])
+        step = host_copies([RelayItem(f"r{i}", tensors={"x": made[i]}) for i in range(3)] + [on_cpu]
+                           + [RelayItem("m", tensors=mixed)])
         check("host_copies")
         assert [item.tensors["x"].item() for item in step[:3]] == [0.0, 1.0, 2.0]
-        assert all(item.tensors["x"].is_pinned() for item in step[:3])
         assert step[3] is on_cpu
+        for name, tensor in mixed.items():
+            got = step[4].tensors[name]
+            assert got.device.type == "cpu" and got.dtype == tensor.dtype and torch.equal(got, tensor.cpu()), name
     finally:
         stream.synchronize()
     assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))
@@ -55,7 +60,8 @@ def _calls_that_waited() -> list[str]:
 
 def test_transfers_return_while_later_work_still_runs() -> None:
     """After the warm-up a GPU stage makes at startup (this test runs first in its file, in a fresh process). Without
-    it, on an H200 (session 9), the first round's host copy waited and the second's did not: a first-use cost."""
+    it, on an H200 (session 9), the first round's host copy waited and the second's did not: a first-use cost. With
+    a warm-up of one-tensor copies only, the first round's gather of several tensors waited (session 14)."""
     warm_host_copy(torch.device("cuda"))
     first, second = _calls_that_waited(), _calls_that_waited()
     assert not first and not second, f"these waited for the next step: first round {first}, second round {second}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -265,7 +266,22 @@ class StageBase:
             self.sender.send(peer, [RelayItem(request_id, kind=kind, meta=meta)])
 
 
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+class _HostStaging:
+    """Per device: a side stream and a pinned host buffer (grown as needed, reused) that a step's relay tensors are
+    copied into together."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+        self.lock = threading.Lock()  # lanes' engine threads may hand on outputs at once
+
+    def host_bytes(self, nbytes: int) -> torch.Tensor:
+        if self.pinned.numel() < nbytes:
+            self.pinned = torch.empty(max(nbytes, 2 * self.pinned.numel()), dtype=torch.uint8, pin_memory=True)
+        return self.pinned[:nbytes]
+
+
+_STAGING: dict[torch.device, _HostStaging] = {}
 
 
 def host_copy(item: RelayItem) -> RelayItem:
@@ -274,39 +290,53 @@ def host_copy(item: RelayItem) -> RelayItem:
 
 
 def host_copies(items: list[RelayItem]) -> list[RelayItem]:
-    """The items with their tensors on the CPU, copied on a side stream into pinned memory: they are complete (see
-    RelayItem), and a copy on the producer's stream would wait for everything it has queued since (such as its next
-    step). Every copy is queued first, then the host waits once per stream: a step's items cost one wait, not one
-    each. (Handing on a step's outputs at batch 32 in the 1-GPU service under MPS took the Thinker 8.6 ms with a
-    wait per item, session 13, and 7.2 ms with one, session 14, on another machine; the rest is mostly the copies'
-    CUDA calls, 10-30 us each there.) The first such copy in a process still waits for the queued work (on an H200;
-    later ones do not), so a stage on a GPU makes one at startup (`warm_host_copy`). Used where the next stage is on
-    the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
-    copied: list[RelayItem] = []
-    used: set[torch.cuda.Stream] = set()
-    for item in items:
-        if all(t.device.type == "cpu" for t in item.tensors.values()):
-            copied.append(item)
-            continue
-        tensors = {}
+    """The items with their tensors on the CPU. A step's device tensors (complete, see RelayItem) are gathered into
+    one device buffer and copied into a reused pinned buffer on a side stream (a copy on the producer's stream would
+    wait for everything queued since, such as its next step); the host waits once, then each tensor is cut out as
+    its own CPU tensor. Per step: one gather, one copy, one wait, whatever the item count. Copied one by one, the
+    1-GPU service's Thinker made about 30 copies, event records and pinned allocations per step at batch 32, each
+    CUDA call 10-30 us under MPS (session 14's in-service profile). A process's first gather and copy waited for the
+    queued work on an H200, so a stage on a GPU makes them at startup (`warm_host_copy`). Used where the next stage
+    is on the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
+    on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    tensors: list[dict[str, torch.Tensor]] = [dict(item.tensors) for item in items]
+    for index, item in enumerate(items):
         for name, tensor in item.tensors.items():
-            if tensor.device.type != "cuda":
-                tensors[name] = tensor.cpu()
-                continue
-            stream = _COPY_STREAMS.get(tensor.device)
-            if stream is None:
-                stream = _COPY_STREAMS[tensor.device] = torch.cuda.Stream(tensor.device)
-            with torch.cuda.stream(stream):
-                tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                tensors[name].copy_(tensor, non_blocking=True)
-            used.add(stream)
-        copied.append(RelayItem(item.request_id, item.kind, tensors, item.meta, item.seq))
-    for stream in used:
-        stream.synchronize()
-    return copied
+            if tensor.device.type == "cuda":
+                on_device.setdefault(tensor.device, []).append((index, name, tensor))
+            elif tensor.device.type != "cpu":
+                tensors[index][name] = tensor.cpu()
+    for device, found in on_device.items():
+        for (index, name, _), copied in zip(found, _stage_to_host(device, [t for _, _, t in found])):
+            tensors[index][name] = copied
+    return [item if all(t.device.type == "cpu" for t in item.tensors.values())
+            else RelayItem(item.request_id, item.kind, tensors[index], item.meta, item.seq)
+            for index, item in enumerate(items)]
+
+
+def _stage_to_host(device: torch.device, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of complete tensors on one device: their bytes gathered by one device `cat`, one copy into the
+    pinned staging buffer, one wait, then one CPU tensor each."""
+    staging = _STAGING.get(device)
+    if staging is None:
+        staging = _STAGING.setdefault(device, _HostStaging(device))
+    sizes = [tensor.numel() * tensor.element_size() for tensor in found]
+    with staging.lock, torch.cuda.stream(staging.stream):
+        gathered = torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in found])
+        host = staging.host_bytes(gathered.numel())
+        host.copy_(gathered, non_blocking=True)
+        staging.stream.synchronize()
+        pieces = host.split(sizes)
+        return [piece.clone().view(tensor.dtype).view(tensor.shape) for piece, tensor in zip(pieces, found)]
 
 
 def warm_host_copy(device: torch.device) -> None:
-    """Pay `host_copy`'s first-use cost now: on an H200 a process's first side-stream copy to the host waited for the
-    work queued on the device, a second one with the same work queued did not (tests/test_gpu_host_transfers.py)."""
-    host_copy(RelayItem("warm-up", tensors={"x": torch.zeros(1, device=device)}))
+    """Pay `host_copies`' first-use costs now. On an H200 a process's first side-stream copy to the host waited for
+    the work queued on the device, and so did its first gather of several tensors of mixed sizes, the first launch
+    of a `cat` kernel variant most likely (CUDA loads a kernel's module on its first launch). Both shapes of gather
+    are made here: one tensor, and several whose sizes are and are not multiples of 16 bytes."""
+    zeros = torch.zeros(64, device=device)
+    host_copies([RelayItem("warm-up", tensors={"one": zeros[:1]})])
+    host_copies([RelayItem("warm-up", tensors={"aligned": zeros[:4], "rows": zeros.reshape(4, 16)[1]}),
+                 RelayItem("warm-up", tensors={"odd": zeros[:5].to(torch.uint8), "half": zeros.to(torch.bfloat16),
+                                               "flags": zeros[:3] > 0, "empty": zeros[:0]})])

@@ -91,6 +91,19 @@ def attention_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def decode_step_inputs(
+    cfg: Any, stack: DecoderStack, count: int, layers: int
+) -> tuple[SlotKVCache, AttentionBatch, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One new token per row for `count` rows at position 5 of a 17-position cache of `layers` layers: the cache, the
+    batch (its grouped mask built), random bf16 inputs [count, 1, hidden] and their rotary (cos, sin)."""
+    cache = SlotKVCache(layers, 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
+    slots = torch.arange(count, device="cuda")
+    batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
+    batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
+    x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    return cache, batch, x, stack.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+
+
 def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     """One code-predictor layer step (one new token per row over a 17-position cache), us per call: eager, compiled
     by inductor as `compile_layers` does, and as five kernels (a pass's first layer, whose input norm sums the rows'
@@ -103,12 +116,7 @@ def layer_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     kernels.use_small_batch_kernels()
     out = []
     for count in rows:
-        cache = SlotKVCache(1, 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
-        slots = torch.arange(count, device="cuda")
-        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
-        batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
-        x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        cos, sin = eager.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+        cache, batch, x, (cos, sin) = decode_step_inputs(cfg, eager, count, 1)
         row: dict[str, Any] = {"rows": count}
         fused = kernels.layers[0]
         squares = small_batch.decoder_layer(fused, x, cos, sin, cache.layers[0], batch)[1]  # of another layer's output
@@ -132,12 +140,7 @@ def stack_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     floor_us = sum(p.numel() * p.element_size() for p in stack.layers.parameters()) / 4.3e12 * 1e6
     out = []
     for count in rows:
-        cache = SlotKVCache(len(stack.layers), 64, 17, cfg.num_key_value_heads, 128, torch.bfloat16, "cuda")
-        slots = torch.arange(count, device="cuda")
-        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, 5), 1, 17, rows_are_slots=True)
-        batch.grouped_mask(cfg.num_attention_heads // cfg.num_key_value_heads)
-        x = torch.randn(count, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        cos, sin = stack.rotary(torch.full((count, 1), 5, device="cuda"), torch.bfloat16)
+        cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))
         pass_ms = replay_ms(lambda: stack(x, None, cache.layers, batch, rope=(cos, sin), normed=False)[0])[0]
         out.append({"rows": count, "pass": 1000 * pass_ms, "floor": floor_us})
     return out

@@ -13,8 +13,8 @@ softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per fra
 
 Every GEMM holds up to 32 rows in one tile and splits the output columns over programs, so each weight is read once
 per pass (per 32 rows); the narrow, deep ones also split their depth, the last program of a column block to finish
-adding the others' partial sums in a fixed order. A norm needs each row's sum of squares before the GEMM can start: the GEMMs that add a
-residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
+adding the others' partial sums in a fixed order. A norm needs each row's sum of squares before the GEMM can
+start: the GEMMs that add a residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
 of the next layer) adds up, instead of every one of its programs passing over the rows first (as the first layer's
 q/k/v GEMM does). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us on an
 H200. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with

@@ -300,17 +300,20 @@ def host_copies(items: list[RelayItem]) -> list[RelayItem]:
     is on the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
     on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
     tensors: list[dict[str, torch.Tensor]] = [dict(item.tensors) for item in items]
+    moved: set[int] = set()  # items with a tensor not on the CPU
     for index, item in enumerate(items):
         for name, tensor in item.tensors.items():
+            if tensor.device.type == "cpu":
+                continue
+            moved.add(index)
             if tensor.device.type == "cuda":
                 on_device.setdefault(tensor.device, []).append((index, name, tensor))
-            elif tensor.device.type != "cpu":
+            else:
                 tensors[index][name] = tensor.cpu()
     for device, found in on_device.items():
         for (index, name, _), copied in zip(found, _stage_to_host(device, [t for _, _, t in found])):
             tensors[index][name] = copied
-    return [item if all(t.device.type == "cpu" for t in item.tensors.values())
-            else RelayItem(item.request_id, item.kind, tensors[index], item.meta, item.seq)
+    return [RelayItem(item.request_id, item.kind, tensors[index], item.meta, item.seq) if index in moved else item
             for index, item in enumerate(items)]
 
 

@@ -16,11 +16,12 @@ Without Triton, or off CUDA outside Triton's interpreter, torch runs them as bef
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
 import torch
 from torch import nn
+
+from omni_ray.layers.small_batch import interpreting
 
 try:
     import triton
@@ -73,7 +74,7 @@ if triton is not None:
 
 def _on_triton(x: torch.Tensor) -> bool:
     """Triton present, and x on a GPU (or Triton's interpreter running)."""
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (x.is_cuda or interpreting())
 
 
 def single_output_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:

@@ -7,8 +7,8 @@
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
 # prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
-# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder, with and without cuDNN
-# autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
+# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
+# SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
 # MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the
 # Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
@@ -18,7 +18,7 @@
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
 # (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine,
-# profile and smallbatch: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
+# profile, smallbatch and vocoder: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
 # MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
 # time on it).
 set -uo pipefail
@@ -73,8 +73,9 @@ for step in "${@:-tests engine vocoder e2e}"; do
       persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
       # shellcheck disable=SC2086
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      vocoder) run_step vocoder python -m benchmarks.vocoder_bench --out "$OUT/results/vocoder"
-               run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
+      # shellcheck disable=SC2086
+      vocoder) run_step "$tag" python -m benchmarks.vocoder_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      vocoder_autotune) run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;
       relay) run_step relay python -m benchmarks.relay_bench --out "$OUT/results/relay" ;;
       e2e) [ "$mps" = 1 ] && mps_on "$tag"

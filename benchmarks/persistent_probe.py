@@ -2,7 +2,8 @@
 P resident programs costs on this GPU, and (2) the code predictor's four GEMMs of a layer (q/k/v, o, gate/up, down
 at full size, plain products; attention and the epilogues left out) chained at 1 / 8 / 32 rows, as four kernels
 replayed from one CUDA graph against one persistent kernel whose programs wait for each other between the GEMMs,
-with and without loading the first depth block of their next weight tile before they wait. Weights cycle through
+with and without loading the first depth block of their next weight tile before they wait, and with each GEMM's
+work balanced over the programs (narrow GEMMs split in depth, `phase_plan`). Weights cycle through
 copies past L2's size, as a pass's five layers do. Also (3): whether a programmatic dependent launch starts before
 the kernel ahead of it ends, eagerly and replayed from a graph. The persistent kernels need all their programs
 resident at once (one per SM by default): on a GPU shared with other work they may wait long, and a step's time
@@ -118,6 +119,82 @@ if triton is not None:
             tl.atomic_xchg(arrivals_ptr + 1, 0)
 
     @triton.jit
+    def _wait_for_all_bounded(arrivals_ptr, target, SPINS: tl.constexpr):
+        """`_wait_for_all` that gives up after SPINS polls and then sets the flag at arrivals_ptr[2]: a launch whose
+        programs were not all resident ends (with wrong sums, flagged) instead of hanging."""
+        tl.debug_barrier()
+        seen = tl.atomic_add(arrivals_ptr, 1, sem="release") + 1
+        spins = tl.full([], 0, tl.int32)
+        while (seen < target) & (spins < SPINS):
+            seen = tl.atomic_add(arrivals_ptr, 0, sem="acquire")
+            spins += 1
+        if seen < target:
+            tl.atomic_xchg(arrivals_ptr + 2, 1)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _zero_share(ptr, pid, COUNT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's share of zeroing ptr[:COUNT] (fp32)."""
+        for turn in range(0, (COUNT + PROGRAMS * BLOCK - 1) // (PROGRAMS * BLOCK)):  # constant bounds, as above
+            offsets = (pid + turn * PROGRAMS) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(ptr + offsets, tl.zeros([BLOCK], dtype=tl.float32), mask=offsets < COUNT)
+
+    @triton.jit
+    def _split_gemm_phase(a_ptr, a_stride, w_ptr, out_ptr, M, pid, PROGRAMS: tl.constexpr, K: tl.constexpr,
+                          N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT: tl.constexpr):
+        """out[:M] (fp32, N wide) = a[:M, :K] @ w[:, :K].T, as TILES x SPLIT items (a column tile, a stretch of the
+        depth) dealt round the programs; a split item adds its sums into out (zeroed before) atomically."""
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        ITEMS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N * SPLIT
+        DEPTH: tl.constexpr = K // SPLIT
+        for turn in range(0, (ITEMS + PROGRAMS - 1) // PROGRAMS):
+            item = pid + turn * PROGRAMS
+            if item < ITEMS:
+                cols = (item // SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
+                first = (item % SPLIT) * DEPTH
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, DEPTH, BLOCK_K):
+                    depth = first + k0 + ks
+                    a = tl.load(a_ptr + rows[:, None] * a_stride + depth[None, :], mask=(rows < M)[:, None],
+                                other=0.0)
+                    w = tl.load(w_ptr + cols[:, None] * K + depth[None, :])
+                    acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+                targets = out_ptr + rows[:, None] * N + cols[None, :]
+                if SPLIT == 1:
+                    tl.store(targets, acc, mask=(rows < M)[:, None])
+                else:
+                    tl.atomic_add(targets, acc, mask=(rows < M)[:, None], sem="relaxed")
+
+    @triton.jit
+    def _balanced_chain_kernel(x_ptr, w0, w1, w2, w3, h0, h1, h2, out_ptr, arrivals_ptr, M,
+                               K0: tl.constexpr, N0: tl.constexpr, K1: tl.constexpr, N1: tl.constexpr,
+                               K2: tl.constexpr, N2: tl.constexpr, K3: tl.constexpr, N3: tl.constexpr,
+                               BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+                               S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, PROGRAMS: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPINS: tl.constexpr):
+        """`_chain_kernel` with each GEMM's work balanced over the programs (`phase_plan`): narrow GEMMs split their
+        depth, their fp32 outputs zeroed first by every program's share, before the first barrier."""
+        pid = tl.program_id(0)
+        if S1 > 1:
+            _zero_share(h1, pid, BLOCK_M * N1, PROGRAMS, 256)
+        if S2 > 1:
+            _zero_share(h2, pid, BLOCK_M * N2, PROGRAMS, 256)
+        if S3 > 1:
+            _zero_share(out_ptr, pid, BLOCK_M * N3, PROGRAMS, 256)
+        _split_gemm_phase(x_ptr, K0, w0, h0, M, pid, PROGRAMS, K0, N0, BLOCK_M, BN0, BLOCK_K, 1)
+        _wait_for_all_bounded(arrivals_ptr, PROGRAMS, SPINS)
+        _split_gemm_phase(h0, N0, w1, h1, M, pid, PROGRAMS, K1, N1, BLOCK_M, BN1, BLOCK_K, S1)
+        _wait_for_all_bounded(arrivals_ptr, 2 * PROGRAMS, SPINS)
+        _split_gemm_phase(h1, N1, w2, h2, M, pid, PROGRAMS, K2, N2, BLOCK_M, BN2, BLOCK_K, S2)
+        _wait_for_all_bounded(arrivals_ptr, 3 * PROGRAMS, SPINS)
+        _split_gemm_phase(h2, N2, w3, out_ptr, M, pid, PROGRAMS, K3, N3, BLOCK_M, BN3, BLOCK_K, S3)
+        if tl.atomic_add(arrivals_ptr + 1, 1) == PROGRAMS - 1:
+            tl.atomic_xchg(arrivals_ptr, 0)
+            tl.atomic_xchg(arrivals_ptr + 1, 0)
+
+    @triton.jit
     def _global_ns():
         """The GPU's global nanosecond timer (the same clock on every SM)."""
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
@@ -180,6 +257,38 @@ def chain_persistent(x: torch.Tensor, weights: list[torch.Tensor], arrivals: tor
     return hidden[3]
 
 
+def phase_plan(depth: int, width: int, programs: int, block_k: int, split: bool = True) -> tuple[int, int]:
+    """(column tile width, depth splits) for one GEMM over `programs`: the fewest weight elements its busiest program
+    reads, then the fewest items."""
+    plans = []
+    for block_n in (16, 32, 64):
+        for parts in (1, 2, 3, 4, 6, 8, 12, 16) if split else (1,):
+            if depth % (parts * block_k) == 0:
+                items = -(-width // block_n) * parts
+                plans.append(((-(-items // programs)) * block_n * depth // parts, items, block_n, parts))
+    return min(plans)[2:]
+
+
+def chain_balanced(x: torch.Tensor, weights: list[torch.Tensor], arrivals: torch.Tensor, programs: int,
+                   block_k: int = 128, warps: int = 4, stages: int = 3,
+                   plans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """The four GEMMs of `CHAIN` in one persistent launch, each GEMM's items balanced over `programs` (fp32 out).
+    arrivals: three int32, the barrier counters and the flag a launch sets when its programs were not all resident.
+    plans: each GEMM's (column tile, depth splits) instead of `phase_plan`'s (the first one's splits must be 1)."""
+    rows = x.shape[0]
+    block_m = max(16, triton.next_power_of_2(rows))
+    plans = plans or [phase_plan(k, n, programs, block_k, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
+    assert plans[0][1] == 1, "the first GEMM's output is not zeroed: it cannot split its depth"
+    hidden = [torch.empty(block_m, n, dtype=torch.float32, device=x.device) for _, n in CHAIN]
+    dims = {f"{name}{i}": value for i, (k, n) in enumerate(CHAIN) for name, value in (("K", k), ("N", n))}
+    tiles = {f"BN{i}": block_n for i, (block_n, _) in enumerate(plans)}
+    splits = {f"S{i}": parts for i, (_, parts) in enumerate(plans) if i > 0}
+    _balanced_chain_kernel[(programs,)](x, *weights, *hidden, arrivals, rows, **dims, **tiles, **splits,
+                                        PROGRAMS=programs, BLOCK_M=block_m, BLOCK_K=block_k, SPINS=1 << 16,
+                                        num_warps=warps, num_stages=stages)
+    return hidden[3][:rows]
+
+
 def chain_reference(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """The same chain in torch: each GEMM reads the previous output's first `depth` columns."""
     h = x
@@ -190,7 +299,7 @@ def chain_reference(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tenso
 
 def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
     """Barrier cost and the chain at each row count (us), on the current CUDA device."""
-    arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(3, dtype=torch.int32, device="cuda")
     barrier_us = {}
     for rounds in (1, 16):
         def barriers(rounds: int = rounds) -> torch.Tensor:
@@ -211,15 +320,24 @@ def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
             "four kernels (cuBLAS)": lambda ws: chain_reference(x, ws),
             "persistent": lambda ws: chain_persistent(x, ws, arrivals, programs, False),
             "persistent, next block loaded before waiting": lambda ws: chain_persistent(x, ws, arrivals, programs, True),
+            "balanced": lambda ws: chain_balanced(x, ws, arrivals, programs),
+            "balanced, 2 programs per SM": lambda ws: chain_balanced(x, ws, arrivals, 2 * programs),
+            "balanced, 2 per SM, depth blocks of 256": lambda ws: chain_balanced(x, ws, arrivals, 2 * programs, 256, 4, 2),
         }
         for name, run in runs.items():
-            ms, got = replay_ms(lambda run=run: [run(ws) for ws in weight_sets][-1], 50)
+            arrivals[2] = 0
+            got = run(weight_sets[0]).float()
+            if arrivals[2].item():  # a barrier gave up: not all programs were resident; not timed
+                row[name] = float("nan")
+                continue
+            ms, _ = replay_ms(lambda run=run: [run(ws) for ws in weight_sets][-1], 50)
             row[name] = 1000 * ms / copies
             if name != "four kernels (cuBLAS)":
-                got = run(weight_sets[0]).float()
                 row[f"{name}: relative error"] = ((got - expected).norm() / expected.norm()).item()
         out.append(row)
-    return {"programs": programs, "barrier_us": per_barrier, "launch_with_one_barrier_us": barrier_us[1],
+    plans = {count: [phase_plan(k, n, count, 128, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
+             for count in (programs, 2 * programs)}
+    return {"programs": programs, "barrier_us": per_barrier, "balanced_plans": plans, "launch_with_one_barrier_us": barrier_us[1],
             "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies, "pdl_overlap": pdl_overlap()}
 
 
@@ -243,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
              "before that kernel ended): " + "; ".join(f"{k} {v:.1f}" for k, v in result["pdl_overlap"].items()),
              "",
              f"The chain reads {result['layer_bytes'] / 2**20:.1f} MiB of weights ({floor_us:.1f} us at 4.3 TB/s), "
-             f"from {result['weight_copies']} copies cycled past L2. us per chain:", "",
+             f"from {result['weight_copies']} copies cycled past L2. Balanced (column tile, depth splits) per GEMM: "
+             + "; ".join(f"{count} programs {plan}" for count, plan in result["balanced_plans"].items())
+             + ". us per chain (nan: a barrier gave up, the programs were not all resident):", "",
              "| rows | " + " | ".join(names) + " | persistent kernels' relative error |",
              "|---|" + "---|" * (len(names) + 1)]
     for row in result["chain"]:

@@ -10,11 +10,11 @@ from _triton import compile_for_h200, run_interpreted
 
 CHAIN = r"""
 import json, torch
-from benchmarks.persistent_probe import CHAIN, chain_persistent, chain_reference
+from benchmarks.persistent_probe import CHAIN, chain_balanced, chain_persistent, chain_reference, phase_plan
 
 torch.manual_seed(0)
 weights = [torch.randn(n, k) * 0.03 for k, n in CHAIN]
-arrivals = torch.zeros(2, dtype=torch.int32)
+arrivals = torch.zeros(3, dtype=torch.int32)
 results = {}
 for rows in (1, 3):
     x = torch.randn(rows, CHAIN[0][0])
@@ -22,17 +22,24 @@ for rows in (1, 3):
     for prefetch in (False, True):
         got = chain_persistent(x, weights, arrivals, 1, prefetch)
         results[f"{rows} {prefetch}"] = ((got - expected).norm() / expected.norm()).item()
-results["counters left at zero"] = arrivals.tolist() == [0, 0]
+    plans = [phase_plan(k, n, 132, 512, split=i > 0) for i, (k, n) in enumerate(CHAIN)]  # the narrow ones split
+    for _ in range(2):  # twice: the split GEMMs' outputs are zeroed by the launch itself
+        got = chain_balanced(x, weights, arrivals, 1, block_k=512, plans=plans)
+    results[f"{rows} balanced"] = ((got - expected).norm() / expected.norm()).item()
+results["counters left at zero"] = arrivals.tolist() == [0, 0, 0]
+results["splits"] = [parts for _, parts in plans]
 print(json.dumps(results))
 """
 
 
 def test_the_persistent_chain_equals_torch_under_the_triton_interpreter() -> None:
     """A code-predictor layer's four GEMMs at full size, 1 and 3 rows, with and without each program loading its
-    next weight block before it waits: torch's chain to float rounding, and the barrier counters left at zero."""
+    next weight block before it waits, and balanced (one program: every split of the narrow GEMMs' depth adds into
+    the output its launch zeroed): torch's chain to float rounding, and the barrier counters left at zero."""
     results = run_interpreted(CHAIN)
     assert results.pop("counters left at zero") is True
-    assert len(results) == 4
+    assert results.pop("splits")[1] > 1
+    assert len(results) == 6
     for case, error in results.items():
         assert error < 1e-5, (case, error)
 
@@ -48,6 +55,28 @@ def test_the_probe_kernels_compile_for_the_h200_without_a_gpu(prefetch: bool) ->
     constants = {**dims, "PROGRAMS": 132, "BLOCK_M": 32, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "PREFETCH": prefetch}
     compile_for_h200(_chain_kernel, {**pointers, "arrivals_ptr": "*i32", "M": "i32"}, constants)
     compile_for_h200(_barriers_kernel, {"arrivals_ptr": "*i32"}, {"ROUNDS": 4, "PROGRAMS": 132})
+
+
+def test_the_balanced_chain_splits_the_narrow_gemms_and_compiles_for_the_h200() -> None:
+    """Its plan at 132 and 264 programs gives every GEMM about one item per program (the narrow, deep ones split in
+    depth), and the kernel (bounded barriers, fp32 atomic adds) compiles down to sm_90."""
+    from benchmarks.persistent_probe import CHAIN, _balanced_chain_kernel, phase_plan
+
+    plans = [phase_plan(k, n, 132, 128, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
+    assert plans[0][1] == 1 and plans[1][1] > 1 and plans[3][1] > 1
+    for programs in (132, 264):
+        for i, (k, n) in enumerate(CHAIN):
+            block_n, parts = phase_plan(k, n, programs, 128, split=i > 0)
+            assert programs / 2 < -(-n // block_n) * parts <= 3 * programs, (programs, k, n, block_n, parts)
+    pointers = {name: "*bf16" for name in ("x_ptr", "w0", "w1", "w2", "w3")}
+    hidden = {name: "*fp32" for name in ("h0", "h1", "h2", "out_ptr")}
+    dims = {f"{name}{i}": value for i, (k, n) in enumerate(CHAIN) for name, value in (("K", k), ("N", n))}
+    constants = {**dims, **{f"BN{i}": block_n for i, (block_n, _) in enumerate(plans)},
+                 **{f"S{i}": parts for i, (_, parts) in enumerate(plans) if i > 0},
+                 "PROGRAMS": 132, "BLOCK_M": 32, "BLOCK_K": 128, "SPINS": 1 << 16}
+    ptx = compile_for_h200(_balanced_chain_kernel, {**pointers, **hidden, "arrivals_ptr": "*i32", "M": "i32"},
+                           constants)
+    assert "red.global" in ptx or "atom.global" in ptx
 
 
 @pytest.mark.parametrize("wait", [False, True])

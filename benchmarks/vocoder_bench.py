@@ -17,6 +17,7 @@ from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
 from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
+from omni_ray.vocoder import kernels as vocoder_kernels
 
 
 def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,
@@ -52,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=80, help="Talker steps (frames per stream)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--cudnn-autotune", action="store_true", help="as `streaming.cudnn_autotune: true`")
+    parser.add_argument("--cudnn-last-conv", action="store_true",
+                        help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.cudnn_last_conv:  # `kernels.conv1d` asks this for every convolution it is handed
+        vocoder_kernels.takes_single_output = lambda conv: False
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]
     schedule = ChunkSchedule((1, 2, 4), 8, 25)

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_ray.engine.profiling import SKIP_STEPS, StepProfiler
+from omni_ray.engine.profiling import SKIP_STEPS, StepProfiler, host_range
 
 
 def _work() -> None:
     a = torch.randn(64, 64)
-    for _ in range(3):
-        a = a @ a.T / 64
+    with host_range("three products"):
+        for _ in range(3):
+            a = a @ a.T / 64
 
 
 def test_inert_without_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,3 +42,5 @@ def test_one_window_of_large_enough_steps_is_reported(tmp_path: Path) -> None:
     text = reports[0].read_text()
     assert "talker: 6 steps in the service, mean batch 8.0" in text
     assert "aten::mm" in text and "wall per step" in text
+    named = text.split("## host: named stretches")[1].splitlines()[1:]
+    assert len(named) == 1 and named[0].endswith("1.0 calls/step  three products"), named  # with its 3 products

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from omni_ray.engine.profiling import host_range
+
 
 def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The same tensors on `device`: views of one buffer per dtype (on a CPU device too, where nothing is copied
@@ -47,7 +49,8 @@ class StepDone:
 
     def wait(self) -> None:
         if self._event is not None:
-            self._event.synchronize()
+            with host_range("wait for the device"):
+                self._event.synchronize()
 
 
 class Download:

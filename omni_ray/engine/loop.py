@@ -13,7 +13,7 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 
-from omni_ray.engine.profiling import StepProfiler
+from omni_ray.engine.profiling import StepProfiler, host_range
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,8 @@ class EngineLoop(Generic[S, O]):
         try:
             if self.split:
                 started = time.perf_counter()
-                handle = self.runner.launch(batch)
+                with host_range("launch"):
+                    handle = self.runner.launch(batch)
                 self._launch_ms = (time.perf_counter() - started) * 1000
                 if not self.pipelined:
                     handle = self.runner.collect(handle)
@@ -224,13 +225,15 @@ class EngineLoop(Generic[S, O]):
 
     def _collect(self, batch: list[S], handle: Any) -> None:
         try:
-            outputs = self.runner.collect(handle) if self.pipelined else handle
+            with host_range("collect"):
+                outputs = self.runner.collect(handle) if self.pipelined else handle
         except Exception as exc:
             self._fail(batch, exc)
             return
         self._retire(batch)
         started = time.perf_counter()
-        self.on_outputs(outputs)
+        with host_range("hand outputs on"):
+            self.on_outputs(outputs)
         self._outputs_ms += (time.perf_counter() - started) * 1000
 
     def _retire(self, batch: list[S]) -> None:

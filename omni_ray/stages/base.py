@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from omni_ray.engine.profiling import host_range
 from omni_ray.relay import (
     LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender, RelayServer,
 )
@@ -227,8 +228,9 @@ class StageBase:
         peers = [self._consumers.get(item.request_id) for item in items]
         on_host = [i for i, peer in enumerate(peers) if peer is not None and transport.needs_host_tensors(peer)]
         items = list(items)
-        for i, copied in zip(on_host, host_copies([items[i] for i in on_host])):  # one wait for the whole step
-            items[i] = copied
+        with host_range("relay: host copies"):
+            for i, copied in zip(on_host, host_copies([items[i] for i in on_host])):  # one wait for the whole step
+                items[i] = copied
         self._event_loop.call_soon_threadsafe(self._route, list(zip(peers, items)))
 
     def send_to_consumer(self, request_id: str, kind: str = "end", **meta: Any) -> None:
@@ -240,6 +242,10 @@ class StageBase:
 
     def _route(self, routed: list[tuple[RelayPeer | None, RelayItem]]) -> None:
         """On the event loop: ship what has a consumer, hold what waits for one, drop the rest (requests without one)."""
+        with host_range("relay: route and send (event loop)"):
+            self._route_now(routed)
+
+    def _route_now(self, routed: list[tuple[RelayPeer | None, RelayItem]]) -> None:
         ready = []
         transport = self.sender.transport
         for peer, item in routed:
@@ -328,7 +334,8 @@ def _stage_to_host(device: torch.device, found: list[torch.Tensor]) -> list[torc
         gathered = torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in found])
         host = staging.host_bytes(gathered.numel())
         host.copy_(gathered, non_blocking=True)
-        staging.stream.synchronize()
+        with host_range("relay: wait for the host copy"):
+            staging.stream.synchronize()
         pieces = host.split(sizes)
         return [piece.clone().view(tensor.dtype).view(tensor.shape) for piece, tensor in zip(pieces, found)]
 

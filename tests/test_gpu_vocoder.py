@@ -15,7 +15,10 @@ from omni_ray.vocoder.batching import BatchingStatefulCodec
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_graph_replayed_stateful_streams_equal_one_shot_decodes() -> None:
+@pytest.mark.parametrize("codes_on", ["cpu", "cuda"])
+def test_graph_replayed_stateful_streams_equal_one_shot_decodes(codes_on: str) -> None:
+    """Codes pushed from the host, and from the GPU as the same-GPU relay hands them over: those stay on the GPU,
+    joined and batched on each thread's default stream, which the vocoder's own stream then waits for."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     module = _tiny_code2wav().cuda()
@@ -28,7 +31,7 @@ def test_graph_replayed_stateful_streams_equal_one_shot_decodes() -> None:
     lengths = (90, 41, 17, 64)  # past the 72-frame attention window, and partial last chunks
 
     def run(index: int) -> torch.Tensor:
-        codes = _codes(lengths[index], seed=20 + index)
+        codes = _codes(lengths[index], seed=20 + index).to(codes_on)
         decoder = StatefulStreamingDecoder(worker, schedule)
         chunks = [c for start in range(0, lengths[index], 3) for c in decoder.push(codes[:, start : start + 3])]
         last = decoder.finish()

@@ -12,7 +12,7 @@ from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
 from omni_ray.errors import CapacityError
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, step_shapes
-from omni_ray.vocoder.batching import BatchingStatefulCodec
+from omni_ray.vocoder.batching import BatchingStatefulCodec, stacked
 from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
 
 
@@ -118,3 +118,35 @@ def test_closing_an_unfinished_stream_frees_its_slot(codec: Code2WavCodec) -> No
 def test_step_shapes_cover_the_schedule() -> None:
     assert step_shapes(ChunkSchedule((1, 2, 4), 8, 25)) == [(1, True), (2, False), (4, False), (8, False)]
     assert step_shapes(ChunkSchedule((2, 2), 6, 1)) == [(2, True), (2, False), (6, False)]
+
+
+class _DeviceRecordingDecoder:
+    """A `StatefulBatchDecoder` that records the device of the codes each batched step is handed (zeros out)."""
+
+    num_quantizers, samples_per_frame, sample_rate, trim = 16, SPF, 24000, TRIM
+
+    def __init__(self) -> None:
+        self.devices: list[torch.device] = []
+
+    def open_stream(self) -> int:
+        return 0
+
+    def close_stream(self, slot: int) -> None:
+        pass
+
+    def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: bool) -> torch.Tensor:
+        self.devices.append(codes.device)
+        return torch.zeros(codes.shape[0], codes.shape[-1] * SPF - (TRIM if first else 0))
+
+
+def test_codes_relayed_on_a_device_reach_the_batched_step_there() -> None:
+    """Frames a relay hands over on a GPU are kept and batched on it, not copied to the host per stream and back
+    (the meta device stands in for a GPU here); a stream fed on the host still batches with them."""
+    decoder = _DeviceRecordingDecoder()
+    codec = BatchingStatefulCodec(decoder)
+    schedule = ChunkSchedule((1, 2, 4), 8, 25)
+    on_device = StatefulStreamingDecoder(codec, schedule)
+    chunks = [len(on_device.push(_codes(n).to("meta"))) for n in (1, 2, 3)]  # chunks of 1, then 2, then 4 waits
+    assert chunks == [1, 1, 0] and decoder.devices == [torch.device("meta")] * 2
+    assert on_device.finish() is not None and decoder.devices[-1] == torch.device("meta")
+    assert stacked([_codes(2).to("meta"), _codes(2)]).device == torch.device("meta")  # a host-fed stream joins

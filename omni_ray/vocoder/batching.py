@@ -113,6 +113,13 @@ class BatchWorker(Generic[Item, Result]):
             call.done.set()
 
 
+def stacked(codes: list[torch.Tensor]) -> torch.Tensor:
+    """The streams' codes as one batch, on the first one's device (streams fed by different relays may hold theirs
+    on the GPU or on the host)."""
+    device = codes[0].device
+    return torch.stack([c.to(device) for c in codes])
+
+
 class _CodecInfo:
     """The codec geometry a streaming decoder reads."""
 
@@ -131,7 +138,7 @@ class BatchingCodec(_CodecInfo):
     def __init__(self, decoder: BatchDecoder, max_batch: int = 64) -> None:
         super().__init__(decoder, max_batch)
         self.worker: BatchWorker[torch.Tensor, torch.Tensor] = BatchWorker(
-            lambda windows: list(decoder.decode_batch(torch.stack(windows))), key=lambda codes: int(codes.shape[1]),
+            lambda windows: list(decoder.decode_batch(stacked(windows))), key=lambda codes: int(codes.shape[1]),
             frames=lambda codes: int(codes.shape[1]), max_batch=max_batch,
         )
 
@@ -164,7 +171,7 @@ class BatchingStatefulCodec(_CodecInfo):
         return self.worker.submit((codes, position, slot, first))
 
     def _run(self, calls: list[StepCall]) -> list[torch.Tensor]:
-        codes = torch.stack([call[0] for call in calls])
+        codes = stacked([call[0] for call in calls])
         positions = torch.tensor([call[1] for call in calls], dtype=torch.long)
         slots = torch.tensor([call[2] for call in calls], dtype=torch.long)
         return list(self.decoder.step_batch(codes, positions, slots, calls[0][3]))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -49,11 +49,23 @@ class Code2WavCodec:
     def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
         """``[B, num_quantizers, T]`` codes -> ``[B, T*spf - trim]`` float32 CPU samples (rows padded to a bucket)."""
         count, rows = codes.shape[0], bucket_pow2(codes.shape[0])
-        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        with self._on_own_stream():
             out = self.graphs.run(("window", rows, codes.shape[-1]), self._forward,
                                   {"codes": _pad_rows(codes.long(), rows).to(self.device, non_blocking=True)})
             wav = out["wav"][:count].reshape(count, -1).to(device="cpu", dtype=torch.float32)
         return wav
+
+    @contextmanager
+    def _on_own_stream(self) -> Iterator[None]:
+        """Inference on the vocoder's own high-priority stream, after what the calling thread queued on its stream:
+        codes relayed on the GPU are stacked there (`batching.stacked`)."""
+        if self.stream is None:
+            with torch.inference_mode():
+                yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            yield
 
     def open_stream(self) -> int:
         """A state slot for a new stateful stream (`max_streams` at most at once)."""
@@ -81,7 +93,7 @@ class Code2WavCodec:
                     "positions": _pad_rows(positions, rows).to(self.device, non_blocking=True),
                     "slots": torch.cat([slots, slots.new_full((rows - count,), scratch)]).to(self.device, non_blocking=True)}
 
-        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        with self._on_own_stream():
             # the step updates state in place: capture it on scratch rows, never on the real ones
             self.graphs.prepare(key, fn, padded(torch.zeros_like(codes), torch.zeros_like(positions),
                                                 torch.full_like(slots, scratch)))

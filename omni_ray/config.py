@@ -33,6 +33,13 @@ class StageResources(_Strict):
         return self
 
 
+GIL_SWITCH_DESCRIPTION = (
+    "the replica process's GIL switch interval (ms), lowered from Python's 5 ms: its engine (or decode) thread waits "
+    "up to this to get the GIL back from the event loop after each call that lets it go (a graph launch, a wait for "
+    "the device); the shortest asked for in a process wins"
+)
+
+
 class EngineSettings(_Strict):
     """Continuous-batching limits of an autoregressive stage."""
 
@@ -56,6 +63,8 @@ class EngineSettings(_Strict):
         "extra row is dropped). Unset: on for CUDA devices (the 1-GPU layout on an H200: RTF 0.167 instead of 0.190 "
         "at 32 streams), off on a CPU, where a step runs inside its launch and launching ahead only delays outputs",
     )
+
+    gil_switch_interval_ms: float = Field(default=0.2, gt=0, le=5, description=GIL_SWITCH_DESCRIPTION)
 
     def launches_ahead(self, device: str) -> bool:
         """`launch_ahead` as set, or on for a CUDA device when unset."""
@@ -83,6 +92,7 @@ class VocoderSettings(_Strict):
         "whole replica process). Opt-in until measured: in a profile inside the service, its default choice for "
         "Code2Wav included a non-tensor-core convolution and many layout conversions",
     )
+    gil_switch_interval_ms: float = Field(default=0.2, gt=0, le=5, description=GIL_SWITCH_DESCRIPTION)
 
 
 class TalkerSettings(EngineSettings):

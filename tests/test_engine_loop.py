@@ -293,8 +293,26 @@ def test_starting_a_loop_shortens_the_gil_switch_interval(make: Callable[..., Ha
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S / 2)
         make().loop.start()
         assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S / 2, rel=0.05)  # kept in whole µs
+        configured = make()
+        configured.loop.gil_switch_interval_s = 0.00005  # as `engine.gil_switch_interval_ms: 0.05` passes it
+        configured.loop.start()
+        assert sys.getswitchinterval() == pytest.approx(0.00005, rel=0.05)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_gil_switch_interval_is_set_per_stage_within_bounds() -> None:
+    """Engine and vocoder settings take it in ms, between a positive value and Python's default; the stages pass it
+    to the process (`lower_gil_switch_interval`)."""
+    from pydantic import ValidationError
+
+    from omni_ray.config import EngineSettings, VocoderSettings
+
+    assert EngineSettings().gil_switch_interval_ms == VocoderSettings().gil_switch_interval_ms == 0.2
+    assert EngineSettings(gil_switch_interval_ms=0.05).gil_switch_interval_ms == 0.05
+    for bad in (0, -1, 6):
+        with pytest.raises(ValidationError):
+            VocoderSettings(gil_switch_interval_ms=bad)
 
 
 def test_abort_that_arrives_before_the_request_still_applies(make: Callable[..., Harness]) -> None:

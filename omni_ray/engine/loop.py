@@ -28,8 +28,15 @@ ABORT_MEMORY_S = 30.0  # an abort that arrives before its request is remembered 
 # An engine thread shares its process's GIL with the replica's event loop. Each time it lets the GIL go (a CUDA graph
 # replay, a wait for the device) and the event loop is busy, it waits up to Python's switch interval (5 ms by default)
 # to get it back. Measured on this project's CPU (`benchmarks/gil_switch_probe.py`): a call that lets the GIL go took
-# 5.3 ms next to a busy thread at 5 ms, 0.46 ms at 0.2 ms. The loop lowers its process's interval to this.
+# 5.3 ms next to a busy thread at 5 ms, 0.46 ms at 0.2 ms. The loop lowers its process's interval to this (by
+# default: `EngineSettings.gil_switch_interval_ms`), as the vocoder stage does for its decode thread.
 GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+def lower_gil_switch_interval(interval_s: float = GIL_SWITCH_INTERVAL_S) -> None:
+    """This process's GIL switch interval down to `interval_s` (process-wide, so never raised: the shortest asked
+    for wins)."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), interval_s))
 O = TypeVar("O")
 
 
@@ -69,8 +76,10 @@ class EngineLoop(Generic[S, O]):
         name: str = "engine",
         stream: torch.cuda.Stream | None = None,
         launch_ahead: bool = False,
+        gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
     ) -> None:
         self.runner = runner
+        self.gil_switch_interval_s = gil_switch_interval_s
         self.on_outputs = on_outputs
         self.on_failure = on_failure
         self.max_batch = max_batch
@@ -96,7 +105,7 @@ class EngineLoop(Generic[S, O]):
         self.pipelined = launch_ahead and self.split
 
     def start(self) -> None:
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))  # process-wide: see the constant
+        lower_gil_switch_interval(self.gil_switch_interval_s)
         self._thread.start()
 
     def stop(self) -> None:
@@ -190,6 +199,8 @@ class EngineLoop(Generic[S, O]):
             self._launch_ms = self._outputs_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
+                if launched is not None:  # counted before its outputs go out (a failed step is not counted)
+                    self.steps += 1
                 if launched is not None and pending is not None:
                     self.steps_launched_ahead += 1
                 if pending is not None:
@@ -198,8 +209,7 @@ class EngineLoop(Generic[S, O]):
                 if not self.pipelined and pending is not None:
                     self._collect(*pending)
                     pending = None
-            if launched is not None:  # a failed step is not counted
-                self.steps += 1
+            if launched is not None:
                 with self._cond:
                     self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,
                                          self._outputs_ms))

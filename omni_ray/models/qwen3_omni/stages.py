@@ -24,7 +24,7 @@ from omni_ray.config import (
 )
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.lanes import EngineLanes
-from omni_ray.engine.loop import EngineLoop
+from omni_ray.engine.loop import EngineLoop, lower_gil_switch_interval
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
@@ -136,7 +136,8 @@ class ThinkerStage(StageBase):
                                engine.moe_kernels)
         runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
-                                 launch_ahead=engine.launches_ahead(res.device))
+                                 launch_ahead=engine.launches_ahead(res.device),
+                                 gil_switch_interval_s=engine.gil_switch_interval_ms / 1000)
         self.engine.start()
         self.start_reporting()
 
@@ -237,7 +238,7 @@ class TalkerStage(StageBase):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
-                                    engine.launches_ahead(res.device)))
+                                    engine.launches_ahead(res.device), engine.gil_switch_interval_ms / 1000))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}
@@ -354,6 +355,8 @@ class VocoderStage(StageBase):
             self.codec = BatchingCodec(codec, streaming.max_batch)
         # a stream's thread waits while its window is batched with other streams': one thread per open stream
         self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
+        # the decode thread lets the GIL go at each graph replay and wait for the device, as an engine thread does
+        lower_gil_switch_interval(streaming.gil_switch_interval_ms / 1000)
         self.start_reporting()
 
     def load_stats(self) -> dict[str, Any]:

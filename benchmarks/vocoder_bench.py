@@ -15,9 +15,9 @@ from transformers import Qwen3OmniMoeConfig
 from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
+from omni_ray.vocoder import kernels as vocoder_kernels
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
 from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
-from omni_ray.vocoder import kernels as vocoder_kernels
 
 
 def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,

@@ -37,6 +37,8 @@ def lower_gil_switch_interval(interval_s: float = GIL_SWITCH_INTERVAL_S) -> None
     """This process's GIL switch interval down to `interval_s` (process-wide, so never raised: the shortest asked
     for wins)."""
     sys.setswitchinterval(min(sys.getswitchinterval(), interval_s))
+
+
 O = TypeVar("O")
 
 

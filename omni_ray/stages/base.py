@@ -242,10 +242,6 @@ class StageBase:
 
     def _route(self, routed: list[tuple[RelayPeer | None, RelayItem]]) -> None:
         """On the event loop: ship what has a consumer, hold what waits for one, drop the rest (requests without one)."""
-        with host_range("relay: route and send (event loop)"):
-            self._route_now(routed)
-
-    def _route_now(self, routed: list[tuple[RelayPeer | None, RelayItem]]) -> None:
         ready = []
         transport = self.sender.transport
         for peer, item in routed:

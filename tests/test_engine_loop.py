@@ -150,7 +150,8 @@ def test_later_request_joins_running_batch_and_leaves_when_done(make: Callable[.
     assert h.runner.released == ["B", "A"]  # B left first, while A was still running
     assert h.failures == []
     assert h.loop.max_batch_seen == 2
-    h.wait(lambda: h.loop.stats()["running"] == 0)
+    # a step's timing is recorded once its outputs are handed on, just after the test can see them
+    h.wait(lambda: h.loop.stats()["running"] == 0 and len(h.loop._recent) == 6)
     stats = h.loop.stats()
     assert {k: stats[k] for k in ("running", "waiting", "steps", "max_batch_seen")} == {
         "running": 0, "waiting": 0, "steps": 6, "max_batch_seen": 2}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,12 +22,13 @@ from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
 
 
 def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,
-                device: str) -> dict[str, Any]:
+                device: str, codes_device: str = "cpu") -> dict[str, Any]:
     """`ticks` Talker steps: every stream pushes one frame per step, all streams at once; the step waits for the
-    chunks it completes (as the vocoder stage's streams do)."""
+    chunks it completes (as the vocoder stage's streams do). The frames are pushed from `codes_device`."""
     decoders = [StatefulStreamingDecoder(codec, schedule) if isinstance(codec, BatchingStatefulCodec)
                 else StreamingDecoder(codec, schedule) for _ in range(streams)]
     codes = torch.randint(0, 2048, (streams, codec.num_quantizers, ticks), generator=torch.Generator().manual_seed(0))
+    codes = codes.to(codes_device)
     worker = codec.worker
     busy, frames, samples = worker.busy_s, worker.frames, 0
     with ThreadPoolExecutor(max_workers=streams) as pool:
@@ -44,6 +46,32 @@ def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSch
     return row
 
 
+def profile_ops(module: torch.nn.Module, schedule: ChunkSchedule, streams: int, calls: int, device: str,
+                codes_device: str) -> str:
+    """`calls` stateful decodes of a steady chunk for `streams` streams at once, run eagerly on this thread (inside a
+    graph replay the profiler cannot tell which op launched a kernel, and it records only the thread it runs on),
+    by self CUDA time with the ops' input shapes: which convolutions take the time, with which cuDNN kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    codec = Code2WavCodec(module, cuda_graphs=False, max_streams=streams)
+    slots = torch.tensor([codec.open_stream() for _ in range(streams)])
+    first, steady = schedule.chunk_size(0), schedule.steady
+
+    def decode(frames: int, position: int) -> None:
+        codes = torch.randint(0, 2048, (streams, codec.num_quantizers, frames)).to(codes_device)
+        codec.step_batch(codes, torch.full((streams,), position), slots, position == 0)
+
+    decode(first, 0)
+    decode(steady, first)  # the steady shape's first call picks its algorithms
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for call in range(calls):
+            decode(steady, first + (call + 1) * steady)
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=30, max_name_column_width=60,
+                                                              max_shapes_column_width=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vocoder_bench", description=__doc__)
     parser.add_argument("--config", default=str(FULL_CONFIG))
@@ -55,8 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cudnn-autotune", action="store_true", help="as `streaming.cudnn_autotune: true`")
     parser.add_argument("--cudnn-last-conv", action="store_true",
                         help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
+    parser.add_argument("--codes-on-device", action="store_true",
+                        help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
+    parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",
+                        help="then profile CALLS eager stateful decodes of a steady chunk for the most streams at once: "
+                        "ops by CUDA time with their input shapes, into vocoder_ops.txt")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    codes_device = args.device if args.codes_on_device else "cpu"
     if args.cudnn_last_conv:  # `kernels.conv1d` asks this for every convolution it is handed
         vocoder_kernels.takes_single_output = lambda conv: False
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
@@ -69,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode, batching in (("window", BatchingCodec(codec, 64)), ("stateful", BatchingStatefulCodec(codec, 64))):
         for count in streams:
-            rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device)})
+            rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device, codes_device)})
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     meta = run_meta("benchmarks.vocoder_bench", argv, gpu=gpu, dtype=args.dtype, schedule="ramp 1,2,4; steady 8; left context 25")
     lines = [f"# Vocoder cost per Talker step ({gpu}, {meta['date']})", "",
@@ -79,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['mode']} | {r['streams']} | {r['wall_ms_per_tick']:.2f} | {r['busy_ms_per_tick']:.2f} | "
               f"{r['frames_decoded_per_tick']:.1f} |" for r in rows]
     write_results(args.out, "vocoder_steps", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
+    if args.profile_ops:
+        table = profile_ops(module, schedule, max(streams), args.profile_ops, args.device, codes_device)
+        header = (f"# The stateful vocoder's ops, eager: {args.profile_ops} decodes of {schedule.steady} frames for "
+                  f"{max(streams)} streams at once: {gpu}, "
+                  f"{meta['date']}, commit {meta['commit']}\n# command: {meta['command']}\n\n")
+        (Path(args.out) / "vocoder_ops.txt").write_text(header + table)
+        print(header + table)
     return 0
 
 

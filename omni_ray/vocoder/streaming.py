@@ -152,6 +152,11 @@ class _ScheduledDecoder:
         """Frames pushed but not yet decoded (waiting for the schedule's next chunk)."""
         return self._received - self._decoded
 
+    def decodes_on_push(self, frames: int) -> bool:
+        """Whether pushing `frames` more frames completes a chunk (so `push` decodes, and may wait for a batched
+        decode); otherwise `push` only keeps them and returns no chunk."""
+        return self.pending_frames + frames >= self.schedule.chunk_size(self._chunk_index)
+
     def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
         """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
 

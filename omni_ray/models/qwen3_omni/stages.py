@@ -385,7 +385,13 @@ class VocoderStage(StageBase):
                 if item.tensors and return_codes:
                     received.append(item.tensors["codes"])
                 loop = asyncio.get_running_loop()
-                chunks = await loop.run_in_executor(self._decode_threads, decoder.push, item.tensors["codes"]) if item.tensors else []
+                chunks = []
+                if item.tensors:
+                    codes = item.tensors["codes"]
+                    if decoder.decodes_on_push(int(codes.shape[-1])):  # may wait for a batched decode: off the loop
+                        chunks = await loop.run_in_executor(self._decode_threads, decoder.push, codes)
+                    else:  # the frames are only kept: no thread hop for them
+                        chunks = decoder.push(codes)
                 if item.kind == "end":
                     last = await loop.run_in_executor(self._decode_threads, decoder.finish)
                     chunks = [*chunks, *([last] if last is not None else [])]

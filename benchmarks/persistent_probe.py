@@ -337,8 +337,8 @@ def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
         out.append(row)
     plans = {count: [phase_plan(k, n, count, 128, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
              for count in (programs, 2 * programs)}
-    return {"programs": programs, "barrier_us": per_barrier, "balanced_plans": plans, "launch_with_one_barrier_us": barrier_us[1],
-            "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies, "pdl_overlap": pdl_overlap()}
+    return {"programs": programs, "barrier_us": per_barrier, "balanced_plans": plans,
+            "launch_with_one_barrier_us": barrier_us[1], "chain": out, "layer_bytes": layer_bytes, "weight_copies": copies, "pdl_overlap": pdl_overlap()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,11 +63,12 @@ def profile_ops(module: torch.nn.Module, schedule: ChunkSchedule, streams: int, 
 
     decode(first, 0)
     decode(steady, first)  # the steady shape's first call picks its algorithms
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    on_gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities, record_shapes=True) as prof:
         for call in range(calls):
             decode(steady, first + (call + 1) * steady)
-    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     return prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=30, max_name_column_width=60,
                                                               max_shapes_column_width=110)
 

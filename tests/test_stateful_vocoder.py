@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
+from test_streaming_vocoder import SPF, TRIM, _codes, _RecordingCodec, _tiny_code2wav
 
 from omni_ray.errors import CapacityError
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder, step_shapes
@@ -153,37 +153,24 @@ def test_codes_relayed_on_a_device_reach_the_batched_step_there() -> None:
 
 
 @pytest.mark.parametrize("stateful", [True, False])
-def test_decodes_on_push_says_when_a_push_decodes(stateful: bool) -> None:
+def test_decodes_on_push_says_when_a_push_decodes(codec: Code2WavCodec, stateful: bool) -> None:
     """The vocoder stage pushes frames that complete no chunk on its event loop and only the others through a
     thread: `decodes_on_push` must name exactly the pushes that decode (bursts of 1-3 frames over the ramp and the
     steady chunks)."""
     schedule = ChunkSchedule((1, 2, 4), 8, 25)
-    recording = _DeviceRecordingDecoder()
     if stateful:
-        decoder: StatefulStreamingDecoder | StreamingDecoder = StatefulStreamingDecoder(
-            BatchingStatefulCodec(recording), schedule)
-        decodes = lambda: len(recording.devices)  # noqa: E731
+        batching = BatchingStatefulCodec(codec)
+        decoder: StatefulStreamingDecoder | StreamingDecoder = StatefulStreamingDecoder(batching, schedule)
+        decodes = lambda: batching.worker.windows  # noqa: E731
     else:
-        window = _RecordingWindowCodec()
+        window = _RecordingCodec(codec)
         decoder = StreamingDecoder(window, schedule)
-        decodes = lambda: window.calls  # noqa: E731
+        decodes = lambda: len(window.windows)  # noqa: E731
     predicted, seen = [], []
     for burst in [1, 1, 2, 1, 3, 1, 1, 2, 3, 3, 1, 2, 2, 3]:
         predicted.append(decoder.decodes_on_push(burst))
         before = decodes()
         decoder.push(_codes(burst))
         seen.append(decodes() > before)
+    decoder.finish()
     assert predicted == seen and any(seen) and not all(seen)
-
-
-class _RecordingWindowCodec:
-    """A window `Codec` that counts its decodes (zeros out)."""
-
-    num_quantizers, samples_per_frame, sample_rate, trim = 16, SPF, 24000, TRIM
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return torch.zeros(codes.shape[1] * SPF - TRIM)

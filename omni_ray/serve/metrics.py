@@ -18,9 +18,12 @@ STAGE_GAUGES = {
     "streams": "requests with an open stream on the replica",
     "kv_used": "KV cache slots in use",
     "step_ms_p50": "median engine step time over the last 256 steps (ms)",
+    "step_ms_mean": "mean engine step time over the last 256 steps (ms)",
     "batch_mean": "mean sequences per engine step over the last 256 steps",
     "launch_ms_p50": "median host time queueing a step's device work, over the last 256 steps (ms)",
     "outputs_ms_p50": "median host time handing a step's outputs on (stream events, relay), over the last 256 steps (ms)",
+    "launch_cpu_ms_p50": "median CPU time of the engine thread while queueing a step, over the last 256 steps (ms); "
+                         "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
 }

@@ -34,7 +34,8 @@ HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds", "first_token"
               "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
           "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50")
-COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames")  # cumulative: per level as a rate
+COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
+            "omni_stage_decode_windows")  # cumulative: per level as a rate
 
 
 def scrape() -> dict[str, float]:
@@ -50,8 +51,8 @@ def scrape() -> dict[str, float]:
 
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
-    median step time and mean batch at the end of the level, and the vocoder's busy fraction and frame rate over the
-    level's `seconds` (summed over its replicas)."""
+    median step time and mean batch at the end of the level, and the vocoder's busy fraction, frame rate and streams'
+    chunks per decode call over the level's `seconds` (summed over its replicas)."""
     out: dict[str, Any] = {}
     for key, name in HISTOGRAMS.items():
         count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
@@ -65,6 +66,8 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
     for counter in COUNTERS:
         grown = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(counter + "{"))
         out[f"vocoder_{counter.removeprefix('omni_stage_decode_')}_per_s"] = grown / seconds if seconds > 0 else None
+    calls, windows = out["vocoder_calls_per_s"], out["vocoder_windows_per_s"]
+    out["vocoder_windows_per_call"] = windows / calls if calls else None
     return out
 
 
@@ -224,7 +227,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
              "host per step thinker / talker: launch (CPU) + outputs (ms) | mean batch thinker / talker | "
-             "vocoder busy, frames decoded per s | CPU cores used: load generator / proxy / ingress / thinker / talker / "
+             "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -250,7 +253,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             + " / ".join(f"{num(srv.get(f'{stage}_launch_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_launch_cpu_ms_p50'), '{:.1f}')})"
                          f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')}" for stage in ("thinker", "talker")) + " | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
-            f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))} | "
+            f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))}, "
+            f"{num(srv.get('vocoder_windows_per_call'), '{:.1f}')} | "
             + " / ".join(num(r.get("cpu_cores", {}).get(part), "{:.2f}")
                          for part in ("load generator", "proxy", "ingress", "thinker", "talker", "vocoder")) + " |")
     if baseline:

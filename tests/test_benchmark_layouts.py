@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from benchmarks.e2e_serve import (
-    level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, with_overrides,
+    breakdown, level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, with_overrides,
 )
 from omni_ray.config import PipelineConfig
 
@@ -126,3 +126,17 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| – (–) + – / – (–) + – |" in table  # levels without gauges
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 / – (–) + – |" in table
     assert "service ready 102 s after `serve.run`" in table
+
+
+def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> None:
+    vocoder = '{stage="vocoder",replica="v1"}'
+    before = {f"omni_stage_decode_{name}{vocoder}": value
+              for name, value in (("busy_s", 10.0), ("frames", 1000.0), ("calls", 50.0), ("windows", 400.0))}
+    after = {f"omni_stage_decode_{name}{vocoder}": value
+             for name, value in (("busy_s", 13.0), ("frames", 5000.0), ("calls", 150.0), ("windows", 1200.0))}
+    after['omni_stage_launch_cpu_ms_p50{stage="thinker",replica="t1"}'] = 1.5
+    out = breakdown(before, after, seconds=4.0)
+    assert out["vocoder_busy_s_per_s"] == pytest.approx(0.75) and out["vocoder_frames_per_s"] == pytest.approx(1000)
+    assert out["vocoder_windows_per_call"] == pytest.approx(8.0)  # 800 chunks in 100 calls
+    assert out["thinker_launch_cpu_ms_p50"] == 1.5
+    assert breakdown(before, before, seconds=4.0)["vocoder_windows_per_call"] is None  # no call in the level

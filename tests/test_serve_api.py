@@ -152,8 +152,9 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
     assert 0 <= way_in < time.time() - started / 1e6
     # the earlier tests of this module spoke: the vocoder reports the work its decode thread has done
     vocoder = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith(("omni_stage_decode_busy_s{", "omni_stage_decode_frames{")) and 'stage="vocoder"' in line}
+               if line.startswith("omni_stage_decode_") and 'stage="vocoder"' in line}
     assert vocoder["omni_stage_decode_busy_s"] > 0 and vocoder["omni_stage_decode_frames"] > 0, vocoder
+    assert 0 < vocoder["omni_stage_decode_calls"] <= vocoder["omni_stage_decode_windows"], vocoder
 
 
 def _counts(metrics: str) -> dict[str, float]:

@@ -26,6 +26,8 @@ STAGE_GAUGES = {
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
+    "decode_calls": "batched decode calls the vocoder has made (cumulative)",
+    "decode_windows": "streams' chunks the vocoder has decoded, in all its calls (cumulative; per call: the batch)",
 }
 
 

@@ -361,9 +361,11 @@ class VocoderStage(StageBase):
 
     def load_stats(self) -> dict[str, Any]:
         """Plus the decode thread's cumulative work: over an interval, Δdecode_busy_s / seconds is how busy the
-        vocoder kept its GPU share, and Δdecode_frames / seconds its frame rate (left context included)."""
+        vocoder kept its GPU share, Δdecode_frames / seconds its frame rate (left context included), and
+        Δdecode_windows / Δdecode_calls the streams' chunks batched per decode call."""
         worker = self.codec.worker
-        return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames}
+        return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames,
+                "decode_calls": worker.batches, "decode_windows": worker.windows}
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams audio events, then a final event (with every frame's codes when `return_codes`). The caller tells

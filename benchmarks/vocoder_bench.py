@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
+from omni_ray.config import VocoderSettings
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
 from omni_ray.vocoder import kernels as vocoder_kernels
@@ -30,7 +31,7 @@ def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSch
     codes = torch.randint(0, 2048, (streams, codec.num_quantizers, ticks), generator=torch.Generator().manual_seed(0))
     codes = codes.to(codes_device)
     worker = codec.worker
-    busy, frames, samples = worker.busy_s, worker.frames, 0
+    busy, frames, calls, samples = worker.busy_s, worker.frames, worker.batches, 0
     with ThreadPoolExecutor(max_workers=streams) as pool:
         start = time.perf_counter()
         for tick in range(ticks):
@@ -40,6 +41,7 @@ def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSch
         wall = time.perf_counter() - start
     row = {"streams": streams, "ticks": ticks, "wall_ms_per_tick": 1000 * wall / ticks,
            "busy_ms_per_tick": 1000 * (worker.busy_s - busy) / ticks, "frames_decoded_per_tick": (worker.frames - frames) / ticks,
+           "decode_calls_per_tick": (worker.batches - calls) / ticks,
            "audio_s": samples / codec.sample_rate}
     for decoder in decoders:
         decoder.finish()  # not timed: frees the state slots
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--ticks", type=int, default=80, help="Talker steps (frames per stream)")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--gather-ms", type=float, default=VocoderSettings().batch_gather_ms,
+                        help="as `streaming.batch_gather_ms` (0: decode whatever has arrived at once)")
     parser.add_argument("--cudnn-autotune", action="store_true", help="as `streaming.cudnn_autotune: true`")
     parser.add_argument("--cudnn-last-conv", action="store_true",
                         help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
@@ -102,17 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     codec = Code2WavCodec(module, cuda_graphs=not args.no_graphs, max_streams=max(streams))
     codec.warmup(decode_window_lengths(schedule), max(streams), step_shapes(schedule))
     rows = []
-    for mode, batching in (("window", BatchingCodec(codec, 64)), ("stateful", BatchingStatefulCodec(codec, 64))):
+    gather_s = args.gather_ms / 1000
+    for mode, batching in (("window", BatchingCodec(codec, 64, gather_s)), ("stateful", BatchingStatefulCodec(codec, 64, gather_s))):
         for count in streams:
             rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device, codes_device)})
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     meta = run_meta("benchmarks.vocoder_bench", argv, gpu=gpu, dtype=args.dtype, schedule="ramp 1,2,4; steady 8; left context 25")
     lines = [f"# Vocoder cost per Talker step ({gpu}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {args.dtype}, {meta['schedule']}", "",
-             "| decoder | streams | wall per step (ms) | decode busy per step (ms) | frames decoded per step |",
-             "|---|---|---|---|---|"]
+             "| decoder | streams | wall per step (ms) | decode busy per step (ms) | frames decoded per step | "
+             "decode calls per step |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['streams']} | {r['wall_ms_per_tick']:.2f} | {r['busy_ms_per_tick']:.2f} | "
-              f"{r['frames_decoded_per_tick']:.1f} |" for r in rows]
+              f"{r['frames_decoded_per_tick']:.1f} | {r['decode_calls_per_tick']:.2f} |" for r in rows]
     write_results(args.out, "vocoder_steps", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     if args.profile_ops:
         table = profile_ops(module, schedule, max(streams), args.profile_ops, args.device, codes_device)

@@ -21,7 +21,7 @@ from omni_ray.vocoder import (
     StreamingDecoder,
     decode_window_lengths,
 )
-from omni_ray.vocoder.batching import BatchingCodec
+from omni_ray.vocoder.batching import BatchingCodec, BatchWorker
 
 Q = 16
 SPF = 1920  # 8*5*4*3 * 2*2
@@ -269,6 +269,31 @@ def test_batching_codec_groups_concurrent_windows_by_length() -> None:
     assert codec.worker.windows == 8 and codec.worker.batches < 8  # batched, never more than max_batch per call
     assert codec.worker.frames == 12 and codec.worker.busy_s > 0
     assert all(shape[0] <= 3 for shape in fake.shapes)
+
+
+def _staggered_batches(gather_s: float, calls: int, apart_s: float, gather_max_s: float | None = None) -> list[int]:
+    """Batch sizes when `calls` windows of one length reach an idle worker `apart_s` after one another."""
+    sizes: list[int] = []
+    worker: BatchWorker[int, int] = BatchWorker(lambda items: (sizes.append(len(items)), items)[1], key=lambda item: 0,
+                                                frames=lambda item: 1, max_batch=64, gather_s=gather_s,
+                                                gather_max_s=gather_max_s)
+    with ThreadPoolExecutor(max_workers=calls) as pool:
+        futures = []
+        for i in range(calls):
+            futures.append(pool.submit(worker.submit, i))
+            time.sleep(apart_s)
+        assert [f.result(timeout=10) for f in futures] == list(range(calls))
+    return sizes
+
+
+def test_an_idle_worker_gathers_calls_that_come_one_after_another() -> None:
+    # without a gather the first call runs alone as soon as it arrives
+    assert _staggered_batches(gather_s=0.0, calls=4, apart_s=0.05)[0] == 1
+    # with one, calls 20 ms apart join while each comes within the 0.5 s gap
+    assert _staggered_batches(gather_s=0.5, calls=4, apart_s=0.02) == [4]
+    # and no longer than gather_max_s in all: the rest wait for the next call
+    sizes = _staggered_batches(gather_s=0.5, calls=6, apart_s=0.1, gather_max_s=0.15)
+    assert sum(sizes) == 6 and len(sizes) >= 2 and sizes[0] < 6
 
 
 def test_batching_codec_failure_reaches_only_that_batch_and_it_keeps_serving() -> None:

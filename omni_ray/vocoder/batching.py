@@ -54,12 +54,19 @@ class _Call(Generic[Item, Result]):
 class BatchWorker(Generic[Item, Result]):
     """`submit` may be called from many threads at once (one per stream) and blocks until its result is ready. A
     worker thread takes every waiting call, groups them by `key`, and runs each group (at most `max_batch` calls) as
-    one `run_group`. Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work."""
+    one `run_group`. Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work.
+
+    With `gather_s`, an idle worker woken by a call keeps taking calls while they come less than `gather_s` apart
+    (for at most `gather_max_s`): the streams whose chunks one Talker step completes reach it one thread hop after
+    another, and without the wait the first would run alone and the rest in a second call."""
 
     def __init__(self, run_group: Callable[[list[Item]], list[Result]], key: Callable[[Item], Hashable],
-                 frames: Callable[[Item], int], max_batch: int) -> None:
+                 frames: Callable[[Item], int], max_batch: int, gather_s: float = 0.0,
+                 gather_max_s: float | None = None) -> None:
         self._run_group, self._key, self._frames = run_group, key, frames
         self.max_batch = max_batch
+        self.gather_s = gather_s
+        self.gather_max_s = 4 * gather_s if gather_max_s is None else gather_max_s
         self._pending: list[_Call[Item, Result]] = []
         self._cond = threading.Condition()
         self.batches = 0
@@ -86,6 +93,7 @@ class BatchWorker(Generic[Item, Result]):
             with self._cond:
                 while not self._pending:
                     self._cond.wait()
+                self._gather()
                 taken, self._pending = self._pending, []
             groups: dict[Hashable, list[_Call[Item, Result]]] = {}
             for call in taken:
@@ -93,6 +101,21 @@ class BatchWorker(Generic[Item, Result]):
             for group in groups.values():
                 for start in range(0, len(group), self.max_batch):
                     self._run_calls(group[start : start + self.max_batch])
+
+    def _gather(self) -> None:
+        """Under the lock, with calls pending: wait for more while they keep coming `gather_s` apart."""
+        if self.gather_s <= 0:
+            return
+        deadline = time.monotonic() + self.gather_max_s
+        seen = len(self._pending)
+        while seen < self.max_batch:
+            wait = min(self.gather_s, deadline - time.monotonic())
+            if wait <= 0:
+                return
+            self._cond.wait(wait)
+            if len(self._pending) == seen:  # quiet for a whole gap (or woken for nothing: close enough)
+                return
+            seen = len(self._pending)
 
     def _run_calls(self, group: list[_Call[Item, Result]]) -> None:
         started = time.perf_counter()
@@ -135,11 +158,11 @@ class BatchingCodec(_CodecInfo):
     """The window `Codec` protocol over a `BatchDecoder`: windows of equal length from different streams decode in
     one call."""
 
-    def __init__(self, decoder: BatchDecoder, max_batch: int = 64) -> None:
+    def __init__(self, decoder: BatchDecoder, max_batch: int = 64, gather_s: float = 0.0) -> None:
         super().__init__(decoder, max_batch)
         self.worker: BatchWorker[torch.Tensor, torch.Tensor] = BatchWorker(
             lambda windows: list(decoder.decode_batch(stacked(windows))), key=lambda codes: int(codes.shape[1]),
-            frames=lambda codes: int(codes.shape[1]), max_batch=max_batch,
+            frames=lambda codes: int(codes.shape[1]), max_batch=max_batch, gather_s=gather_s,
         )
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -153,12 +176,12 @@ class BatchingStatefulCodec(_CodecInfo):
     """The `StatefulCodec` protocol over a `StatefulBatchDecoder`: steps with the same number of new frames (and
     all first calls, or all later ones) from different streams run as one call."""
 
-    def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64) -> None:
+    def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64, gather_s: float = 0.0) -> None:
         super().__init__(decoder, max_batch)
         self.decoder = decoder
         self.worker: BatchWorker[StepCall, torch.Tensor] = BatchWorker(
             self._run, key=lambda call: (int(call[0].shape[1]), call[3]), frames=lambda call: int(call[0].shape[1]),
-            max_batch=max_batch,
+            max_batch=max_batch, gather_s=gather_s,
         )
 
     def open_stream(self) -> int:

@@ -349,10 +349,10 @@ class VocoderStage(StageBase):
         self.codec: BatchingCodec | BatchingStatefulCodec
         if streaming.stateful:
             codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
-            self.codec = BatchingStatefulCodec(codec, streaming.max_batch)
+            self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
         else:
             codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
-            self.codec = BatchingCodec(codec, streaming.max_batch)
+            self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
         # a stream's thread waits while its window is batched with other streams': one thread per open stream
         self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         # the decode thread lets the GIL go at each graph replay and wait for the device, as an engine thread does

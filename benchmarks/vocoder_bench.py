@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     codec.warmup(decode_window_lengths(schedule), max(streams), step_shapes(schedule))
     rows = []
     gather_s = args.gather_ms / 1000
-    for mode, batching in (("window", BatchingCodec(codec, 64, gather_s)), ("stateful", BatchingStatefulCodec(codec, 64, gather_s))):
+    codecs = (("window", BatchingCodec(codec, 64, gather_s)), ("stateful", BatchingStatefulCodec(codec, 64, gather_s)))
+    for mode, batching in codecs:
         for count in streams:
             rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device, codes_device)})
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -80,8 +80,8 @@ class VocoderSettings(_Strict):
     max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
     batch_gather_ms: float = Field(
         default=1.0, ge=0, le=20,
-        description="an idle decode thread woken by one stream's chunk keeps taking others' while they come less "
-        "than this apart (at most 4x this in all), so the chunks one Talker step completes decode in one call: "
+        description="the decode thread, once it has a stream's chunk to decode, keeps taking others' while they come "
+        "less than this apart (at most 4x this in all), so the chunks one Talker step completes decode in one call: "
         "they reach it one thread hop after another. 0: decode whatever has arrived at once",
     )
     cuda_graphs: bool = Field(default=True, description="replay each (batch, window length) from a CUDA graph")

@@ -33,7 +33,7 @@ HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds", "first_token"
               "first_audio_received": "omni_time_to_first_audio_received_seconds",
               "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
-          "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50")
+          "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
             "omni_stage_decode_windows")  # cumulative: per level as a rate
 
@@ -221,12 +221,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "token is the one to read. CPU cores used: CPU seconds per second of the level, summed over each part's "
              "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process). Host "
              "per step: the engine thread's time queueing a step's device work (in brackets: its own CPU time in it; the "
-             "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (p50); the rest of a step is "
+             "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too) (p50); "
+             "the rest of a step is "
              "its wait for the device.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
              "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
-             "host per step thinker / talker: launch (CPU) + outputs (ms) | mean batch thinker / talker | "
+             "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -251,7 +252,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "
             + " / ".join(f"{num(srv.get(f'{stage}_launch_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_launch_cpu_ms_p50'), '{:.1f}')})"
-                         f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')}" for stage in ("thinker", "talker")) + " | "
+                         f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_outputs_cpu_ms_p50'), '{:.1f}')})"
+                         for stage in ("thinker", "talker")) + " | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
             f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))}, "
             f"{num(srv.get('vocoder_windows_per_call'), '{:.1f}')} | "

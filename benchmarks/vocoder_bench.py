@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cudnn-autotune", action="store_true", help="as `streaming.cudnn_autotune: true`")
     parser.add_argument("--cudnn-last-conv", action="store_true",
                         help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
+    parser.add_argument("--no-dilation-fold", action="store_true",
+                        help="the dilated convolutions by cuDNN as they are, not folded into the batch")
     parser.add_argument("--codes-on-device", action="store_true",
                         help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
     parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     codes_device = args.device if args.codes_on_device else "cpu"
     if args.cudnn_last_conv:  # `kernels.conv1d` asks this for every convolution it is handed
         vocoder_kernels.takes_single_output = lambda conv: False
+    vocoder_kernels.FOLD_DILATION = not args.no_dilation_fold
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]
     schedule = ChunkSchedule((1, 2, 4), 8, 25)

@@ -115,16 +115,17 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
     stats = {key: {"p50": 0.1, "p90": 0.2} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
     served = {"thinker_step_ms_p50": 14.0, "thinker_step_ms_mean": 15.5, "thinker_launch_ms_p50": 5.0,
-              "thinker_launch_cpu_ms_p50": 1.2, "thinker_outputs_ms_p50": 7.2}  # the Talker's gauges missing
+              "thinker_launch_cpu_ms_p50": 1.2, "thinker_outputs_ms_p50": 7.2,
+              "thinker_outputs_cpu_ms_p50": 2.1}  # the Talker's gauges missing
     rows = [{"phase": "startup", "seconds": 102.4}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": served if c == 32 else {},
          "rtf_floor": floors[c]} for c in (1, 8, 32)]
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table
-    assert "| host per step thinker / talker: launch (CPU) + outputs (ms) |" in table
-    assert "| – (–) + – / – (–) + – |" in table  # levels without gauges
-    assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 / – (–) + – |" in table
+    assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
+    assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
+    assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
     assert "service ready 102 s after `serve.run`" in table
 
 

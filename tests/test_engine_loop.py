@@ -167,7 +167,7 @@ def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Har
     h.runner.wait_batches(1)
     assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "steps_launched_ahead": 0, "max_batch_seen": 2,
                               "step_ms_p50": 0.0, "step_ms_mean": 0.0, "batch_mean": 0.0, "launch_ms_p50": 0.0,
-                              "outputs_ms_p50": 0.0, "launch_cpu_ms_p50": 0.0}
+                              "outputs_ms_p50": 0.0, "launch_cpu_ms_p50": 0.0, "outputs_cpu_ms_p50": 0.0}
     h.runner.allow(2)
     h.runner.wait_batches(3)
     assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1
@@ -446,6 +446,7 @@ def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     assert stats["steps_launched_ahead"] == 0
     assert 0 < stats["launch_ms_p50"] <= stats["step_ms_p50"] and 0 < stats["outputs_ms_p50"] <= stats["step_ms_p50"]
     assert 0 < stats["launch_cpu_ms_p50"] <= stats["launch_ms_p50"] + 0.05  # thread and wall clocks tick apart
+    assert 0 < stats["outputs_cpu_ms_p50"] <= stats["outputs_ms_p50"] + 0.05
     assert h.outputs == [[("A", 1)], [("A", 2)]]
 
 

@@ -22,7 +22,8 @@ def _calls_that_waited() -> list[str]:
     device = torch.device("cuda")
     made = torch.arange(12, device=device).float()  # "this step's" tensor
     mixed = {"half": made[:5].to(torch.bfloat16), "ids": made[3:6].long().reshape(1, 3), "flags": made > 6,
-             "cpu": torch.arange(2), "empty": made[:0]}  # this step's too; byte sizes that leave later ones unaligned
+             "cpu": torch.arange(2), "empty": made[:0], "column": made.reshape(3, 4)[:, 1]}
+    # this step's too: byte sizes that leave later ones unaligned, and a strided view
     done = StepDone(device)
     downloaded = Download(made)
     torch.cuda._sleep(BUSY_CYCLES)  # "the next step", queued after it on the same stream

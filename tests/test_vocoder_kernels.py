@@ -136,3 +136,31 @@ def test_a_stateful_stream_with_fused_snakes_equals_the_one_shot_decode_under_th
     result = run_interpreted(STREAM)
     assert result["snakes"] == result["fused"] > 0 and result["same shape"]
     assert result["error"] < 1e-5 and result["scale"] > 0.01
+
+
+def test_a_dilated_convolution_folded_into_the_batch_equals_torch() -> None:
+    """Dilations 3 and 9 of kernel 7 with and without bias, on inputs whose length is and is not a multiple of the
+    dilation, one not contiguous, and one too short for any output: the fold gives torch's dilated convolution."""
+    import pytest
+    import torch
+
+    from omni_ray.vocoder.kernels import conv1d, dilation_folded_conv1d, takes_dilation_fold
+
+    torch.manual_seed(0)
+    for dilation in (3, 9):
+        for bias in (True, False):
+            conv = torch.nn.Conv1d(6, 5, 7, dilation=dilation, bias=bias).double()
+            for length in (6 * dilation + 1, 6 * dilation + 4, 9 * dilation, 100):
+                x = torch.randn(3, 6, length + 2, dtype=torch.float64)[..., 2:]
+                expected = conv(x)
+                assert takes_dilation_fold(conv)
+                for got in (dilation_folded_conv1d(x, conv), conv1d(x, conv)):
+                    assert got.shape == expected.shape, (dilation, bias, length)
+                    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    short = torch.randn(2, 6, 6 * 9, dtype=torch.float64)  # one sample short of an output: torch's own error
+    with pytest.raises(RuntimeError):
+        conv(short)
+    with pytest.raises(RuntimeError):
+        dilation_folded_conv1d(short, conv)
+    assert not takes_dilation_fold(torch.nn.Conv1d(6, 5, 7))
+    assert not takes_dilation_fold(torch.nn.Conv1d(6, 6, 7, dilation=3, groups=6))

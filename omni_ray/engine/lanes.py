@@ -54,7 +54,8 @@ class EngineLanes(Generic[S, O]):
         per_lane = [loop.stats() for loop in self.loops]
         counts = ("running", "waiting", "steps", "steps_launched_ahead", "max_batch_seen")
         total = {key: sum(stats[key] for stats in per_lane) for key in counts}
-        for key in ("step_ms_p50", "step_ms_mean", "launch_ms_p50", "outputs_ms_p50", "launch_cpu_ms_p50"):
+        for key in ("step_ms_p50", "step_ms_mean", "launch_ms_p50", "outputs_ms_p50", "launch_cpu_ms_p50",
+                    "outputs_cpu_ms_p50"):
             total[key] = max(stats[key] for stats in per_lane)
         total["batch_mean"] = sum(stats["batch_mean"] for stats in per_lane)
         total["lanes"] = len(self.loops)

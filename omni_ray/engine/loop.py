@@ -95,12 +95,13 @@ class EngineLoop(Generic[S, O]):
         self.steps = 0
         self.steps_launched_ahead = 0  # steps queued while the previous one was still to be collected
         self.max_batch_seen = 0
-        # (step ms, batch size, host ms in launch, host ms in on_outputs, this thread's CPU ms in launch) of the latest
-        # steps
-        self._recent: deque[tuple[float, int, float, float, float]] = deque(maxlen=256)
+        # (step ms, batch size, host ms in launch, host ms in on_outputs, this thread's CPU ms in launch and in
+        # on_outputs) of the latest steps
+        self._recent: deque[tuple[float, int, float, float, float, float]] = deque(maxlen=256)
         self._launch_ms = 0.0  # of the step being run
         self._launch_cpu_ms = 0.0
         self._outputs_ms = 0.0
+        self._outputs_cpu_ms = 0.0
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
         self.stream = stream
         # a runner with launch/collect lets the loop queue a step before reading the previous one back (and time the
@@ -157,6 +158,7 @@ class EngineLoop(Generic[S, O]):
                 # the engine thread's own CPU time in the launch: the rest of `launch_ms` it waited, for the GIL
                 # (another thread of the process ran Python) or inside a CUDA call
                 "launch_cpu_ms_p50": statistics.median(r[4] for r in recent) if recent else 0.0,
+                "outputs_cpu_ms_p50": statistics.median(r[5] for r in recent) if recent else 0.0,
             }
 
     def _ready(self, seq: S) -> bool:
@@ -204,7 +206,7 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()
-            self._launch_ms = self._outputs_ms = self._launch_cpu_ms = 0.0
+            self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
                 if launched is not None:  # counted before its outputs go out (a failed step is not counted)
@@ -220,7 +222,7 @@ class EngineLoop(Generic[S, O]):
             if launched is not None:
                 with self._cond:
                     self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,
-                                         self._outputs_ms, self._launch_cpu_ms))
+                                         self._outputs_ms, self._launch_cpu_ms, self._outputs_cpu_ms))
 
     def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
         """Queue a step (or run it whole: launch, then collect, as the runners' `step` does, with the launch timed);
@@ -250,10 +252,11 @@ class EngineLoop(Generic[S, O]):
             self._fail(batch, exc)
             return
         self._retire(batch)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         with host_range("hand outputs on"):
             self.on_outputs(outputs)
         self._outputs_ms += (time.perf_counter() - started) * 1000
+        self._outputs_cpu_ms += (time.thread_time() - cpu_started) * 1000
 
     def _retire(self, batch: list[S]) -> None:
         with self._cond:

@@ -24,6 +24,8 @@ STAGE_GAUGES = {
     "outputs_ms_p50": "median host time handing a step's outputs on (stream events, relay), over the last 256 steps (ms)",
     "launch_cpu_ms_p50": "median CPU time of the engine thread while queueing a step, over the last 256 steps (ms); "
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
+    "outputs_cpu_ms_p50": "median CPU time of the engine thread while handing a step's outputs on, over the last 256 "
+                          "steps (ms); the rest of outputs_ms it waited (for the GIL, or for the relay's host copy)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

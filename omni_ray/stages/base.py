@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -292,12 +292,14 @@ def host_copy(item: RelayItem) -> RelayItem:
 
 
 def host_copies(items: list[RelayItem]) -> list[RelayItem]:
-    """The items with their tensors on the CPU. A step's device tensors (complete, see RelayItem) are gathered into
-    one device buffer and copied into a reused pinned buffer on a side stream (a copy on the producer's stream would
-    wait for everything queued since, such as its next step); the host waits once, then each tensor is cut out as
-    its own CPU tensor. Per step: one gather, one copy, one wait, whatever the item count. Copied one by one, the
+    """The items with their tensors on the CPU. A step's device tensors (complete, see RelayItem) are copied into a
+    reused pinned buffer on a side stream (a copy on the producer's stream would wait for everything queued since,
+    such as its next step), one copy per storage they view (`copy_by_storage`); the host waits once, then each
+    tensor is cut out as its own CPU tensor. Per step: a copy per storage, one wait, whatever the item count. A
+    gather kernel into one buffer (sessions 15-16) needed SMs, which under MPS it may wait for behind the other
+    processes' kernels. Copied one by one, the
     1-GPU service's Thinker made about 30 copies, event records and pinned allocations per step at batch 32, each
-    CUDA call 10-30 us under MPS (session 14's in-service profile). A process's first gather and copy waited for the
+    CUDA call 10-30 us under MPS (session 14's in-service profile). A process's first copy waited for the
     queued work on an H200, so a stage on a GPU makes them at startup (`warm_host_copy`). Used where the next stage
     is on the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
     on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
@@ -320,27 +322,71 @@ def host_copies(items: list[RelayItem]) -> list[RelayItem]:
 
 
 def _stage_to_host(device: torch.device, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of complete tensors on one device: their bytes gathered by one device `cat`, one copy into the
-    pinned staging buffer, one wait, then one CPU tensor each."""
+    """CPU copies of complete tensors on one device, through the device's staging buffer on its side stream."""
     staging = _STAGING.get(device)
     if staging is None:
         staging = _STAGING.setdefault(device, _HostStaging(device))
-    sizes = [tensor.numel() * tensor.element_size() for tensor in found]
     with staging.lock, torch.cuda.stream(staging.stream):
-        gathered = torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in found])
-        host = staging.host_bytes(gathered.numel())
-        host.copy_(gathered, non_blocking=True)
-        with host_range("relay: wait for the host copy"):
-            staging.stream.synchronize()
-        pieces = host.split(sizes)
-        return [piece.clone().view(tensor.dtype).view(tensor.shape) for piece, tensor in zip(pieces, found)]
+        return copy_by_storage(found, staging.host_bytes, staging.stream.synchronize)
+
+
+def copy_by_storage(found: list[torch.Tensor], host_bytes: Callable[[int], torch.Tensor],
+                    wait: Callable[[], None]) -> list[torch.Tensor]:
+    """Host copies of tensors: one copy per storage they view (the byte span their views cover; on a GPU one DMA,
+    queued on the current stream) into the buffer `host_bytes(n)` gives, one `wait()`, then an owned CPU tensor each,
+    cut out with its view's strides. A batch's rows relayed one per request view one storage: one copy for the step.
+    No kernel runs, so under MPS the copy cannot wait for SMs behind other processes' kernels, as a gather kernel
+    may. A span that would copy over 4x the bytes its views need (and over 1 MiB) is split into one per view."""
+    ranges = [_byte_range(tensor) for tensor in found]
+    by_storage: dict[int, list[int]] = {}
+    for index, tensor in enumerate(found):
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
+    groups: list[list[int]] = []
+    for indices in by_storage.values():
+        covered = max(ranges[i][1] for i in indices) - min(ranges[i][0] for i in indices)
+        wasteful = covered > max(4 * sum(ranges[i][1] - ranges[i][0] for i in indices), 1 << 20)
+        groups += [[i] for i in indices] if wasteful else [indices]
+    # each span: its storage, first byte (16-aligned: every view's offset from it is a multiple of its element size),
+    # end, and where it lands in the host buffer (16-aligned too)
+    spans: list[tuple[torch.UntypedStorage, int, int, int]] = []
+    span_of = [0] * len(found)
+    landed = 0
+    for group in groups:
+        start = min(ranges[i][0] for i in group)
+        start -= start % 16
+        end = max(ranges[i][1] for i in group)
+        spans.append((found[group[0]].untyped_storage(), start, end, landed))
+        landed += -(-(end - start) // 16) * 16
+        for i in group:
+            span_of[i] = len(spans) - 1
+    host = host_bytes(landed)
+    for storage, start, end, at in spans:
+        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        host[at : at + end - start].copy_(whole[start:end], non_blocking=True)
+    with host_range("relay: wait for the host copy"):
+        wait()
+    copies = []
+    for tensor, (first, last), span in zip(found, ranges, span_of):
+        _, start, _, at = spans[span]
+        raw = host[at + first - start : at + last - start].view(tensor.dtype)
+        copies.append(raw.as_strided(tensor.shape, tensor.stride()).clone(memory_format=torch.contiguous_format))
+    return copies
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a view reaches, from its first element to past its last (an empty view: none)."""
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return first, first
+    return first, first + size * (1 + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride())))
 
 
 def warm_host_copy(device: torch.device) -> None:
     """Pay `host_copies`' first-use costs now. On an H200 a process's first side-stream copy to the host waited for
-    the work queued on the device, and so did its first gather of several tensors of mixed sizes, the first launch
-    of a `cat` kernel variant most likely (CUDA loads a kernel's module on its first launch). Both shapes of gather
-    are made here: one tensor, and several whose sizes are and are not multiples of 16 bytes."""
+    the work queued on the device (session 14), and so did the first gather kernel of its kind when the copy had
+    one. Both shapes of copy are made here: one tensor, and views of several storages, of sizes that are and are not
+    multiples of 16 bytes."""
     zeros = torch.zeros(64, device=device)
     host_copies([RelayItem("warm-up", tensors={"one": zeros[:1]})])
     host_copies([RelayItem("warm-up", tensors={"aligned": zeros[:4], "rows": zeros.reshape(4, 16)[1]}),

@@ -8,7 +8,8 @@
 # prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
 # persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
-# SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
+# SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
+# dilated convolutions: cuDNN's, folded into the batch, folded as a Conv2d), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
 # MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the
 # Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
@@ -75,6 +76,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       vocoder) run_step "$tag" python -m benchmarks.vocoder_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      dilatedconv) run_step dilatedconv python -m benchmarks.dilated_conv_probe --out "$OUT/results/dilatedconv" ;;
       vocoder_autotune) run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;
       relay) run_step relay python -m benchmarks.relay_bench --out "$OUT/results/relay" ;;

@@ -14,14 +14,16 @@ convolutions folded into the batch.
 - The residual units' kernel-7 convolutions dilated by 3 and 9: for a dilated convolution cuDNN falls back to the
   same non-tensor-core `implicit_convolve_sgemm`; at 384 channels and dilation 9 it took 2.91 ms per 8-frame decode
   of 32 streams against 0.26 ms undilated, 18% of the vocoder's GPU time (session 16's op profile).
-  `dilation_folded_conv1d` gives the same sums as an undilated convolution: time steps r, r + d, r + 2d, ... of each
-  row become a row of their own (d times the rows, 1/d the length), and the outputs interleave back.
+  `dilation_folded_conv1d` gives the same sums as an undilated convolution over the time steps r, r + d, r + 2d, ...
+  of each residue r; `dilated_conv1d` takes it for a shape where it ran faster when first met (timed).
 
-Without Triton, or off CUDA outside Triton's interpreter, torch runs the first two as before; the fold is plain torch.
+Without Triton, or off CUDA outside Triton's interpreter, torch runs the first two as before; the fold (plain torch) is
+taken on CUDA only.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -111,21 +113,19 @@ def takes_single_output(conv: nn.Module) -> bool:
 
 
 def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """`conv(x)` for a dilated Conv1d (stride 1, no padding, no groups) as an undilated one: x [B, C, L] is padded to
-    a multiple of the dilation d, each row's time steps r, r + d, r + 2d, ... become row r of d, the undilated
-    convolution runs over B * d rows of about L / d steps, and its outputs interleave back to [B, O, L - (k - 1) d]."""
+    """`conv(x)` for a dilated Conv1d (stride 1, no padding, no groups) as an undilated convolution: x [B, C, L] is
+    padded to a multiple of the dilation d and seen as [B, C, L' / d, d] (time step m * d + r at [m, r]), a Conv2d with
+    the (k, 1) kernel runs along m, and its output [B, O, L' / d - k + 1, d] is already in time order. (Folding the
+    residues into the batch instead, then running a Conv1d, costs two permuting copies: slower on an H200.)"""
     dilation, taps = conv.dilation[0], conv.kernel_size[0]
     batch, channels, length = x.shape
     out_length = length - (taps - 1) * dilation
     if out_length <= 0:
         return conv(x)
     steps = -(-length // dilation)
-    x = F.pad(x, (0, steps * dilation - length))
-    rows = x.reshape(batch, channels, steps, dilation).permute(0, 3, 1, 2).reshape(batch * dilation, channels, steps)
-    out = F.conv1d(rows, conv.weight, conv.bias)  # [B * d, O, steps - k + 1]
-    out_steps = steps - taps + 1
-    out = out.reshape(batch, dilation, -1, out_steps).permute(0, 2, 3, 1).reshape(batch, -1, out_steps * dilation)
-    return out[..., :out_length]
+    grid = F.pad(x, (0, steps * dilation - length)).reshape(batch, channels, steps, dilation)
+    out = F.conv2d(grid, conv.weight[..., None], conv.bias)
+    return out.reshape(batch, out.shape[1], -1)[..., :out_length]
 
 
 def takes_dilation_fold(conv: nn.Module) -> bool:
@@ -135,12 +135,48 @@ def takes_dilation_fold(conv: nn.Module) -> bool:
             and conv.stride == (1,) and conv.padding == (0,) and conv.padding_mode == "zeros")
 
 
+# per convolution: (input shape, dtype, device) → whether the fold ran faster there
+_FOLD_FASTER: weakref.WeakKeyDictionary[nn.Module, dict[tuple[tuple[int, ...], torch.dtype, torch.device], bool]] = (
+    weakref.WeakKeyDictionary())
+
+
+def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """A dilated convolution on CUDA, as cuDNN's own or folded, whichever ran faster the first time this convolution
+    met this input shape (both timed then; a decoder's warm-up meets every shape its graphs capture). cuDNN's choice
+    varies by shape: on an H200, for 32 streams' 8-frame decode, its kernel at 384 channels and dilation 9 took
+    2.96 ms against 0.31 ms folded, while at 96 and 192 channels the fold was slower (session 17's probe). Off CUDA,
+    or first met inside a graph capture (no timing there), cuDNN's."""
+    chosen = _FOLD_FASTER.setdefault(conv, {})
+    key = (tuple(x.shape), x.dtype, x.device)
+    fold = chosen.get(key)
+    if fold is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return conv(x)
+        fold = chosen[key] = _fold_is_faster(x, conv)
+    return dilation_folded_conv1d(x, conv) if fold else conv(x)
+
+
+def _fold_is_faster(x: torch.Tensor, conv: nn.Conv1d, calls: int = 3) -> bool:
+    """Both ways timed on the current stream after a first call each (cuDNN picks its algorithm on the first): the
+    fold only where it saves a tenth or more."""
+    times = []
+    for way in (conv, lambda x: dilation_folded_conv1d(x, conv)):
+        way(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            way(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times[1] < 0.9 * times[0]
+
 
 def conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """`conv(x)`, as `single_output_conv1d` or `dilation_folded_conv1d` where one of them takes the convolution."""
+    """`conv(x)`: as `single_output_conv1d` where that takes the convolution, a dilated one as `dilated_conv1d`."""
     if takes_single_output(conv):
         return single_output_conv1d(x, conv)
-    return dilation_folded_conv1d(x, conv) if takes_dilation_fold(conv) else conv(x)
+    return dilated_conv1d(x, conv) if takes_dilation_fold(conv) else conv(x)
 
 
 class FusedSnake:

@@ -141,3 +141,16 @@ def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> No
     assert out["vocoder_windows_per_call"] == pytest.approx(8.0)  # 800 chunks in 100 calls
     assert out["thinker_launch_cpu_ms_p50"] == 1.5
     assert breakdown(before, before, seconds=4.0)["vocoder_windows_per_call"] is None  # no call in the level
+
+
+def test_the_spy_summary_counts_each_threads_samples_and_frames_inclusively(tmp_path: Path) -> None:
+    from benchmarks.spy_summary import summary
+
+    stacks = tmp_path / "thinker_all.txt"
+    stacks.write_text("thread (1): thinker-loop;run (loop.py:1);launch (loop.py:9) 30\n"
+                      "thread (1): thinker-loop;run (loop.py:1);collect (loop.py:12) 10\n"
+                      "thread (2): MainThread (main);main_loop (worker.py:3) 60\n")
+    table = summary(stacks, top=5)
+    assert "100 samples" in table and "### MainThread: 60 samples (60%)" in table
+    assert "### thinker-loop: 40 samples (40%)" in table
+    assert "100.0%  run (loop.py:1)" in table and " 75.0%  launch (loop.py:9)" in table and " 25.0%  collect" in table

@@ -333,8 +333,9 @@ def _stage_to_host(device: torch.device, found: list[torch.Tensor]) -> list[torc
 def copy_by_storage(found: list[torch.Tensor], host_bytes: Callable[[int], torch.Tensor],
                     wait: Callable[[], None]) -> list[torch.Tensor]:
     """Host copies of tensors: one copy per storage they view (the byte span their views cover; on a GPU one DMA,
-    queued on the current stream) into the buffer `host_bytes(n)` gives, one `wait()`, then an owned CPU tensor each,
-    cut out with its view's strides. A batch's rows relayed one per request view one storage: one copy for the step.
+    queued on the current stream) into the buffer `host_bytes(n)` gives, one `wait()`, one host copy of that buffer
+    (it is reused), then a view of that copy each, with its device view's shape and strides: read them, do not
+    write them (they share the copy). A batch's rows relayed one per request view one storage: one copy for the step.
     No kernel runs, so under MPS the copy cannot wait for SMs behind other processes' kernels, as a gather kernel
     may. A span that would copy over 4x the bytes its views need (and over 1 MiB) is split into one per view."""
     ranges = [_byte_range(tensor) for tensor in found]
@@ -365,11 +366,15 @@ def copy_by_storage(found: list[torch.Tensor], host_bytes: Callable[[int], torch
         host[at : at + end - start].copy_(whole[start:end], non_blocking=True)
     with host_range("relay: wait for the host copy"):
         wait()
+    owned = host.clone()  # the staging buffer is reused by the next step: one host copy of all spans
+    typed: dict[torch.dtype, torch.Tensor] = {}
     copies = []
-    for tensor, (first, last), span in zip(found, ranges, span_of):
+    for tensor, (first, _), span in zip(found, ranges, span_of):
         _, start, _, at = spans[span]
-        raw = host[at + first - start : at + last - start].view(tensor.dtype)
-        copies.append(raw.as_strided(tensor.shape, tensor.stride()).clone(memory_format=torch.contiguous_format))
+        if tensor.dtype not in typed:
+            typed[tensor.dtype] = owned.view(tensor.dtype)
+        offset = (at + first - start) // tensor.element_size()
+        copies.append(typed[tensor.dtype].as_strided(tensor.shape, tensor.stride(), offset))
     return copies
 
 

@@ -13,7 +13,7 @@ mkdir -p "$out"
 while true; do
   done_levels=$(grep -c '^{' "$log" 2>/dev/null)
   [ "${done_levels:-0}" -ge "$after" ] && break
-  [ "$SECONDS" -gt 900 ] && { echo "no level $after in $log after 900 s" > "$out/${stage}_spy.log"; exit 1; }
+  [ "$SECONDS" -gt 400 ] && { echo "no level $after in $log after 400 s" > "$out/${stage}_spy.log"; exit 1; }
   sleep 0.5
 done
 sleep 2  # the next level's requests are in

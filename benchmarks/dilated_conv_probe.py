@@ -20,7 +20,8 @@ from omni_ray.vocoder import code2wav_state
 from omni_ray.vocoder.kernels import dilated_conv1d, dilation_folded_conv1d
 
 
-def dilated_shapes(module: nn.Module, streams: int, schedule: ChunkSchedule, codes_device: str) -> list[tuple[tuple[int, ...], nn.Conv1d]]:
+def dilated_shapes(module: nn.Module, streams: int, schedule: ChunkSchedule,
+                   codes_device: str) -> list[tuple[tuple[int, ...], nn.Conv1d]]:
     """(input shape, convolution) of every dilated convolution in one steady stateful decode of `streams` streams."""
     seen: list[tuple[tuple[int, ...], nn.Conv1d]] = []
     original = code2wav_state.conv1d
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['scale']:.3g}) |" for r in rows]
     totals = {name: sum(r[f"{name}_ms"] for r in rows) for name in ways}
     lines += ["", "Per decode, all dilated convolutions: " + ", ".join(f"{k} {v:.2f} ms" for k, v in totals.items())]
-    write_results(args.out, "dilated_conv_probe", {"meta": meta, "rows": rows, "totals_ms": totals}, "\n".join(lines) + "\n")
+    document = {"meta": meta, "rows": rows, "totals_ms": totals}
+    write_results(args.out, "dilated_conv_probe", document, "\n".join(lines) + "\n")
     return 0
 
 

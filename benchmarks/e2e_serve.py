@@ -221,9 +221,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "token is the one to read. CPU cores used: CPU seconds per second of the level, summed over each part's "
              "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process). Host "
              "per step: the engine thread's time queueing a step's device work (in brackets: its own CPU time in it; the "
-             "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too) (p50); "
-             "the rest of a step is "
-             "its wait for the device.", "",
+             "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
+             "p50; the rest of a step is its wait for the device.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
              "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cudnn-last-conv", action="store_true",
                         help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
     parser.add_argument("--no-dilation-fold", action="store_true",
-                        help="the dilated convolutions by cuDNN as they are, not folded into the batch")
+                        help="the dilated convolutions always by cuDNN as they are, never folded")
     parser.add_argument("--codes-on-device", action="store_true",
                         help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
     parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",

@@ -294,14 +294,14 @@ def host_copy(item: RelayItem) -> RelayItem:
 def host_copies(items: list[RelayItem]) -> list[RelayItem]:
     """The items with their tensors on the CPU. A step's device tensors (complete, see RelayItem) are copied into a
     reused pinned buffer on a side stream (a copy on the producer's stream would wait for everything queued since,
-    such as its next step), one copy per storage they view (`copy_by_storage`); the host waits once, then each
-    tensor is cut out as its own CPU tensor. Per step: a copy per storage, one wait, whatever the item count. A
-    gather kernel into one buffer (sessions 15-16) needed SMs, which under MPS it may wait for behind the other
-    processes' kernels. Copied one by one, the
-    1-GPU service's Thinker made about 30 copies, event records and pinned allocations per step at batch 32, each
-    CUDA call 10-30 us under MPS (session 14's in-service profile). A process's first copy waited for the
-    queued work on an H200, so a stage on a GPU makes them at startup (`warm_host_copy`). Used where the next stage
-    is on the host path (TCP): by default, two processes sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
+    such as its next step), one copy per storage they view (`copy_by_storage`); the host waits once, copies the
+    buffer once, and each tensor is a view of that copy. Per step: a copy per storage, one wait, whatever the item
+    count. A gather kernel into one buffer (sessions 15-16) needed SMs, which under MPS it may wait for behind the
+    other processes' kernels. Copied one by one, the 1-GPU service's Thinker made about 30 copies, event records
+    and pinned allocations per step at batch 32, each CUDA call 10-30 us under MPS (session 14's in-service
+    profile). A process's first copy waited for the queued work on an H200, so a stage on a GPU makes one at
+    startup (`warm_host_copy`). Used where the next stage is on the host path (TCP): by default, two processes
+    sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
     on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
     tensors: list[dict[str, torch.Tensor]] = [dict(item.tensors) for item in items]
     moved: set[int] = set()  # items with a tensor not on the CPU

@@ -1,5 +1,5 @@
-"""Code2Wav's costly ops made cheap: the SnakeBeta activation and the last convolution as Triton kernels, the dilated
-convolutions folded into the batch.
+"""Code2Wav's costly ops made cheap: the SnakeBeta activation and the last convolution as Triton kernels, a dilated
+convolution folded into an undilated one where that is faster.
 
 - SnakeBeta, x + sin²(αx) / β per channel: transformers' `Qwen3OmniMoeSnakeBeta` runs it as about nine kernels, five
   of them passes over the whole [B, C, T] activation, each rounding to the model's dtype; the decoder applies it 25
@@ -11,9 +11,9 @@ convolutions folded into the batch.
   and 17% of its GPU time (session 14's profile), called about as often as the decoder runs: most likely this
   convolution, which the profile does not name. `single_output_conv1d` reads the input once, each program summing
   channels x taps for a block of samples in fp32.
-- The residual units' kernel-7 convolutions dilated by 3 and 9: for a dilated convolution cuDNN falls back to the
-  same non-tensor-core `implicit_convolve_sgemm`; at 384 channels and dilation 9 it took 2.91 ms per 8-frame decode
-  of 32 streams against 0.26 ms undilated, 18% of the vocoder's GPU time (session 16's op profile).
+- The residual units' kernel-7 convolutions dilated by 3 and 9: for one of them, 384 channels at dilation 9, cuDNN
+  falls back to the same non-tensor-core `implicit_convolve_sgemm`, 2.91 ms per 8-frame decode of 32 streams against
+  0.26 ms undilated, 18% of the vocoder's GPU time (session 16's op profile).
   `dilation_folded_conv1d` gives the same sums as an undilated convolution over the time steps r, r + d, r + 2d, ...
   of each residue r; `dilated_conv1d` takes it for a shape where it ran faster when first met (timed).
 
@@ -39,7 +39,7 @@ except ImportError:  # a CPU-only install: the module's own forward
     triton = None
 
 BLOCK = 1024  # samples per program
-FOLD_DILATION = True  # `conv1d` folds dilated convolutions into the batch
+FOLD_DILATION = True  # `conv1d` may fold a dilated convolution (where faster); off: cuDNN's always
 
 
 if triton is not None:

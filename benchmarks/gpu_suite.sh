@@ -11,7 +11,8 @@
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), baseline (transformers' generate()), divergence (where the
+# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), e2e1spy (e2e1 with 3 rounds per level, a stage replica
+# sampled by py-spy for 5 + 5 s of c=32: SPY_STAGE, default thinker; py-spy from .whl/py-spy.gz), baseline (transformers' generate()), divergence (where the
 # Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
 # log).
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
@@ -33,6 +34,9 @@ if [ "${DRY_RUN:-0}" != 1 ] && [ -d .whl ] && ! python3 -c "import ray" 2>/dev/n
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+if [ "${DRY_RUN:-0}" != 1 ] && [ -f .whl/py-spy.gz ] && [ ! -x /tmp/spy/py-spy ]; then  # carried, gzipped: `gzip -9c $(command -v py-spy) > .whl/py-spy.gz`
+  mkdir -p /tmp/spy && gzip -dc .whl/py-spy.gz > /tmp/spy/py-spy && chmod +x /tmp/spy/py-spy
+fi
 
 run_step() {  # name, command...
   local name=$1; shift
@@ -92,6 +96,13 @@ for step in "${@:-tests engine vocoder e2e}"; do
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 OMNI_RAY_PROFILE_DIR="$OUT/results/$tag/profiles" \
               OMNI_RAY_PROFILE_MIN_BATCH=24 python -m benchmarks.e2e_serve \
               --serve-config benchmarks/serve_30b_random_1gpu.yaml --concurrency 32 --rounds 1 $extra --out "$OUT/results/$tag"
+            mps_off ;;
+      e2e1spy) mps_on "$tag"  # e2e1, one stage replica sampled by py-spy once the c=8 level is done
+            [ "${DRY_RUN:-0}" = 1 ] || (PY_SPY=${PY_SPY:-/tmp/spy/py-spy} bash benchmarks/spy_on_stage.sh "${SPY_STAGE:-thinker}" \
+              "$OUT/logs/$tag.log" 2 5 "$OUT/results/$tag/spy" &)
+            # shellcheck disable=SC2086
+            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
+              --rounds 3 $extra --out "$OUT/results/$tag"
             mps_off ;;
       e2e1) mps_on "$tag"  # four processes on one GPU: always under MPS
             # shellcheck disable=SC2086

@@ -7,7 +7,7 @@ permuting copies, and the Conv2d form a column of its own.)"""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec
 from omni_ray.vocoder import code2wav_state
-from omni_ray.vocoder.kernels import dilated_conv1d, dilation_folded_conv1d
+from omni_ray.vocoder.kernels import dilated_conv1d, dilation_folded_conv1d, mean_cuda_ms
 
 
 def dilated_shapes(module: nn.Module, streams: int, schedule: ChunkSchedule,
@@ -48,18 +48,6 @@ def dilated_shapes(module: nn.Module, streams: int, schedule: ChunkSchedule,
     return list(unique.values())
 
 
-def time_ms(fn: Callable[[], Any], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dilated_conv_probe", description=__doc__)
     parser.add_argument("--config", default=str(FULL_CONFIG))
@@ -80,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"input": list(shape), "out_channels": conv.out_channels,
                                    "dilation": conv.dilation[0], "taps": conv.kernel_size[0]}
             for name, way in ways.items():
-                row[f"{name}_ms"] = time_ms(lambda: way(x, conv), args.reps)
+                row[f"{name}_ms"] = mean_cuda_ms(lambda: way(x, conv), args.reps, warmup=3)
                 row[f"{name}_max_error"] = (way(x, conv).float() - expected).abs().max().item()
             row["scale"] = expected.abs().max().item()
             rows.append(row)

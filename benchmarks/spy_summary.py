@@ -16,8 +16,10 @@ def read_stacks(path: Path) -> list[tuple[str, list[str], int]]:
         if not stack:
             continue
         frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[-1].split(" (", 1)[0] if frames[0].startswith("thread") else "?"
-        stacks.append((thread, frames[1:] if frames[0].startswith("thread") else frames, int(count)))
+        if frames[0].startswith("thread"):  # py-spy --threads: "thread (id): name (target)" leads
+            stacks.append((frames[0].split(": ", 1)[-1].split(" (", 1)[0], frames[1:], int(count)))
+        else:
+            stacks.append(("?", frames, int(count)))
     return stacks
 
 

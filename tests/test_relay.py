@@ -409,8 +409,8 @@ def test_a_lost_peer_fails_exactly_its_open_requests() -> None:
 def test_a_steps_host_copy_takes_one_copy_per_storage_and_cuts_each_view_out_whole() -> None:
     """`copy_by_storage` (the relay's device-to-host copy; here on CPU tensors): rows, a column and a transposed block
     of one batch tensor, byte sizes that leave the next span unaligned, an empty view, and two far-apart slices of a
-    large storage. Every copy equals its view, with its strides, and outlives the staging buffer's reuse; one wait; the batch's
-    views share one span, the far-apart slices get one each rather than the 4 MiB between them."""
+    large storage. Every copy equals its view, with its strides, and outlives the staging buffer's reuse; one wait;
+    the batch's views share one span, the far-apart slices get one each rather than the 4 MiB between them."""
     from omni_ray.stages.base import copy_by_storage
 
     batch = torch.randn(8, 6)
@@ -428,7 +428,8 @@ def test_a_steps_host_copy_takes_one_copy_per_storage_and_cuts_each_view_out_who
     copies = copy_by_storage(found, host_bytes, lambda: waits.append(1))
     for view, copy in zip(found, copies):
         assert copy.dtype == view.dtype and copy.shape == view.shape and torch.equal(copy, view)
-        assert copy.stride() == view.stride() and copy.untyped_storage().data_ptr() != buffers[0].untyped_storage().data_ptr()
+        assert copy.stride() == view.stride()
+        assert copy.untyped_storage().data_ptr() != buffers[0].untyped_storage().data_ptr()
     buffers[0].fill_(0)  # the staging buffer, reused by the next step: the copies are their own
     assert all(torch.equal(copy, view) for view, copy in zip(found, copies))
     assert waits == [1] and len(buffers) == 1

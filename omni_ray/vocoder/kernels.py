@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -159,17 +160,21 @@ def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
 def _fold_is_faster(x: torch.Tensor, conv: nn.Conv1d, calls: int = 3) -> bool:
     """Both ways timed on the current stream after a first call each (cuDNN picks its algorithm on the first): the
     fold only where it saves a tenth or more."""
-    times = []
-    for way in (conv, lambda x: dilation_folded_conv1d(x, conv)):
-        way(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            way(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times[1] < 0.9 * times[0]
+    dilated = mean_cuda_ms(lambda: conv(x), calls)
+    return mean_cuda_ms(lambda: dilation_folded_conv1d(x, conv), calls) < 0.9 * dilated
+
+
+def mean_cuda_ms(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
+    """`fn`'s mean GPU time per call on the current stream (CUDA events), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:

@@ -49,6 +49,26 @@ def scrape() -> dict[str, float]:
     return values
 
 
+def startup_phases(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each stage replica's startup phases from /metrics (`omni_stage_startup_<phase>_s`): stage → phase → seconds,
+    the slowest replica's where a stage has several."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        match = re.match(r'omni_stage_startup_(\w+?)_s\{.*stage="(\w+)"', key)
+        if match:
+            phases = out.setdefault(match.group(2), {})
+            phases[match.group(1)] = max(value, phases.get(match.group(1), 0.0))
+    return out
+
+
+def startup_text(row: dict[str, Any]) -> str:
+    """"service ready N s after `serve.run` (thinker: process 9, load 20, warm-up 80 s; ...)"."""
+    stages = "; ".join(f"{stage}: " + ", ".join(f"{phase.replace('warmup', 'warm-up')} {seconds:.0f}"
+                                                 for phase, seconds in phases.items()) + " s"
+                       for stage, phases in row.get("stages", {}).items())
+    return f"service ready {row['seconds']:.0f} s after `serve.run`" + (f" ({stages})" if stages else "")
+
+
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
     median step time and mean batch at the end of the level, and the vocoder's busy fraction, frame rate and streams'
@@ -165,7 +185,7 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     started = time.time()
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
     wait_ready(900)
-    rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started}]
+    rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}]
     # warm-up: one request alone, then the largest level once (captures the CUDA graphs those batches use)
     for concurrency in (1, max(levels)):
         summary, wall = load(concurrency, concurrency, max_tokens, None)
@@ -209,7 +229,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
              + (f", overrides `{' '.join(meta['overrides'])}`" if meta.get("overrides") else "")
              + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
-             + "".join(f"; service ready {r['seconds']:.0f} s after `serve.run`" for r in rows if r["phase"] == "startup"),
+             + "".join(f"; {startup_text(r)}" for r in rows if r["phase"] == "startup"),
              "",
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "

@@ -155,6 +155,14 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
                if line.startswith("omni_stage_decode_") and 'stage="vocoder"' in line}
     assert vocoder["omni_stage_decode_busy_s"] > 0 and vocoder["omni_stage_decode_frames"] > 0, vocoder
     assert 0 < vocoder["omni_stage_decode_calls"] <= vocoder["omni_stage_decode_windows"], vocoder
+    # every stage replica says how long its startup took, by phase: the engines loaded weights and warmed up
+    startup = {(line.split("{")[0], line.split('stage="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith("omni_stage_startup_")}
+    for stage in ("thinker", "talker", "vocoder"):
+        assert startup[("omni_stage_startup_load_s", stage)] > 0, startup
+        assert startup[("omni_stage_startup_warmup_s", stage)] > 0, startup
+        assert startup[("omni_stage_startup_process_s", stage)] > 0, startup
+    assert startup[("omni_stage_startup_load_s", "encoder")] > 0, startup
 
 
 def _counts(metrics: str) -> dict[str, float]:

@@ -26,6 +26,9 @@ STAGE_GAUGES = {
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
     "outputs_cpu_ms_p50": "median CPU time of the engine thread while handing a step's outputs on, over the last 256 "
                           "steps (ms); the rest of outputs_ms it waited (for the GIL, or for the relay's host copy)",
+    "startup_process_s": "seconds from the replica's process start to its stage's constructor (imports, the Ray worker)",
+    "startup_load_s": "seconds the replica took at startup to load its weights (or make random ones) onto its device",
+    "startup_warmup_s": "seconds the replica took at startup to compile and capture its CUDA graphs",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -22,6 +24,18 @@ from omni_ray.serve.stats import StatsReporter, serve_replica_id
 
 FINAL_TYPES = frozenset({"final", "error"})
 HELD_AFTER_END_S = 60.0  # how long a finished request's relay items wait for a consumer not yet named
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, to the clock's tick (Linux's /proc); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot
+        with open("/proc/stat") as stat:
+            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
+        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class StageBase:
@@ -48,8 +62,21 @@ class StageBase:
         self.completed = 0
         self.failed = 0
         self._reporter: Any = None
+        # seconds per startup phase, for /metrics: "process" (from the process's start to here: imports, the Ray
+        # worker), then the stage's own ("load", "warmup")
+        age = process_age_s()
+        self.startup_s: dict[str, float] = {} if age is None else {"process": age}
         if self.device.type == "cuda":
             warm_host_copy(self.device)
+
+    @contextmanager
+    def startup_phase(self, name: str) -> Iterator[None]:
+        """Time a phase of this replica's startup (its device work included) into `startup_s[name]`."""
+        started = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_s[name] = self.startup_s.get(name, 0.0) + time.perf_counter() - started
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
@@ -59,7 +86,8 @@ class StageBase:
     def load_stats(self) -> dict[str, Any]:
         """What this replica is doing now. Stages with an engine add running/waiting/KV numbers."""
         return {"stage": self.stage_name, "streams": self.active_requests(), "completed": self.completed,
-                "failed": self.failed, "load": self.active_requests()}
+                "failed": self.failed, "load": self.active_requests(),
+                **{f"startup_{phase}_s": seconds for phase, seconds in self.startup_s.items()}}
 
     async def stats(self) -> dict[str, Any]:
         return self.load_stats()

@@ -93,7 +93,8 @@ class EncoderStage(StageBase):
         config = files.config
         res = stage.resources
         self.features = AudioFeatureExtractor(str(files.tokenizer_dir))
-        self.encoder = load_audio_encoder(files.weights, config, res.device, DTYPES[res.dtype])
+        with self.startup_phase("load"):
+            self.encoder = load_audio_encoder(files.weights, config, res.device, DTYPES[res.dtype])
         self._encoding = 0
         self.start_reporting()
 
@@ -130,11 +131,13 @@ class ThinkerStage(StageBase):
         files = resolve_model(model)
         config = files.config
         res, engine = stage.resources, stage.engine
-        thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
-        cache = _kv_cache(config.thinker_config.text_config, engine, res)
-        runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens, engine.compile_layers,
-                               engine.moe_kernels)
-        runner.warmup(engine.max_batch)
+        with self.startup_phase("load"):
+            thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
+            cache = _kv_cache(config.thinker_config.text_config, engine, res)
+        with self.startup_phase("warmup"):
+            runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
+                                   engine.compile_layers, engine.moe_kernels)
+            runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
                                  gil_switch_interval_s=engine.gil_switch_interval_ms / 1000)
@@ -223,7 +226,8 @@ class TalkerStage(StageBase):
         self.config = files.config
         res, engine = stage.resources, stage.engine
         self.settings = engine
-        assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype], engine.early_prefill)
+        with self.startup_phase("load"):
+            assets = load_talker(files.weights, self.config, res.device, DTYPES[res.dtype], engine.early_prefill)
         self.assets = assets
         per_lane = -(-engine.max_batch // engine.lanes)
         lane_settings = engine.model_copy(update={"max_batch": per_lane})
@@ -234,7 +238,7 @@ class TalkerStage(StageBase):
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
                                   engine.compile_layers, engine.sampling_kernel,
                                   engine.code_predictor_kernels, engine.moe_kernels)
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
@@ -340,19 +344,21 @@ class VocoderStage(StageBase):
         files = resolve_model(model)
         config = files.config
         res, streaming = stage.resources, stage.streaming
-        module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
+        with self.startup_phase("load"):
+            module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
         if streaming.cudnn_autotune and self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # before the first decode: warm-up times each shape once
         self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
                               max_streams=streaming.max_streams if streaming.stateful else 0)
         self.codec: BatchingCodec | BatchingStatefulCodec
-        if streaming.stateful:
-            codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
-            self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
-        else:
-            codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
-            self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
+        with self.startup_phase("warmup"):  # the graphs of every decode shape the chunk schedule makes
+            if streaming.stateful:
+                codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
+                self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
+            else:
+                codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
+                self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
         # a stream's thread waits while its window is batched with other streams': one thread per open stream
         self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         # the decode thread lets the GIL go at each graph replay and wait for the device, as an engine thread does

@@ -89,6 +89,7 @@ def main() -> None:
     compiled = "--compile" in sys.argv[1:]  # fuse each decoder layer with torch.compile
     served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
     talker_only = "--talker-only" in sys.argv[1:]
+    thinker_only = "--thinker-only" in sys.argv[1:]
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     if not talker_only:
@@ -103,6 +104,8 @@ def main() -> None:
                 for i in range(batch)])
         del thinker
         torch.cuda.empty_cache()
+    if thinker_only:
+        return
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,

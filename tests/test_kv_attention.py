@@ -483,6 +483,29 @@ def test_grouped_experts_equal_the_per_expert_loop() -> None:
         assert torch.allclose(experts.grouped(x, chosen, weights), experts.looped(x, chosen, weights), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_combine_adds_what_the_eager_one_sums(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each token's k expert results back from expert order: the unrolled sum a compiled layer runs equals the eager
+    gather-and-sum (fp32 sums in another order, one rounding to the output dtype)."""
+    from omni_ray.layers.moe import Experts
+
+    g = torch.Generator().manual_seed(11)
+    tokens, picks, hidden = 13, 8, 32
+    experts = torch.stack([torch.randperm(16, generator=g)[:picks] for _ in range(tokens)])
+    place = torch.randperm(tokens * picks, generator=g)  # each pair's row among the expert-ordered results
+    y = torch.randn(tokens * picks, hidden, generator=g).to(dtype)
+    weights = torch.rand(tokens, picks, generator=g).to(dtype)
+    eager = Experts._combine(y, place, experts, weights, dtype)
+    expected = sum(y[place.view(tokens, picks)[:, j]].double() * weights[:, j : j + 1].double() for j in range(picks))
+    assert torch.allclose(eager.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    unrolled = Experts._combine(y, place, experts, weights, dtype)
+    if dtype == torch.float32:
+        assert torch.allclose(unrolled, eager, rtol=1e-6, atol=1e-6)
+    else:  # fp32 sums that differ in their last bits round to the same bf16 or a neighbour
+        assert (unrolled.float() - eager.float()).abs().le(eager.float().abs() * 2**-7 + 1e-6).all()
+
+
 def test_rms_norm_equals_transformers_in_fp32_and_within_a_bf16_ulp_in_bf16() -> None:
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
 

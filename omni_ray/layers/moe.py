@@ -160,9 +160,16 @@ class Experts(nn.Module):
         y: torch.Tensor, place: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """Per-pair outputs [pairs, H] in expert order → each token's k results weighted and summed in fp32 (a
-        gather back to pair order, no scatter-add)."""
-        per_pair = y[place].unflatten(0, experts.shape).float()  # [N, k, H]
-        return (per_pair * weights[..., None].float()).sum(1).to(dtype)
+        gather back to pair order, no scatter-add). Eager: one gather and a sum over k. Compiled: the k gathered rows
+        added in turn, which inductor makes one pointwise kernel with k row loads; the sum over k as a reduction it
+        ran at about 0.7 TB/s (197 us per Thinker layer in a prefill of 32 prompts on an H200, 14% of that step)."""
+        place = place.view(experts.shape)
+        if not torch.compiler.is_compiling():
+            return (y[place].float() * weights[..., None].float()).sum(1).to(dtype)
+        total = y[place[:, 0]].float() * weights[:, :1].float()
+        for pick in range(1, place.shape[1]):
+            total = total + y[place[:, pick]].float() * weights[:, pick : pick + 1].float()
+        return total.to(dtype)
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair with its own gathered weights: sync-free and exact, but memory grows with

@@ -10,7 +10,6 @@ from math import gcd
 import numpy as np
 import soundfile as sf
 import torch
-from scipy.signal import resample_poly
 from transformers import WhisperFeatureExtractor
 
 TARGET_SR: int = 16000
@@ -44,6 +43,8 @@ def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     """Polyphase-resample along axis 0 using the reduced up/down ratio."""
     if orig_sr == target_sr:
         return samples
+    from scipy.signal import resample_poly  # here, not at import: scipy.signal takes seconds to import in every replica
+
     g = gcd(int(orig_sr), int(target_sr))
     return resample_poly(samples, target_sr // g, orig_sr // g, axis=0).astype(np.float32, copy=False)
 

@@ -47,6 +47,13 @@ class EngineSettings(_Strict):
     max_seq_len: int = Field(default=4096, ge=16)
     cuda_graphs: bool = Field(default=True, description="replay fixed-shape steps from CUDA graphs (CUDA devices only)")
     max_prefill_tokens: int = Field(default=8192, ge=16, description="padded tokens per batched prefill")
+    prefill_graph_tokens: int | None = Field(
+        default=None, ge=0,
+        description="with CUDA graphs: a prefill batch whose bucket (rows and length each a power of two) holds more "
+        "padded tokens than this runs without a graph, at its own rows and its longest prompt rounded up to 16 "
+        "positions (compute-bound there, where the buckets' padding costs work: 100-token prompts run as 128); "
+        "unset: every prefill at its bucket, from a graph. Fewer prefill graphs are captured at startup too",
+    )
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )

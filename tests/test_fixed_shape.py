@@ -9,6 +9,8 @@ from omni_ray.engine.fixed_shape import (
     decode_positions,
     last_positions,
     pad_prefill,
+    prefill_shape,
+    run_prefill,
     warmup_shapes,
     within_prefill_budget,
 )
@@ -67,6 +69,48 @@ def test_warmup_shapes_cover_every_decode_bucket_within_the_prefill_budget() -> 
     assert decode == [(rows, kv) for rows in (1, 2, 4, 8) for kv in (16, 32, 64, 100)]
     assert all(rows * length <= 128 for rows, length in prefill)
     assert (1, 100) in prefill and (8, 16) in prefill and (8, 32) not in prefill
+
+
+def test_a_prefill_past_the_graph_limit_runs_at_its_own_rows_and_length() -> None:
+    cache = _cache(num_slots=40, max_len=2044)
+    assert prefill_shape(32, 100, cache, None) == (32, 128, True)  # every prefill at its bucket
+    assert prefill_shape(32, 100, cache, 4096) == (32, 128, True)  # 4096 padded tokens: within the limit
+    assert prefill_shape(32, 100, cache, 2048) == (32, 112, False)  # 100 rounded up to 16 positions
+    assert prefill_shape(20, 100, cache, 2048) == (20, 112, False)  # no padding rows
+    assert prefill_shape(3, 100, cache, 2048) == (4, 128, True)  # 512 padded tokens: a graph
+    assert prefill_shape(2, 2040, cache, 0) == (2, 2044, False)  # never past the slot's length
+    _, prefill = warmup_shapes(cache, max_batch=32, max_prefill_tokens=8192, graph_tokens=2048)
+    assert max(rows * length for rows, length in prefill) == 2048  # only the shapes that run from a graph
+
+
+class _RecordingGraphs(GraphCache):
+    """A graph cache (eager off CUDA) that records the keys it is asked to run."""
+
+    def __init__(self) -> None:
+        super().__init__(CPU, enabled=False)
+        self.keys: list[tuple[object, ...]] = []
+
+    def run(self, key, fn, inputs):  # type: ignore[no-untyped-def]
+        self.keys.append(key)
+        return super().run(key, fn, inputs)
+
+
+def test_run_prefill_pads_rows_to_the_shape_it_picks_and_uses_a_graph_only_within_the_limit() -> None:
+    cache = _cache(num_slots=8, max_len=512)
+    prompts = [torch.ones(5, 3), 2 * torch.ones(20, 3), 3 * torch.ones(9, 3)]
+    seen: list[tuple[tuple[int, ...], list[int]]] = []
+
+    def forward(embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.append((tuple(embeds.shape), slots.tolist()))
+        return {"hidden": embeds}
+
+    graphs = _RecordingGraphs()
+    out = run_prefill(graphs, forward, prompts, [0, 1, 2], cache, None)
+    assert graphs.keys == [("prefill", 4, 32)] and seen[-1] == ((4, 32, 3), [0, 1, 2, cache.scratch_slot])
+    out = run_prefill(graphs, forward, prompts, [0, 1, 2], cache, 64)  # 4 x 32 padded tokens > 64: no graph
+    assert graphs.keys == [("prefill", 4, 32)] and seen[-1] == ((3, 32, 3), [0, 1, 2])
+    assert last_positions(out["hidden"], [0, 1, 2], [5, 20, 9])[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert bool((out["hidden"][0, 5:] == 0).all())
 
 
 def test_graph_cache_runs_eagerly_off_cuda() -> None:

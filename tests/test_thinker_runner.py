@@ -20,12 +20,16 @@ REQUESTS = {
 }
 
 
-def _replies(checkpoint: Path, names: list[str], tokens: int = 10) -> dict[str, list[int]]:
+def _replies(
+    checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
+    prompt_lengths: tuple[int, ...] = (20, 20, 20),
+) -> dict[str, list[int]]:
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     text = config.thinker_config.text_config
     cache = SlotKVCache(text.num_hidden_layers, 4, 128, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
-    runner = ThinkerRunner(load_thinker(checkpoint, config, "cpu", torch.float32), config, cache)
-    seqs = [ThinkerSequence(name, benchmark_prompt_ids(config, 20, i), REQUESTS[name], tokens, frozenset())
+    runner = ThinkerRunner(load_thinker(checkpoint, config, "cpu", torch.float32), config, cache,
+                           prefill_graph_tokens=prefill_graph_tokens)
+    seqs = [ThinkerSequence(name, benchmark_prompt_ids(config, prompt_lengths[i], i), REQUESTS[name], tokens, frozenset())
             for i, name in enumerate(REQUESTS) if name in names]
     for seq in seqs:
         runner.admit(seq)
@@ -40,3 +44,11 @@ def test_a_requests_tokens_do_not_depend_on_its_batch(tiny_checkpoint: Path) -> 
     assert together == alone
     assert all(len(tokens) == 10 for tokens in together.values())
     assert len(set(together["penalized"])) > 1  # sampled, not stuck on one token
+
+
+def test_a_prefill_without_bucket_padding_makes_the_same_tokens(tiny_checkpoint: Path) -> None:
+    """Prompts of 20, 37 and 9 tokens prefilled as one batch at their bucket (4 rows x 64 positions) and at their own
+    shape (3 rows x 48: `prefill_graph_tokens=0`) make the same replies."""
+    lengths = (20, 37, 9)
+    bucketed = _replies(tiny_checkpoint, list(REQUESTS), prompt_lengths=lengths)
+    assert _replies(tiny_checkpoint, list(REQUESTS), prefill_graph_tokens=0, prompt_lengths=lengths) == bucketed

@@ -25,12 +25,41 @@ def within_prefill_budget(seqs: list[S], length: Callable[[S], int], cache: Slot
     return seqs[:1]
 
 
-def pad_prefill(prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt embeddings [T_i, H] → [N_b, T_b, H] zero-padded to a bucket, and their slots [N_b]; padding rows
-    use the scratch slot. Padding positions past a row's length write cache entries that decode overwrites before
-    it ever attends to them."""
-    rows = bucket_pow2(len(prompts))
-    length = bucket_length(max(p.shape[0] for p in prompts), cache.max_len)
+PREFILL_LENGTH_STEP = 16  # an unbucketed prefill's length is rounded up to this
+
+
+def prefill_shape(num_prompts: int, longest: int, cache: SlotKVCache, graph_tokens: int | None) -> tuple[int, int, bool]:
+    """(rows, length, from a graph) of a prefill batch: at its bucket (rows a power of two, length a power of two
+    ≥ 16) while that holds at most `graph_tokens` padded tokens (None: always), replayed from a graph; past that,
+    at its own rows and its longest prompt rounded up to 16 positions, run eagerly. A prefill that large is
+    compute-bound, so a graph saves little, while the buckets' padding can cost up to half its work (100-token
+    prompts run as 128)."""
+    rows, length = bucket_pow2(num_prompts), bucket_length(longest, cache.max_len)
+    if graph_tokens is None or rows * length <= graph_tokens:
+        return rows, length, True
+    return num_prompts, min(-(-longest // PREFILL_LENGTH_STEP) * PREFILL_LENGTH_STEP, cache.max_len), False
+
+
+def run_prefill(
+    graphs: GraphCache, forward: Callable[..., dict[str, torch.Tensor]], prompts: list[torch.Tensor],
+    slots: list[int], cache: SlotKVCache, graph_tokens: int | None,
+) -> dict[str, torch.Tensor]:
+    """`forward(embeds, slots)` over the prompts padded to their `prefill_shape`: row i is prompts[i]."""
+    rows, length, graphed = prefill_shape(len(prompts), max(p.shape[0] for p in prompts), cache, graph_tokens)
+    embeds, slot_t = pad_prefill(prompts, slots, cache, rows, length)
+    if graphed:
+        return graphs.run(("prefill", rows, length), forward, {"embeds": embeds, "slots": slot_t})
+    return forward(embeds=embeds, slots=slot_t)
+
+
+def pad_prefill(
+    prompts: list[torch.Tensor], slots: list[int], cache: SlotKVCache, rows: int | None = None, length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt embeddings [T_i, H] → [rows, length, H] zero-padded (by default to a bucket), and their slots [rows];
+    padding rows use the scratch slot. Padding positions past a row's length write cache entries that decode
+    overwrites before it ever attends to them."""
+    rows = rows or bucket_pow2(len(prompts))
+    length = length or bucket_length(max(p.shape[0] for p in prompts), cache.max_len)
     first = prompts[0]
     padded = torch.zeros(rows, length, first.shape[-1], dtype=first.dtype, device=first.device)
     for row, prompt in enumerate(prompts):
@@ -53,15 +82,16 @@ def decode_positions(seqs: list[tuple[int, int]], cache: SlotKVCache) -> tuple[t
 
 
 def warmup_shapes(
-    cache: SlotKVCache, max_batch: int, max_prefill_tokens: int, prefill_len: int = 256
+    cache: SlotKVCache, max_batch: int, max_prefill_tokens: int, prefill_len: int = 256, graph_tokens: int | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """What a runner captures before serving: every (rows, key range) decode bucket, and every (rows, length)
-    prefill bucket with length up to `prefill_len` within the prefill token budget (longer prompts capture on
-    first use)."""
+    prefill bucket with length up to `prefill_len` within the prefill token budget and `graph_tokens` (longer
+    prompts capture on first use; past `graph_tokens` a prefill runs without a graph)."""
     rows = all_buckets(max_batch)
     decode = {(r, min(kv, cache.max_len)) for r in rows for kv in all_buckets(cache.max_len, 16)}
     lengths = all_buckets(min(prefill_len, cache.max_len), 16)
-    prefill = {(r, min(n, cache.max_len)) for r in rows for n in lengths if r * n <= max_prefill_tokens}
+    limit = max_prefill_tokens if graph_tokens is None else min(max_prefill_tokens, graph_tokens)
+    prefill = {(r, min(n, cache.max_len)) for r in rows for n in lengths if r * n <= limit}
     return sorted(decode), sorted(prefill)
 
 

@@ -136,7 +136,7 @@ class ThinkerStage(StageBase):
             cache = _kv_cache(config.thinker_config.text_config, engine, res)
         with self.startup_phase("warmup"):
             runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
-                                   engine.compile_layers, engine.moe_kernels)
+                                   engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens)
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
@@ -237,7 +237,7 @@ class TalkerStage(StageBase):
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
                                   engine.compile_layers, engine.sampling_kernel,
-                                  engine.code_predictor_kernels, engine.moe_kernels)
+                                  engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

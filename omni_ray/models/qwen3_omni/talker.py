@@ -15,8 +15,8 @@ from omni_ray.engine.fixed_shape import (
     decode_positions,
     dummy_decode_positions,
     last_positions,
-    pad_prefill,
     prefill_forward,
+    run_prefill,
     run_decode,
     warmup_shapes,
     within_prefill_budget,
@@ -144,6 +144,7 @@ class TalkerRunner:
         sampling_kernel: bool = True,
         code_predictor_kernels: bool = True,
         moe_kernels: bool = True,
+        prefill_graph_tokens: int | None = None,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -171,6 +172,7 @@ class TalkerRunner:
         )
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
@@ -191,7 +193,8 @@ class TalkerRunner:
         slots and the scratch slot. No-op without CUDA graphs."""
         if not self.graphs.enabled:
             return
-        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens)
+        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens,
+                                        graph_tokens=self.prefill_graph_tokens)
         dtype, width = self.assets.tts_pad.dtype, self.assets.tts_pad.shape[-1]
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
@@ -328,8 +331,8 @@ class TalkerRunner:
         prompts = [self._prompt(s, early) for s in seqs]
         for prompt in prompts:
             self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
-        embeds, slots = pad_prefill(prompts, [s.slot for s in seqs], self.cache)
-        out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
+        out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
+                          self.prefill_graph_tokens)
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
             if early:

@@ -16,8 +16,8 @@ from omni_ray.engine.fixed_shape import (
     decode_positions,
     dummy_decode_positions,
     last_positions,
-    pad_prefill,
     prefill_forward,
+    run_prefill,
     run_decode,
     warmup_shapes,
     within_prefill_budget,
@@ -110,7 +110,7 @@ class ThinkerRunner:
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
-        compile_layers: bool = False, moe_kernels: bool = True,
+        compile_layers: bool = False, moe_kernels: bool = True, prefill_graph_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -123,6 +123,7 @@ class ThinkerRunner:
         )
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
         if moe_kernels and self.device.type == "cuda":
             model.model.use_moe_kernels()
         if compile_layers and self.device.type == "cuda":
@@ -138,7 +139,8 @@ class ThinkerRunner:
         request waits on a capture). Writes only to free slots and the scratch slot. No-op without CUDA graphs."""
         if not self.graphs.enabled:
             return
-        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens)
+        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens,
+                                        graph_tokens=self.prefill_graph_tokens)
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             run_decode(self.graphs, self._decode_forward, kv_len, {"ids": torch.zeros_like(positions), "positions": positions})
@@ -265,8 +267,8 @@ class ThinkerRunner:
         running = [i for i, s in enumerate(seqs) if not s.forced_ids or bool(mm_masks[i].any())]
         out: dict[str, torch.Tensor] = {}
         if running:
-            embeds, slots = pad_prefill([embeds_by_seq[i] for i in running], [seqs[i].slot for i in running], self.cache)
-            out = self.graphs.run(("prefill", *embeds.shape[:2]), self._prefill_forward, {"embeds": embeds, "slots": slots})
+            out = run_prefill(self.graphs, self._prefill_forward, [embeds_by_seq[i] for i in running],
+                              [seqs[i].slot for i in running], self.cache, self.prefill_graph_tokens)
         row_of = {i: row for row, i in enumerate(running)}
         sampled = [i for i, s in enumerate(seqs) if not s.forced_ids]
         logits = torch.empty(0, self.model.lm_head.out_features, dtype=self.model.lm_head.weight.dtype, device=self.device)

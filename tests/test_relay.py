@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -308,16 +309,24 @@ def test_host_path_encoding_keeps_every_tensor_bitwise_and_pickles_none() -> Non
         "mask": base > 0, "empty": torch.zeros(0, 4), "scalar": base[1, 2], "strided": base.t()[::2],
     }
     message = RelayMessage("p", [RelayItem("a", tensors=tensors, meta={"n": 1}, seq=4), RelayItem("a", kind="end")])
-    payload = encode_message(message)
+    parts = encode_message(message)
+    payload = b"".join(bytes(part) for part in parts)
     assert b"torch._utils" not in payload and b"_rebuild_tensor" not in payload  # no tensor went through torch's pickling
-    got = decode_message(payload)
+    sent_from = {np.frombuffer(part, dtype=np.uint8).ctypes.data for part in parts[2:] if memoryview(part).nbytes}
+    assert base.data_ptr() in sent_from  # a contiguous tensor's bytes go to the socket as a view of it, not a copy
+    frame = bytearray(payload)
+    got = decode_message(frame)
+    start = np.frombuffer(frame, dtype=np.uint8).ctypes.data
+    for tensor in got.items[0].tensors.values():  # views of the frame, each aligned for its dtype
+        if tensor.numel():
+            assert start <= tensor.data_ptr() < start + len(frame) and (tensor.data_ptr() - start) % 64 == 0
     assert [(i.request_id, i.kind, i.seq, i.meta) for i in got.items] == [("a", "data", 4, {"n": 1}), ("a", "end", -1, {})]
     for name, tensor in tensors.items():
         back = got.items[0].tensors[name]
         assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor), name
     control = RelayMessage("c", [], control={"op": "consumer", "request": "a", "peer": RelayPeer("x", "tcp://h:1")})
-    assert decode_message(encode_message(control)) == control
-    assert isinstance(pickle.loads(payload).items[0].tensors["f32"], WireTensor)
+    assert decode_message(b"".join(bytes(part) for part in encode_message(control))) == control
+    assert isinstance(pickle.loads(parts[1], buffers=[b"x"] * 64).items[0].tensors["f32"], WireTensor)
 
 
 def test_links_name_a_producers_consumer_over_the_host_path() -> None:

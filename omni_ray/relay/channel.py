@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 class RelayItem:
     """One request's share of a step message. `kind`: data | end | error. Its tensors are complete when it is handed
     to the relay (the producer has waited for the work that made them): transports copy them on streams of their own,
-    not behind whatever the producer has queued since."""
+    not behind whatever the producer has queued since. The producer does not change them afterwards: the host path
+    sends a host tensor's own bytes, later."""
 
     request_id: str
     kind: str = "data"

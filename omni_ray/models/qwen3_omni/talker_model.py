@@ -67,8 +67,8 @@ class TalkerAssets:
         assert self.thinker_embeddings is not None
         positions, assistant_start = talker_prefix_positions(prompt_ids, config)
         embeds = self.thinker_embeddings[torch.tensor(prompt_ids)]
-        return {"user_states": embeds[positions].float(), "user_multimodal": torch.zeros(len(positions), dtype=torch.bool),
-                "assistant_prefix": embeds[assistant_start : assistant_start + 3].float()}
+        return {"user_states": embeds[positions], "user_multimodal": torch.zeros(len(positions), dtype=torch.bool),
+                "assistant_prefix": embeds[assistant_start : assistant_start + 3]}
 
 
 def load_talker(

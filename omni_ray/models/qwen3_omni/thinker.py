@@ -243,7 +243,7 @@ class ThinkerRunner:
         if not new:
             return
         ids = to_device(torch.tensor([out.token for out in new], dtype=torch.long), self.device)
-        for out, embed in zip(new, self.model.embed(ids).float()):
+        for out, embed in zip(new, self.model.embed(ids)):
             out.talker_embed = embed
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -300,12 +300,14 @@ class ThinkerRunner:
         accept: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
         """Layer-0 embeddings at the user turn's text `positions`, accept-layer hidden states at its multimodal ones
-        (`mm_mask`, over the prompt); all on the device."""
+        (`mm_mask`, over the prompt); all on the device, in the model's dtype (the Talker reads them in its own: bf16
+        on a GPU, so relaying them as fp32 would double the prefill's relay for nothing), none a view of the batch's
+        buffers."""
         states = embeds if accept is None else torch.where(mm_mask[:, None], accept, embeds)
         return {
-            "user_states": states[positions].float(),
+            "user_states": states[positions],
             "user_multimodal": mm_mask[positions],
-            "assistant_prefix": embeds[assistant_start : assistant_start + 3].float(),
+            "assistant_prefix": embeds[assistant_start : assistant_start + 3].clone(),
         }
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
@@ -346,7 +348,7 @@ class ThinkerRunner:
             tokens = sample_in_mode(logits, table, keys, mode, self.seen[slots] if mode.penalized else None)
             mark_seen(self.seen, slots, tokens)
             self.next_ids[slots] = tokens
-            return {"tokens": tokens, "embeds": self.model.embed(tokens).float()}
+            return {"tokens": tokens, "embeds": self.model.embed(tokens)}
 
         return draw
 

@@ -295,6 +295,28 @@ def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     asyncio.run(main())
 
 
+def test_tcp_relay_carries_large_and_small_tensors_of_one_message_bitwise() -> None:
+    """A message mixing tensors of megabytes (sent from their own memory) with small ones (joined into one send)."""
+    async def main() -> None:
+        endpoint = RelayEndpoint()
+        server = RelayServer(endpoint)
+        peer = RelayPeer("consumer", await server.start("127.0.0.1"))
+        got: list[RelayItem] = []
+        endpoint.claim("a", got.append)
+        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        g = torch.Generator().manual_seed(1)
+        tensors = {"big": torch.randn(1_300_000, generator=g).to(torch.bfloat16), "ids": torch.arange(7),
+                   "states": torch.randn(100, 2048, generator=g), "mask": torch.rand(33, generator=g) > 0.5}
+        for _ in range(3):
+            sender.send(peer, [RelayItem("a", tensors=tensors)])
+        await _until(lambda: len(got) == 3, timeout=10)
+        for item in got:
+            assert all(torch.equal(item.tensors[k], v) and item.tensors[k].dtype == v.dtype for k, v in tensors.items())
+        await server.close()
+
+    asyncio.run(main())
+
+
 def test_host_path_encoding_keeps_every_tensor_bitwise_and_pickles_none() -> None:
     """Tensors cross the host path as dtype, shape and raw bytes (no tensor pickling): every dtype a stage relays,
     empty, zero-dimensional and strided tensors come back equal, and control messages pass unchanged."""

@@ -16,8 +16,8 @@ from omni_ray.engine.fixed_shape import (
     dummy_decode_positions,
     last_positions,
     prefill_forward,
-    run_prefill,
     run_decode,
+    run_prefill,
     warmup_shapes,
     within_prefill_budget,
 )

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers import Qwen3OmniMoeConfig
 
+from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.floors import floor_ms
@@ -258,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="compiled: the code predictor's layers compiled by inductor instead of its Triton kernels")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
-    parser.add_argument("--prefill-graph-tokens", type=int, default=None,
+    parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS,
                         help="prefill batches whose bucket holds more padded tokens run without a graph, unbucketed "
-                        "(`engine.prefill_graph_tokens`; default: every prefill from a graph)")
+                        "(`engine.prefill_graph_tokens`, the service's default; -1: every prefill from a graph)")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    args.prefill_graph_tokens = None if args.prefill_graph_tokens < 0 else args.prefill_graph_tokens
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"
-                       if args.prefill_graph_tokens is not None else "")
+                       if args.prefill_graph_tokens is not None else ", every prefill from a graph")
                     + f", KV slots of {args.max_seq_len} positions",
                     gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
     write_results(args.out, "engine_steps", {"meta": meta, "rows": rows}, markdown(meta, rows))

@@ -33,8 +33,10 @@ MAX_VOCAB = 16384  # a row in one program's registers
 
 
 def draw_warps(block: int) -> int:
-    """num_warps of a draw over `block` (a power of two) candidates."""
-    return 8 if block >= 4096 else 4
+    """num_warps of a draw over `block` (a power of two) candidates: 8 from 2,048 up (a frame's 16 draws on an H200
+    in 0.189 instead of 0.210 ms at 32 rows with 4 warps for the code predictor's 2,048, the same at 1 and 8 rows;
+    1, 2 and 16 warps slower: `benchmarks/results/2026-12-02_h200_frame_draws_session19.md`)."""
+    return 8 if block >= 2048 else 4
 
 
 if triton is not None:

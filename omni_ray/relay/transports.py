@@ -40,7 +40,7 @@ class PlacementTransport:
     path; `collective` → a pairwise group (NCCL on GPUs, gloo on CPUs); `auto` → collective when both replicas are
     on different GPUs, the host path otherwise (CPU, or two processes sharing one GPU); `ipc` → as `auto`, but two
     processes on one GPU share the step's tensors through CUDA IPC (opt-in: on an H200 it is faster than the host
-    path from 1 MB messages up, slower below 256 KB, where most step messages are)."""
+    path from 4 MB messages up, slower up to 1 MB, where most step messages are)."""
 
     def __init__(self, device: torch.device | str = "cpu", mode: RelayMode = "auto") -> None:
         self.device = torch.device(device)

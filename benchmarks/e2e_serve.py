@@ -62,10 +62,13 @@ def startup_phases(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
 
 
 def startup_text(row: dict[str, Any]) -> str:
-    """"service ready N s after `serve.run` (thinker: process 9, load 20, warm-up 80 s; ...)"."""
-    stages = "; ".join(f"{stage}: " + ", ".join(f"{phase.replace('warmup', 'warm-up')} {seconds:.0f}"
-                                                 for phase, seconds in phases.items()) + " s"
-                       for stage, phases in row.get("stages", {}).items())
+    """"service ready N s after `serve.run` (thinker: process 9, load 20, warm-up 80 (compiling 50) s; ...)"."""
+    def phases_text(phases: dict[str, float]) -> str:
+        compiling = f" (compiling {phases['compile']:.0f})" if "compile" in phases else ""
+        return ", ".join(f"{phase.replace('warmup', 'warm-up')} {seconds:.0f}" + (compiling if phase == "warmup" else "")
+                         for phase, seconds in phases.items() if phase != "compile") + " s"
+
+    stages = "; ".join(f"{stage}: {phases_text(phases)}" for stage, phases in row.get("stages", {}).items())
     return f"service ready {row['seconds']:.0f} s after `serve.run`" + (f" ({stages})" if stages else "")
 
 

@@ -121,10 +121,11 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     startup = startup_phases({'omni_stage_startup_process_s{stage="thinker",replica="t1"}': 9.2,
                               'omni_stage_startup_load_s{stage="thinker",replica="t1"}': 20.4,
                               'omni_stage_startup_warmup_s{stage="thinker",replica="t1"}': 61.0,
+                              'omni_stage_startup_compile_s{stage="thinker",replica="t1"}': 44.6,
                               'omni_stage_startup_warmup_s{stage="talker",replica="k1"}': 30.0,
                               'omni_stage_startup_warmup_s{stage="talker",replica="k2"}': 41.0,
                               'omni_stage_step_ms_p50{stage="talker",replica="k1"}': 5.0})
-    assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0}, "talker": {"warmup": 41.0}}
+    assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6}, "talker": {"warmup": 41.0}}
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": served if c == 32 else {},
          "rtf_floor": floors[c]} for c in (1, 8, 32)]
@@ -134,7 +135,8 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
     assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
-    assert "service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 s; talker: warm-up 41 s)" in table
+    assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
+            "talker: warm-up 41 s)") in table
 
 
 def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> None:

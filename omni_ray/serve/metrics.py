@@ -29,6 +29,8 @@ STAGE_GAUGES = {
     "startup_process_s": "seconds from the replica's process start to its stage's constructor (imports, the Ray worker)",
     "startup_load_s": "seconds the replica took at startup to load its weights (or make random ones) onto its device",
     "startup_warmup_s": "seconds the replica took at startup to compile and capture its CUDA graphs",
+    "startup_compile_s": "seconds of the replica's startup (its load and warm-up) spent in torch.compile: dynamo and "
+                         "inductor, loads from their caches included",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

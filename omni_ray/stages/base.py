@@ -38,6 +38,17 @@ def process_age_s() -> float | None:
         return None
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo and inductor, loads from their caches
+    included), from torch's own timing; 0 where this torch keeps none."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(sum(times) for name, times in list(compilation_time_metrics.items())
+                     if name.endswith("compile_inner")))
+
+
 class StageBase:
     """Event streams are asyncio queues filled from engine threads via `emit` and drained by `stream`."""
 
@@ -71,12 +82,16 @@ class StageBase:
 
     @contextmanager
     def startup_phase(self, name: str) -> Iterator[None]:
-        """Time a phase of this replica's startup (its device work included) into `startup_s[name]`."""
-        started = time.perf_counter()
+        """Time a phase of this replica's startup (its device work included) into `startup_s[name]`, and what of it
+        torch.compile took into `startup_s["compile"]`."""
+        started, compiled_before = time.perf_counter(), compile_seconds()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_s[name] = self.startup_s.get(name, 0.0) + time.perf_counter() - started
+        compiling = compile_seconds() - compiled_before
+        if compiling > 0:
+            self.startup_s["compile"] = self.startup_s.get("compile", 0.0) + compiling
 
     def start_reporting(self) -> None:
         """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""

@@ -27,13 +27,28 @@ def _think(
     """Thinker replies of `lengths` tokens (greedy, or request i drawing with `sampling[i]`), all in one batch
     (shorter ones leave early, so the cache compacts mid-run): the sequences, each one's step outputs, and how many
     graphs ran."""
+    thinker = _thinker(checkpoint, device, dtype, cuda_graphs, compile_layers)
+    seqs, outputs = _think_on(thinker, checkpoint, prompts, lengths, sampling)
+    return seqs, outputs, len(thinker.graphs)
+
+
+def _thinker(checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, compile_layers: bool) -> ThinkerRunner:
+    """A warmed-up Thinker runner with 4 KV slots."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tc = config.thinker_config.text_config
     thinker = ThinkerRunner(load_thinker(checkpoint, config, device, dtype), config,
                             SlotKVCache(tc.num_hidden_layers, 4, 256, tc.num_key_value_heads, tc.head_dim, dtype, device),
                             cuda_graphs=cuda_graphs, compile_layers=compile_layers)
     thinker.warmup(4)  # captures every bucket up front, writing garbage into free slots that must not leak
+    return thinker
+
+
+def _think_on(
+    thinker: ThinkerRunner, checkpoint: Path, prompts: tuple[str, ...], lengths: tuple[int, ...],
+    sampling: tuple[SamplingParams, ...] | None = None,
+) -> tuple[list[ThinkerSequence], dict[str, list[Any]]]:
+    """`_think`'s replies on a given runner: the sequences and each one's step outputs."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     seqs = []
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -43,7 +58,7 @@ def _think(
         thinker.admit(seqs[-1])
     outputs = run_to_end(thinker, seqs)  # shorter replies free their slots as they end
     assert not thinker.graphs.uncapturable  # every step that should replay from a graph did
-    return seqs, outputs, len(thinker.graphs)
+    return seqs, outputs
 
 
 def _talker(checkpoint: Path, device: str, dtype: torch.dtype, cuda_graphs: bool, compile_layers: bool,
@@ -294,3 +309,26 @@ def test_early_talker_prefill_replayed_from_graphs_speaks_what_the_whole_prompt_
     early = _run_to_end(talker, speeches)
     assert [len(whole[s.request_id]) for s in seqs] == list(lengths)
     assert early == whole
+
+
+def test_prefills_past_the_graph_budget_at_their_own_length_say_what_bucketed_graph_prefills_say(
+    tiny_checkpoint: Path,
+) -> None:
+    """fp32, compiled layers: a batch of four prompts prefilled eagerly at its own rows and its longest prompt rounded
+    up to 16 positions (`prefill_graph_tokens=0`; the engines' default does so above 2,048 padded tokens) gives the
+    tokens and frames that prefills padded to their bucket and replayed from graphs give, on the same warmed-up
+    runners (one compile), Thinker and Talker both."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
+    lengths = (24, 16, 24, 9)
+    thinker = _thinker(tiny_checkpoint, "cuda", torch.float32, True, True)
+    talker = _talker(tiny_checkpoint, "cuda", torch.float32, True, True)
+    replies = []
+    for graph_tokens in (None, 0):  # None: every prefill at its bucket, from a graph
+        thinker.prefill_graph_tokens = talker.prefill_graph_tokens = graph_tokens
+        seqs, outputs = _think_on(thinker, tiny_checkpoint, prompts, lengths)
+        frames = _speak(talker, seqs, outputs, {s.request_id: n for s, n in zip(seqs, lengths)})
+        replies.append(([s.output_ids for s in seqs], [frames[s.request_id] for s in seqs]))
+    assert [len(tokens) for tokens in replies[0][0]] == list(lengths)
+    assert [len(frames) for frames in replies[0][1]] == list(lengths)
+    assert replies[1] == replies[0]

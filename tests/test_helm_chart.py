@@ -132,6 +132,21 @@ def test_compile_cache_is_a_host_path_on_every_worker_and_torch_compile_is_point
         assert env == {"TORCHINDUCTOR_CACHE_DIR": "/var/cache/omni-ray/inductor", "TRITON_CACHE_DIR": "/var/cache/omni-ray/triton"}
 
 
+def test_compile_cache_can_be_one_claim_that_every_worker_shares(helm: Path) -> None:
+    """A ReadWriteMany claim instead of a hostPath: a worker on a node the autoscaler has just added mounts the same
+    caches as the others, and torch.compile is pointed at them the same way."""
+    cluster = _rayservice(_render(helm, "examples/multinode-autoscaling.yaml", "--set", "compileCache.hostPath=",
+                                  "--set", "compileCache.persistentVolumeClaim=omni-compile-cache"))["spec"]["rayClusterConfig"]
+    assert "compile-cache" not in str(cluster["headGroupSpec"])
+    for group in cluster["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        caches = [v for v in spec["volumes"] if v["name"] == "compile-cache"]
+        assert caches == [{"name": "compile-cache", "persistentVolumeClaim": {"claimName": "omni-compile-cache"}}]
+        (container,) = spec["containers"]
+        assert {"name": "compile-cache", "mountPath": "/var/cache/omni-ray"} in container["volumeMounts"]
+        assert {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/var/cache/omni-ray/inductor"} in container["env"]
+
+
 def test_checkpoint_model_path_points_into_the_mounted_volume(helm: Path) -> None:
     docs = _render(helm, None, "--set", "model.source=checkpoint", "--set", "model.subPath=ckpt",
                    "--set", "model.volume.hostPath.path=/data/models")
@@ -151,6 +166,8 @@ def test_checkpoint_model_path_points_into_the_mounted_volume(helm: Path) -> Non
         (["ray.workerGroups[0].name=Bad_Name"], "workerGroups/0/name"),
         (["image.tag="], "image/tag"),
         (["compileCache.hostPath=relative/dir"], "compileCache/hostPath"),
+        (["compileCache.persistentVolumeClaim=Not_A_Name"], "compileCache/persistentVolumeClaim"),
+        (["compileCache.hostPath=/var/cache/omni", "compileCache.persistentVolumeClaim=cache"], "not both"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(helm: Path, settings: list[str], message: str) -> None:

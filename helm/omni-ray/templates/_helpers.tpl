@@ -34,11 +34,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toYaml $config -}}
 {{- end -}}
 
+{{/* Whether workers (`worker` true) get a compile cache volume: a hostPath or a shared claim, not both. */}}
+{{- define "omni-ray.compileCache" -}}
+{{- $values := .root.Values.compileCache -}}
+{{- if and $values.hostPath $values.persistentVolumeClaim -}}
+{{- fail "compileCache: set hostPath or persistentVolumeClaim, not both" -}}
+{{- end -}}
+{{- if and .worker (or $values.hostPath $values.persistentVolumeClaim) }}true{{ end -}}
+{{- end -}}
+
 {{/* The model volume and its mount, on every Ray pod (nothing for the tiny model); on workers (`worker` true) also
-the compile cache's hostPath volume, its mount, and the environment that points torch.compile at it. */}}
+the compile cache's volume (a hostPath or a shared claim), its mount, and the environment that points torch.compile
+at it. */}}
 {{- define "omni-ray.volumes" -}}
 {{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
-{{- $cache := and .worker .root.Values.compileCache.hostPath -}}
+{{- $cache := include "omni-ray.compileCache" . -}}
 {{- if or $model $cache }}
 volumes:
 {{- if $model }}
@@ -47,14 +57,18 @@ volumes:
 {{- end }}
 {{- if $cache }}
   - name: compile-cache
+{{- if .root.Values.compileCache.hostPath }}
     hostPath: {path: {{ .root.Values.compileCache.hostPath | quote }}, type: DirectoryOrCreate}
+{{- else }}
+    persistentVolumeClaim: {claimName: {{ .root.Values.compileCache.persistentVolumeClaim | quote }}}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end -}}
 
 {{- define "omni-ray.mounts" -}}
 {{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
-{{- $cache := and .worker .root.Values.compileCache.hostPath -}}
+{{- $cache := include "omni-ray.compileCache" . -}}
 {{- if $cache }}
 env:
   - {name: TORCHINDUCTOR_CACHE_DIR, value: {{ printf "%s/inductor" .root.Values.compileCache.mountPath | quote }}}

@@ -154,9 +154,10 @@ class StageConfig(_Strict):
     resources: StageResources = StageResources()
     relay: RelayMode = Field(
         default="auto",
-        description="how this stage sends to the next one: auto (pairwise NCCL between different GPUs, else the "
-        "host path), ipc (as auto, plus CUDA IPC between processes on one GPU), host (TCP), collective (pairwise "
-        "NCCL / gloo)",
+        description="how this stage sends to the next one: auto (pairwise NCCL between different GPUs; between "
+        "processes on one GPU, CUDA IPC for a step's message of 2 MiB or more and the host path below; else the host "
+        "path), ipc (as auto, with every message between processes on one GPU through CUDA IPC), host (TCP), "
+        "collective (pairwise NCCL / gloo)",
     )
 
 

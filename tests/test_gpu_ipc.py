@@ -1,5 +1,5 @@
 """One GPU, two processes: the CUDA IPC relay delivers every step's tensors bitwise and in order, on the consumer's
-device, and the 1-GPU pipeline with every edge on CUDA IPC gives the CPU pipeline's tokens and codes. Skipped
+device (in `auto` mode, small steps on the host path in between, still in order), and the 1-GPU pipeline with every edge on CUDA IPC gives the CPU pipeline's tokens and codes. Skipped
 without CUDA."""
 
 from __future__ import annotations
@@ -24,17 +24,28 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below:
 
 
 RING_BYTES = 1 << 20  # small, so that 20 steps wrap it several times; step 7 is too big for it (its own buffer)
+IPC_FROM_BYTES = 256 << 10  # in `auto` mode: steps 0, 3, 6, ... (400 KB) and 7 through CUDA IPC, the rest (150 KB) not
+
+
+def _rows(step: int) -> int:
+    return 300 if step == 7 else 100 if step % 3 == 0 else 37
 
 
 def _payload(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(step)
-    return {"hidden": torch.randn(300 if step == 7 else 37, 2048, device="cuda", generator=g).to(torch.bfloat16),
+    return {"hidden": torch.randn(_rows(step), 2048, device="cuda", generator=g).to(torch.bfloat16),
             "ids": torch.arange(step, step + 11, device="cuda"), "flag": torch.tensor([step % 2 == 0], device="cuda")}
 
 
-def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_cluster: str) -> None:
-    """Through a ring that wraps, and a buffer of its own for a message too big for the ring."""
+@pytest.mark.parametrize("mode", ["ipc", "auto"])
+def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_cluster: str, mode: str) -> None:
+    """Through a ring that wraps, and a buffer of its own for a message too big for the ring; in `auto` mode the
+    steps under `ipc_from_bytes` are copied to the host (as a stage does) and take the host path, interleaved with
+    the IPC ones."""
     import ray
+
+    from omni_ray.relay.transports import device_bytes
+    from omni_ray.stages.base import host_copies
 
     @ray.remote(num_cpus=0.1, num_gpus=0.4)
     class Consumer:
@@ -57,14 +68,18 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
     @ray.remote(num_cpus=0.1, num_gpus=0.4)
     class Producer:
         async def send_all(self, peer: RelayPeer, steps: int) -> list[str]:
-            transport = PlacementTransport("cuda", "ipc")
+            transport = PlacementTransport("cuda", mode, ipc_from_bytes=IPC_FROM_BYTES)  # type: ignore[arg-type]
             assert transport.select(peer) is transport.ipc
             transport.ipc.ring_bytes = RING_BYTES
             self.transport = transport
             failures: list[str] = []
             sender = RelaySender("producer", transport, lambda ids, exc: failures.append(str(exc)))
             for step in range(steps):
-                sender.send(peer, [RelayItem("r", tensors=_payload(step))])
+                items = [RelayItem("r", tensors=_payload(step))]
+                torch.cuda.synchronize()  # relay items are complete when handed on
+                if transport.needs_host_tensors(peer, device_bytes(items)):
+                    items = host_copies(items)
+                sender.send(peer, items)
                 await asyncio.sleep(0)
             sender.send(peer, [RelayItem("r", kind="end")])
             await asyncio.sleep(2)
@@ -81,11 +96,13 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
         assert time.monotonic() < deadline, "the IPC relay did not deliver"
         time.sleep(0.05)
     got = ray.get(consumer.received.remote())
-    assert ray.get(consumer.ipc_count.remote()) == 21
-    assert 1 <= ray.get(producer.unringed.remote()) < 20  # step 7 in its own buffer, most steps through the ring
+    over_ipc = [step for step in range(20) if mode == "ipc" or _rows(step) > 37]
+    assert ray.get(consumer.ipc_count.remote()) == len(over_ipc) + (mode == "ipc")  # and the end marker
+    assert 1 <= ray.get(producer.unringed.remote()) < len(over_ipc)  # step 7 in its own buffer, the rest in the ring
     for step, item in enumerate(got[:20]):
         expected = {k: t.cpu() for k, t in _payload(step).items()}
-        assert item["devices"] == {"hidden": "cuda", "ids": "cuda", "flag": "cuda"}
+        device = "cuda" if step in over_ipc else "cpu"
+        assert item["devices"] == {"hidden": device, "ids": device, "flag": device}
         for key, tensor in expected.items():
             assert item[key].dtype == tensor.dtype and torch.equal(item[key], tensor)
     assert got[20]["kind"] == "end"

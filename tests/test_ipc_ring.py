@@ -92,3 +92,38 @@ def test_receiver_delivers_in_arrival_order_behind_a_slow_one_off_buffer() -> No
     got = asyncio.run(main())
     assert [item.seq for item in got] == [0, 1, 2, 3]
     assert [item.tensors["x"].tolist() for item in got] == [[seq] * 3 for seq in range(4)]
+
+
+def test_host_path_messages_wait_behind_ipc_messages_still_being_copied_out() -> None:
+    """One producer on this GPU sends small steps on the host path and large ones through CUDA IPC: a host-path
+    message that arrives while an IPC message ahead of it is still being copied out (a one-off buffer, in the
+    worker) is delivered after it; with nothing being copied out, at once."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        endpoint = RelayEndpoint()
+        receiver = IpcReceiver(endpoint, "cpu")
+        item = RelayItem("r", tensors={"x": torch.arange(4)}, seq=1)
+        header, tensors, nbytes = pack(RelayMessage("p", [item]))
+        buffer = flatten(tensors, nbytes, torch.device("cpu"))
+
+        def one_off(handle: tuple[Any, ...]) -> torch.Tensor:
+            time.sleep(0.3)
+            return buffer
+
+        receiver._copy_out = one_off  # type: ignore[method-assign]
+        got: list[RelayItem] = []
+        endpoint.claim("r", got.append)
+        endpoint.deliver(RelayMessage("p", [RelayItem("r", tensors={"x": torch.zeros(2)}, seq=0)]))
+        at_once = [i.seq for i in got]  # nothing was being copied out
+        endpoint.deliver(_control("p", "ipc", "", header=header, handle=(1,)))
+        endpoint.deliver(RelayMessage("p", [RelayItem("r", seq=2), RelayItem("r", kind="end", seq=3)]))
+        assert [i.seq for i in got] == [0]  # held behind message 1
+        for _ in range(100):
+            if len(got) == 4:
+                break
+            await asyncio.sleep(0.02)
+        return at_once, [i.seq for i in got]
+
+    at_once, order = asyncio.run(main())
+    assert at_once == [0]
+    assert order == [0, 1, 2, 3]

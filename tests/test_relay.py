@@ -273,6 +273,35 @@ def test_placement_transport_picks_local_for_an_in_process_peer_and_tcp_otherwis
         LOCAL_ENDPOINTS.pop("here")
 
 
+class _Recording:
+    def __init__(self) -> None:
+        self.sent: list[RelayMessage] = []
+
+    async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("mode", ["auto", "ipc"])
+def test_between_processes_on_one_gpu_small_messages_take_the_host_path_and_large_ones_cuda_ipc(mode: str) -> None:
+    """`auto`: a step's message under `ipc_from_bytes` of device tensors is copied to the CPU and sent on the host
+    path, a larger one goes through CUDA IPC, as does nothing else; `ipc`: every message to a peer on this GPU goes
+    through CUDA IPC. (The GPU and the two transports are stand-ins: this is the choice alone.)"""
+    transport = PlacementTransport("cpu", mode, ipc_from_bytes=1024)  # type: ignore[arg-type]
+    transport.gpu_uuid = "GPU-same"
+    transport.ipc, transport.tcp = _Recording(), _Recording()  # type: ignore[assignment]
+    same_gpu, other_gpu = RelayPeer("p", "tcp://127.0.0.1:1", "cuda:0", "GPU-same"), RelayPeer("q", "", "cuda:0", "GPU-2")
+    assert transport.select(same_gpu) is transport.ipc and transport.select(other_gpu) is transport.collective
+    assert transport.needs_host_tensors(same_gpu, 1023) == (mode == "auto")
+    assert not transport.needs_host_tensors(same_gpu, 1024) and not transport.needs_host_tensors(other_gpu, 0)
+    on_device = torch.zeros(300, device="meta")  # 1,200 bytes off the CPU
+    small = RelayMessage("s", [RelayItem("r", tensors={"x": torch.zeros(3)}), RelayItem("r", kind="end")])
+    large = RelayMessage("s", [RelayItem("r", tensors={"x": on_device, "ids": torch.arange(2)})])
+    for message in (small, large):
+        asyncio.run(transport.send(same_gpu, message))
+    assert transport.ipc.sent == ([large] if mode == "auto" else [small, large])  # type: ignore[attr-defined]
+    assert transport.tcp.sent == ([small] if mode == "auto" else [])  # type: ignore[attr-defined]
+
+
 def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     async def main() -> None:
         endpoint = RelayEndpoint()

@@ -53,14 +53,14 @@ def test_flatten_owns_its_buffer_and_fills_a_given_one() -> None:
     assert buffer.data_ptr() != single.data_ptr() and torch.equal(buffer.view(torch.int64), single)
 
 
-def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_when_asked_else_host() -> None:
+def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_else_host() -> None:
     peer_gpu1 = RelayPeer("c", "tcp://127.0.0.1:1", "cuda:0", "GPU-1")
     peer_gpu0 = RelayPeer("d", "tcp://127.0.0.1:1", "cuda:0", "GPU-0")
     auto = PlacementTransport("cpu", "auto")
-    assert auto.select(peer_gpu1) is auto.tcp and auto.needs_host_tensors(peer_gpu1)  # a CPU producer
+    assert auto.select(peer_gpu1) is auto.tcp and auto.needs_host_tensors(peer_gpu1, 1 << 30)  # a CPU producer
     auto.gpu_uuid = "GPU-0"  # as a producer on GPU-0 would see it
-    assert auto.select(peer_gpu1) is auto.collective and not auto.needs_host_tensors(peer_gpu1)
-    assert auto.select(peer_gpu0) is auto.tcp  # two processes on one GPU: host path (NCCL needs two devices)
+    assert auto.select(peer_gpu1) is auto.collective and not auto.needs_host_tensors(peer_gpu1, 0)
+    assert auto.ipc is None and auto.select(peer_gpu0) is auto.tcp  # no CUDA here: no IPC transport, host path
     assert auto.select(RelayPeer("e", "tcp://127.0.0.1:1")) is auto.tcp  # a CPU consumer
     forced = PlacementTransport("cpu", "collective")
     assert forced.select(RelayPeer("e", "tcp://127.0.0.1:1")) is forced.collective
@@ -70,10 +70,9 @@ def test_placement_picks_collective_between_gpus_ipc_on_one_gpu_when_asked_else_
     ipc = PlacementTransport("cpu", "ipc")
     assert ipc.ipc is None and ipc.select(peer_gpu0) is ipc.tcp  # no CUDA here: no IPC transport
     ipc.gpu_uuid, ipc.ipc = "GPU-0", object()  # as a producer on GPU-0 would be set up
-    assert ipc.select(peer_gpu0) is ipc.ipc and not ipc.needs_host_tensors(peer_gpu0)  # one GPU: CUDA IPC
+    assert ipc.select(peer_gpu0) is ipc.ipc and not ipc.needs_host_tensors(peer_gpu0, 1)  # one GPU: CUDA IPC
     assert ipc.select(peer_gpu1) is ipc.collective  # another GPU: NCCL, as auto
     assert ipc.select(RelayPeer("e", "tcp://127.0.0.1:1")) is ipc.tcp
-    assert auto.ipc is None  # auto keeps one-GPU pairs on the host path (faster for step-sized messages)
     LOCAL_ENDPOINTS["here"] = RelayEndpoint()
     try:
         assert forced.select(RelayPeer("here", "tcp://127.0.0.1:1")) is forced.local  # same process wins

@@ -119,6 +119,13 @@ class RelayEndpoint:
         self._closed: OrderedDict[str, None] = OrderedDict()  # released requests: late items are dropped
         self._remember_closed = remember_closed
         self._control_handlers: dict[str, Callable[[RelayMessage], None]] = {}  # by control op
+        self._hold_back: Callable[[RelayMessage], bool] | None = None
+
+    def hold_back_with(self, hook: Callable[[RelayMessage], bool]) -> None:
+        """`hook(message)` sees each item message as it arrives and returns True when it keeps the message, to hand
+        it to `deliver_items` later: a receiver whose own deliveries lag their arrival (CUDA IPC copying a buffer
+        out) keeps what arrives another way behind them, so one producer's messages stay in order over two paths."""
+        self._hold_back = hook
 
     def on_control(self, ops: tuple[str, ...], handler: Callable[[RelayMessage], None]) -> None:
         """Control messages whose op is one of `ops` go to `handler` (a transport's receiving side, or the stage)."""
@@ -133,6 +140,11 @@ class RelayEndpoint:
             else:
                 handler(message)
             return
+        if self._hold_back is None or not self._hold_back(message):
+            self.deliver_items(message)
+
+    def deliver_items(self, message: RelayMessage) -> None:
+        """An item message's items to their requests' consumers, in order (`deliver` without the hold-back)."""
         for item in message.items:
             if item.request_id in self._closed:
                 continue

@@ -168,7 +168,8 @@ class IpcTransport:
 class IpcReceiver:
     """Consumer side: copies each message out of the producer's memory (on a side stream) and delivers it, in
     arrival order: ring messages at once, one-off buffers (and whatever arrives behind them) in a worker thread.
-    Rings stay open between messages. Control ops it does not know go to `fallback`."""
+    Messages that arrive on the host path meanwhile (a producer on this GPU sends its small messages that way) wait
+    behind them too. Rings stay open between messages."""
 
     def __init__(self, endpoint: RelayEndpoint, device: torch.device | str) -> None:
         self.endpoint = endpoint
@@ -177,32 +178,53 @@ class IpcReceiver:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc-in")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rings: OrderedDict[str, torch.Tensor] = OrderedDict()  # ring id -> the opened buffer, newest last
-        # messages handed to the worker (opening a one-off buffer's handle takes ~1 ms), and done there; while some are
-        # left, later messages queue behind them. Each counter is written by one thread only.
-        self._queued = 0
-        self._dequeued = 0
+        # messages in arrival order, each a one-element list filled once it can be delivered (a host-path message at
+        # once, an IPC one once copied out); delivered from the front while filled. Only the loop thread touches the
+        # deque; the worker fills its slots, then asks the loop to deliver.
+        self._slots: deque[list[RelayMessage | None]] = deque()
         self.received = 0
         endpoint.on_control(("ipc",), self.handle)
+        endpoint.hold_back_with(self._behind)
 
     def handle(self, message: RelayMessage) -> None:
         control = message.control or {}
         self._loop = asyncio.get_running_loop()
         header, ring, handle = control["header"], control.get("ring"), control.get("handle")
-        if handle is None and self._queued == self._dequeued:  # a ring copy is µs on an idle stream: no thread hop
-            self._receive(header, ring, None)
+        slot: list[RelayMessage | None] = [None]
+        self._slots.append(slot)
+        if handle is None and len(self._slots) == 1:  # a ring copy is µs on an idle stream: no thread hop
+            slot[0] = self._receive(header, ring, None)
+            self._deliver_ready()
             return
-        self._queued += 1
-        self._worker.submit(self._receive_queued, header, ring, handle)
+        self._worker.submit(self._receive_into, slot, header, ring, handle)
 
-    def _receive_queued(
-        self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None
+    def _behind(self, message: RelayMessage) -> bool:
+        """An item message that came another way waits behind the IPC messages that arrived before it."""
+        if not self._slots:
+            return False
+        self._slots.append([message])
+        return True
+
+    def _receive_into(
+        self, slot: list[RelayMessage | None], header: RelayMessage, ring: tuple[Any, ...] | None,
+        handle: tuple[Any, ...] | None,
     ) -> None:
-        try:
-            self._receive(header, ring, handle)
-        finally:
-            self._dequeued += 1  # after its delivery was scheduled: what the loop delivers next comes after it
+        slot[0] = self._receive(header, ring, handle)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver_ready)
 
-    def _receive(self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None) -> None:
+    def _deliver_ready(self) -> None:
+        """On the loop thread: deliver from the front, up to the first message not yet copied out."""
+        while self._slots and (message := self._slots[0][0]) is not None:
+            self._slots.popleft()
+            try:
+                self.endpoint.deliver_items(message)
+            except Exception:  # a bad message must not hold up the ones behind it
+                log.exception("relay delivery failed")
+
+    def _receive(
+        self, header: RelayMessage, ring: tuple[Any, ...] | None, handle: tuple[Any, ...] | None
+    ) -> RelayMessage:
         try:
             if ring is not None:
                 buffer = self._copy_from_ring(*ring)
@@ -215,8 +237,7 @@ class IpcReceiver:
         except Exception as exc:  # the producer's memory could not be opened: fail these requests, keep serving
             log.warning("CUDA IPC relay from %s failed: %s", header.sender, exc)
             message = _failed(header, f"relay from {header.sender} failed: {exc}")
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.endpoint.deliver, message)  # in order, also from the loop thread
+        return message
 
     def _open(self, handle: tuple[Any, ...]) -> torch.Tensor:
         args = list(handle)

@@ -19,7 +19,7 @@ from omni_ray.relay import (
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.tcp import node_ip
-from omni_ray.relay.transports import RelayMode, gpu_uuid
+from omni_ray.relay.transports import RelayMode, device_bytes, gpu_uuid
 from omni_ray.serve.stats import StatsReporter, serve_replica_id
 
 FINAL_TYPES = frozenset({"final", "error"})
@@ -264,12 +264,18 @@ class StageBase:
 
     def relay_to_consumers(self, items: list[RelayItem]) -> None:
         """From an engine thread: each item to its request's consumer. Tensors bound for a host-path peer are copied
-        to the CPU here, so the event loop never waits on the device; a collective peer gets them as they are."""
+        to the CPU here, so the event loop never waits on the device; a collective or CUDA IPC peer gets them as they
+        are. On one GPU the transport goes by the size of the step's message to each peer (`needs_host_tensors`)."""
         if self._event_loop is None or not items:
             return
         transport = self.sender.transport
         peers = [self._consumers.get(item.request_id) for item in items]
-        on_host = [i for i, peer in enumerate(peers) if peer is not None and transport.needs_host_tensors(peer)]
+        step_bytes: dict[str, int] = {}  # each peer's message this step: bytes of device tensors
+        for peer, item in zip(peers, items):
+            if peer is not None:
+                step_bytes[peer.replica_id] = step_bytes.get(peer.replica_id, 0) + device_bytes([item])
+        on_host = [i for i, peer in enumerate(peers)
+                   if peer is not None and transport.needs_host_tensors(peer, step_bytes[peer.replica_id])]
         items = list(items)
         with host_range("relay: host copies"):
             for i, copied in zip(on_host, host_copies([items[i] for i in on_host])):  # one wait for the whole step
@@ -289,7 +295,7 @@ class StageBase:
         transport = self.sender.transport
         for peer, item in routed:
             if peer is None and (peer := self._consumers.get(item.request_id)) is not None:
-                item = host_copy(item) if transport.needs_host_tensors(peer) else item
+                item = host_copy(item) if transport.needs_host_tensors(peer, device_bytes([item])) else item
             if peer is not None:
                 ready.append((peer, item))
             elif item.request_id in self._held:

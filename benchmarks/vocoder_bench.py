@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--ticks", type=int, default=80, help="Talker steps (frames per stream)")
+    parser.add_argument("--decoders", default="window,stateful", help="which decoders to run (comma-separated)")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--gather-ms", type=float, default=VocoderSettings().batch_gather_ms,
                         help="as `streaming.batch_gather_ms` (0: decode whatever has arrived at once)")
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the last (one output channel) convolution by cuDNN, not `single_output_conv1d`")
     parser.add_argument("--no-dilation-fold", action="store_true",
                         help="the dilated convolutions always by cuDNN as they are, never folded")
+    parser.add_argument("--no-fused-adds", action="store_true",
+                        help="torch's bias and residual adds and joins around the convolutions, the snake apart "
+                        "(`kernels.FUSE_AROUND_CONVS` off), not `add_and_snake`")
     parser.add_argument("--codes-on-device", action="store_true",
                         help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
     parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",
@@ -101,17 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.cudnn_last_conv:  # `kernels.conv1d` asks this for every convolution it is handed
         vocoder_kernels.takes_single_output = lambda conv: False
     vocoder_kernels.FOLD_DILATION = not args.no_dilation_fold
+    vocoder_kernels.FUSE_AROUND_CONVS = not args.no_fused_adds
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]
     schedule = ChunkSchedule((1, 2, 4), 8, 25)
     module = load_code2wav(None, config, args.device, DTYPES[args.dtype])
     torch.backends.cudnn.benchmark = args.cudnn_autotune
     codec = Code2WavCodec(module, cuda_graphs=not args.no_graphs, max_streams=max(streams))
-    codec.warmup(decode_window_lengths(schedule), max(streams), step_shapes(schedule))
+    decoders = args.decoders.split(",")
+    codec.warmup(decode_window_lengths(schedule) if "window" in decoders else [], max(streams), step_shapes(schedule))
     rows = []
     gather_s = args.gather_ms / 1000
     codecs = (("window", BatchingCodec(codec, 64, gather_s)), ("stateful", BatchingStatefulCodec(codec, 64, gather_s)))
-    for mode, batching in codecs:
+    for mode, batching in [(mode, batching) for mode, batching in codecs if mode in decoders]:
         for count in streams:
             rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device, codes_device)})
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

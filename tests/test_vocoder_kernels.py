@@ -1,9 +1,11 @@
-"""The vocoder's Triton kernels (`vocoder/kernels.py`): the fused SnakeBeta against transformers' module and the
-one-output-channel convolution against torch's, under Triton's interpreter on strided inputs with random weights;
-a stateful stream running both against the one-shot decode; each compiled for the H200 without a GPU."""
+"""The vocoder's Triton kernels (`vocoder/kernels.py`): the fused SnakeBeta against transformers' module, the adds
+around a convolution with the next SnakeBeta (`add_and_snake`) against torch's ops, and the one-output-channel
+convolution against torch's, under Triton's interpreter on strided inputs with random weights; a stateful stream
+running them against the one-shot decode (with the adds fused and not); each compiled for the H200 without a GPU."""
 
 from __future__ import annotations
 
+import pytest
 from _triton import compile_for_h200, run_interpreted
 
 SNAKE = r"""
@@ -76,12 +78,84 @@ def test_the_single_output_convolution_equals_torch_under_the_triton_interpreter
         assert result["error"] <= tolerance, (case, result)
 
 
-def test_the_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
-    from omni_ray.vocoder.kernels import BLOCK, _snake_kernel
+ADD_AND_SNAKE = r"""
+import copy, json, torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+from omni_ray.vocoder.kernels import BLOCK, FusedSnake, add_and_snake
 
-    types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "alpha_ptr": "*fp32",
-             "inverse_beta_ptr": "*fp32", "out_ptr": "*bf16", "channels": "i32", "length": "i32"}
-    compile_for_h200(_snake_kernel, types, {"BLOCK": BLOCK})
+torch.manual_seed(0)
+results = {}
+for dtype in (torch.float32, torch.bfloat16):
+    module = Qwen3OmniMoeSnakeBeta(6)
+    with torch.no_grad():
+        module.alpha.copy_(torch.randn(6) * 0.5)
+        module.beta.copy_(torch.randn(6) * 0.5)
+    module = module.to(dtype)
+    in_fp32 = copy.deepcopy(module).float()
+    snake = FusedSnake(module)
+    h = torch.randn(2, 6, BLOCK + 60, dtype=dtype)[..., 7:]  # past one block, not contiguous
+    bias = torch.randn(6, dtype=dtype)
+    residual = torch.randn(2, 6, BLOCK + 70, dtype=dtype)[..., 17:]
+    carried = torch.randn(2, 6, 12, dtype=dtype)
+    for case in ("bias residual sum snake into", "bias snake", "residual snake", "bias sum", "snake into"):
+        b = bias if "bias" in case else None
+        r = residual if "residual" in case else None
+        into, error = None, {}
+        if "into" in case:
+            into = torch.empty(2, 6, 12 + h.shape[-1], dtype=dtype)
+            into[..., :12] = carried
+        total, out = add_and_snake(h, b, r, snake if "snake" in case else None, "sum" in case, into)
+        v = h.float() + (b.float()[:, None] if b is not None else 0) + (r.float() if r is not None else 0)
+        # the snake of the sum as the kernel rounds it (the interpreter truncates where a GPU rounds to nearest, and
+        # the snake's slope, up to 1 + alpha / beta, would magnify that one unit)
+        kept, _ = add_and_snake(h, b, r, None, True)
+        error["kept sum"] = (kept.float() - v).abs().max().item()
+        expected = in_fp32(kept.float())
+        if "sum" in case:
+            error["sum"] = (total.float() - kept.float()).abs().max().item()
+        else:
+            error["no sum"] = total is None
+        if "snake" in case:
+            got = out[..., 12:] if into is not None else out
+            error["snake"] = (got.float() - expected).abs().max().item()
+            error["shape"] = list(got.shape) == list(h.shape)
+            error["scale"] = expected.abs().max().item()
+        if into is not None:
+            error["into"] = out.data_ptr() == into.data_ptr() and torch.equal(out[..., :12], carried)
+        results[f"{dtype} {case}"] = error
+print(json.dumps(results))
+"""
+
+
+def test_the_adds_and_the_snake_in_one_pass_equal_torch_under_the_triton_interpreter() -> None:
+    """Bias, residual (strided), the sum kept or not, the snake written after carried samples of another buffer
+    (left as they were) or into one of its own: fp32 equal to torch's ops to float rounding; bf16: the sum within one
+    unit of its rounding, the snake within one of its largest value's (its fp32 math on the sum as kept)."""
+    results = run_interpreted(ADD_AND_SNAKE)
+    for case, result in results.items():
+        fp32 = "float32" in case
+        assert result["kept sum"] <= (1e-5 if fp32 else 0.0625), (case, result)  # bf16: one unit at 8-16
+        if "sum" in result:
+            assert result["sum"] == 0, (case, result)  # the same kernel's sum, whatever else it wrote
+        else:
+            assert result["no sum"], case
+        if "snake" in result:
+            assert result["shape"], case
+            assert result["snake"] <= (1e-5 if fp32 else result["scale"] * 2**-7), (case, result)
+        if "into" in result:
+            assert result["into"], case
+
+
+def test_the_add_and_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
+    from omni_ray.vocoder.kernels import BLOCK, _add_and_snake_kernel
+
+    types = {"h_ptr": "*bf16", "h_batch_stride": "i32", "h_channel_stride": "i32", "bias_ptr": "*bf16", "r_ptr": "*bf16",
+             "r_batch_stride": "i32", "r_channel_stride": "i32", "alpha_ptr": "*fp32", "inverse_beta_ptr": "*fp32",
+             "sum_ptr": "*bf16", "snake_ptr": "*bf16", "channels": "i32", "length": "i32", "snake_offset": "i32",
+             "snake_row": "i32"}
+    for flags in ((True, True, True, True), (False, False, False, True), (True, True, True, False)):
+        constants = dict(zip(("HAS_BIAS", "HAS_RESIDUAL", "KEEP_SUM", "SNAKE"), flags), BLOCK=BLOCK)
+        compile_for_h200(_add_and_snake_kernel, types, constants)
 
 
 def test_the_single_output_conv_kernel_compiles_for_the_h200_without_a_gpu() -> None:
@@ -98,8 +172,10 @@ import json, sys, torch
 sys.path.insert(0, "tests")
 from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+from omni_ray.vocoder import kernels
 from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
 
+kernels.FUSE_AROUND_CONVS = sys.argv[1] == "fused"
 module = _tiny_code2wav()
 snakes = [m for m in module.modules() if isinstance(m, Qwen3OmniMoeSnakeBeta)]
 with torch.no_grad():
@@ -130,10 +206,13 @@ print(json.dumps({"snakes": len(snakes), "fused": len(stateful.snakes), "same sh
 """
 
 
-def test_a_stateful_stream_with_fused_snakes_equals_the_one_shot_decode_under_the_triton_interpreter() -> None:
+@pytest.mark.parametrize("adds", ["fused", "apart"])
+def test_a_stateful_stream_with_fused_snakes_equals_the_one_shot_decode_under_the_triton_interpreter(adds: str) -> None:
     """Every SnakeBeta of the stateful decoder and its last convolution run as the kernels (the modules' own forwards
-    refuse), with random weights, and the streamed samples equal transformers' one-shot decode."""
-    result = run_interpreted(STREAM)
+    refuse), with random weights, and the streamed samples equal transformers' one-shot decode: with the adds around
+    the convolutions in the snakes' pass and the snakes written into the convolutions' input buffers (`fused`), and
+    as torch's adds and joins (`apart`, the A/B setting)."""
+    result = run_interpreted(STREAM, adds)
     assert result["snakes"] == result["fused"] > 0 and result["same shape"]
     assert result["error"] < 1e-5 and result["scale"] > 0.01
 

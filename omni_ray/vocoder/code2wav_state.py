@@ -13,6 +13,7 @@ The module is transformers' `Qwen3OmniMoeCode2Wav`; its weights and submodules a
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -29,9 +30,26 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_ray.errors import CapacityError
-from omni_ray.vocoder.kernels import conv1d, fused_snakes
+from omni_ray.vocoder.kernels import FusedSnake, add_and_snake, conv1d, fused_snakes
 
 State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
+
+
+@dataclass
+class _Sum:
+    """h + bias (per channel) + residual, not yet added up: the decoder's next op adds it in its own pass
+    (`add_and_snake`), writing the sum only where a later op reads it again."""
+
+    h: torch.Tensor
+    bias: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self.bias is None and self.residual is None:
+            return self.h
+        total, _ = add_and_snake(self.h, self.bias, self.residual, keep_sum=True)
+        assert total is not None
+        return total
 
 
 class _StateWalk:
@@ -78,10 +96,8 @@ class StatefulCode2Wav:
         hidden = self._transformer(hidden, positions, walk)
         x = hidden.permute(0, 2, 1)
         for upsample, convnext in module.upsample:
-            x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first), walk)
-        for block in module.decoder:
-            x = self._decoder_block(block, x, walk, first)
-        return x.clamp(min=-1, max=1).flatten(1), walk.outgoing
+            x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first).tensor(), walk)
+        return self._run(list(module.decoder), _Sum(x), walk, first).tensor().clamp(min=-1, max=1).flatten(1), walk.outgoing
 
     # ---- the pre-transformer: sliding-window attention with a key/value cache --------------------------------
     def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
@@ -127,44 +143,80 @@ class StatefulCode2Wav:
         return conv1d(padded, op.conv)
 
     @staticmethod
-    def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:
+    def _snake_then_conv(snake: FusedSnake, x: _Sum, op: Qwen3OmniMoeCausalConvNet, walk: _StateWalk,
+                         keep_sum: bool) -> tuple[_Sum, torch.Tensor | None]:
+        """`op`(snake(x)) as a sum still to add its bias, and x added up if `keep_sum`. The snake is written straight
+        after the convolution's carried input samples, in one buffer (no join), by the pass that adds x up."""
+        if op.stride != 1:
+            raise ValueError("streaming needs stride-1 causal convolutions")
+        into = None
+        if op.padding:
+            carried = walk.take(x.h, op.padding)
+            into = torch.empty(*x.h.shape[:-1], op.padding + x.h.shape[-1], dtype=x.h.dtype, device=x.h.device)
+            into[..., : op.padding].copy_(carried)
+        total, activated = add_and_snake(x.h, x.bias, x.residual, snake, keep_sum, into)
+        assert activated is not None
+        if op.padding:
+            walk.keep(activated[..., -op.padding :])
+        if op.conv.out_channels == 1:  # the decoder's last: its own kernel, bias included
+            return _Sum(conv1d(activated, op.conv)), total
+        return _Sum(conv1d(activated, op.conv, bias=False), op.conv.bias), total
+
+    @staticmethod
+    def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: _StateWalk, first: bool) -> _Sum:
         """Transposed convolution: the previous call's overlap tail is added to this call's head; the new tail (the
         outputs that still need the next input) is carried. A stream's first call drops `left_pad` samples, as the
-        one-shot decode trims them."""
+        one-shot decode trims them. Its bias is left for the next op's pass to add."""
         stride = op.conv.stride[0]
         overlap = op.conv.kernel_size[0] - stride
         if overlap == 0:
-            return op(x)
+            return _Sum(op(x))
         full = F.conv_transpose1d(x, op.conv.weight, None, stride=stride)  # [B, C, (n-1)*s + k], no bias yet
         full = torch.cat([full[..., :overlap] + walk.take(full, overlap), full[..., overlap:]], dim=-1)
         ready = x.shape[-1] * stride
         walk.keep(full[..., ready:])
-        out = full[..., :ready] + op.conv.bias[:, None]
-        return out[..., op.left_pad :] if first else out
+        out = full[..., op.left_pad if first else 0 : ready]
+        return _Sum(out, op.conv.bias)
 
     def _conv_next(self, block: Qwen3OmniMoeConvNeXtBlock, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
         h = self._causal_conv(block.dwconv, x, walk).permute(0, 2, 1)
         h = block.gamma * block.pwconv2(block.act(block.pwconv1(block.norm(h))))
         return x + h.permute(0, 2, 1)
 
-    def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
-        h = self._causal_conv(unit.conv1, self.snakes[id(unit.act1)](x), walk)
-        return x + self._causal_conv(unit.conv2, self.snakes[id(unit.act2)](h), walk)
+    def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: _Sum, walk: _StateWalk) -> _Sum:
+        """x + conv2(act2(conv1(act1(x)))), x added up by the pass that runs act1, the result left as a sum."""
+        h, total = self._snake_then_conv(self.snakes[id(unit.act1)], x, unit.conv1, walk, keep_sum=True)
+        out, _ = self._snake_then_conv(self.snakes[id(unit.act2)], h, unit.conv2, walk, keep_sum=False)
+        return _Sum(out.h, out.bias, total)
 
-    def _decoder_block(self, block: nn.Module, x: torch.Tensor, walk: _StateWalk, first: bool) -> torch.Tensor:
-        if isinstance(block, Qwen3OmniMoeCausalConvNet):
-            return self._causal_conv(block, x, walk)
-        if isinstance(block, Qwen3OmniMoeCode2WavDecoderBlock):
-            for part in block.block:
+    def _run(self, parts: list[nn.Module], x: _Sum, walk: _StateWalk, first: bool) -> _Sum:
+        """The decoder's ops in order on a flowing sum; a SnakeBeta followed by a causal convolution runs with it
+        (and with the adds before it), see `_snake_then_conv`."""
+        index = 0
+        while index < len(parts):
+            part = parts[index]
+            if id(part) in self.snakes and index + 1 < len(parts) and isinstance(parts[index + 1], Qwen3OmniMoeCausalConvNet):
+                x, _ = self._snake_then_conv(self.snakes[id(part)], x, parts[index + 1], walk, keep_sum=False)
+                index += 2
+            else:
                 x = self._decoder_block(part, x, walk, first)
-            return x
+                index += 1
+        return x
+
+    def _decoder_block(self, block: nn.Module, x: _Sum, walk: _StateWalk, first: bool) -> _Sum:
+        if isinstance(block, Qwen3OmniMoeCode2WavDecoderBlock):
+            return self._run(list(block.block), x, walk, first)
+        if isinstance(block, Qwen3OmniMoeCausalConvNet):
+            return _Sum(self._causal_conv(block, x.tensor(), walk))
         if isinstance(block, Qwen3OmniMoeCausalTransConvNet):
-            return self._trans_conv(block, x, walk, first)
+            return self._trans_conv(block, x.tensor(), walk, first)
         if isinstance(block, Qwen3OmniMoeCode2WavDecoderResidualUnit):
             return self._residual_unit(block, x, walk)
         if id(block) in self.snakes:
-            return self.snakes[id(block)](x)
-        return block(x)
+            _, activated = add_and_snake(x.h, x.bias, x.residual, self.snakes[id(block)])
+            assert activated is not None
+            return _Sum(activated)
+        return _Sum(block(x.tensor()))
 
 
 class StateStore:

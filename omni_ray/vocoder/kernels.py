@@ -6,6 +6,12 @@ convolution folded into an undilated one where that is faster.
   times per call, mostly at its highest sample rates. `FusedSnake` reads x once and writes once, in fp32 with α =
   exp(alpha) and 1 / (exp(beta) + 1e-9) taken once from the weights: it agrees with the module to the model dtype's
   rounding (as fp32 math would, not op by op).
+- `add_and_snake`: what comes around a convolution in the decoder, in the same pass. Torch adds a cuDNN
+  convolution's bias in a kernel of its own (a broadcast, so not vectorised), a residual unit adds its input in
+  another, the next SnakeBeta reads the sum again, and a causal convolution's carried samples are joined to its
+  input by a copy (`torch.cat`): in session 17's op profile of the vocoder (32 streams) the broadcast adds and the
+  joins took about a third of its GPU time. One kernel adds the bias and the residual, keeps the sum where it is
+  needed later, and writes the SnakeBeta of it after the carried samples of the next convolution's input buffer.
 - The decoder's last convolution maps 96 channels at 24 kHz to one sample stream. The costliest kernel of the
   vocoder inside the 1-GPU service was a non-tensor-core cuDNN `implicit_convolve_sgemm`, about 1.4 ms per call
   and 17% of its GPU time (session 14's profile), called about as often as the decoder runs: most likely this
@@ -41,24 +47,42 @@ except ImportError:  # a CPU-only install: the module's own forward
 
 BLOCK = 1024  # samples per program
 FOLD_DILATION = True  # `conv1d` may fold a dilated convolution (where faster); off: cuDNN's always
+FUSE_AROUND_CONVS = True  # `add_and_snake` as one kernel; off: torch's adds, the snake kernel, a copy (A/B runs)
 
 
 if triton is not None:
 
     # Lengths and strides vary with every decode shape: not specialized on (one compile per dtype, not per shape)
-    @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "channels", "length"])
-    def _snake_kernel(x_ptr, x_batch_stride, x_channel_stride, alpha_ptr, inverse_beta_ptr, out_ptr, channels,
-                      length, BLOCK: tl.constexpr):  # no annotations in jit functions: Triton reads them as its own
-        """One (batch, channel) row's block of samples: out = x + sin(x * alpha)^2 * inverse_beta, in fp32."""
+    @triton.jit(do_not_specialize=["h_batch_stride", "h_channel_stride", "r_batch_stride", "r_channel_stride",
+                                   "channels", "length", "snake_offset", "snake_row"])
+    def _add_and_snake_kernel(h_ptr, h_batch_stride, h_channel_stride, bias_ptr, r_ptr, r_batch_stride,
+                              r_channel_stride, alpha_ptr, inverse_beta_ptr, sum_ptr, snake_ptr, channels, length,
+                              snake_offset, snake_row, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                              KEEP_SUM: tl.constexpr, SNAKE: tl.constexpr, BLOCK: tl.constexpr):
+        """One (batch, channel) row's block of samples: v = h + bias[channel] + residual in fp32, rounded to the
+        output's dtype; v into `sum` ([B, C, length], contiguous), and v + sin(v * alpha)^2 * inverse_beta into
+        `snake` at `snake_offset` of rows `snake_row` long. (No annotations in jit functions: Triton reads them as
+        its own.)"""
         row = tl.program_id(0)
         channel = row % channels
+        batch = row // channels
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = at < length
-        source = x_ptr + (row // channels) * x_batch_stride + channel * x_channel_stride
-        x = tl.load(source + at, mask=inside, other=0.0).to(tl.float32)
-        wave = tl.sin(x * tl.load(alpha_ptr + channel))
-        out = x + wave * wave * tl.load(inverse_beta_ptr + channel)
-        tl.store(out_ptr + row * length + at, out.to(out_ptr.dtype.element_ty), mask=inside)
+        v = tl.load(h_ptr + batch * h_batch_stride + channel * h_channel_stride + at, mask=inside, other=0.0)
+        v = v.to(tl.float32)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + channel).to(tl.float32)
+        if HAS_RESIDUAL:
+            v += tl.load(r_ptr + batch * r_batch_stride + channel * r_channel_stride + at, mask=inside,
+                         other=0.0).to(tl.float32)
+        rounded = v.to(snake_ptr.dtype.element_ty)
+        if KEEP_SUM:
+            tl.store(sum_ptr + row * length + at, rounded, mask=inside)
+        if SNAKE:
+            v = rounded.to(tl.float32)  # the snake of the sum as kept (as the module reads it)
+            wave = tl.sin(v * tl.load(alpha_ptr + channel))
+            out = v + wave * wave * tl.load(inverse_beta_ptr + channel)
+            tl.store(snake_ptr + row * snake_row + snake_offset + at, out.to(snake_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "length"])
     def _single_output_conv_kernel(x_ptr, x_batch_stride, x_channel_stride, w_ptr, bias_ptr, out_ptr, length,
@@ -113,8 +137,8 @@ def takes_single_output(conv: nn.Module) -> bool:
             and conv.padding == (0,) and conv.weight.is_contiguous())
 
 
-def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """`conv(x)` for a dilated Conv1d (stride 1, no padding, no groups) as an undilated convolution: x [B, C, L] is
+def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
+    """`conv(x)` (without its bias if not `bias`) for a dilated Conv1d (stride 1, no padding, no groups) as an undilated convolution: x [B, C, L] is
     padded to a multiple of the dilation d and seen as [B, C, L' / d, d] (time step m * d + r at [m, r]), a Conv2d with
     the (k, 1) kernel runs along m, and its output [B, O, L' / d - k + 1, d] is already in time order. (Folding the
     residues into the batch instead, then running a Conv1d, costs two permuting copies: slower on an H200.)"""
@@ -125,7 +149,7 @@ def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
         return conv(x)
     steps = -(-length // dilation)
     grid = F.pad(x, (0, steps * dilation - length)).reshape(batch, channels, steps, dilation)
-    out = F.conv2d(grid, conv.weight[..., None], conv.bias)
+    out = F.conv2d(grid, conv.weight[..., None], conv.bias if bias else None)
     return out.reshape(batch, out.shape[1], -1)[..., :out_length]
 
 
@@ -141,20 +165,24 @@ _FOLD_FASTER: weakref.WeakKeyDictionary[nn.Module, dict[tuple[tuple[int, ...], t
     weakref.WeakKeyDictionary())
 
 
-def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
     """A dilated convolution on CUDA, as cuDNN's own or folded, whichever ran faster the first time this convolution
     met this input shape (both timed then; a decoder's warm-up meets every shape its graphs capture). cuDNN's choice
     varies by shape: on an H200, for 32 streams' 8-frame decode, its kernel at 384 channels and dilation 9 took
     2.96 ms against 0.31 ms folded, while at 96 and 192 channels the fold was slower (session 17's probe). Off CUDA,
-    or first met inside a graph capture (no timing there), cuDNN's."""
+    or first met inside a graph capture (no timing there), cuDNN's. Without its bias if not `bias`."""
     chosen = _FOLD_FASTER.setdefault(conv, {})
     key = (tuple(x.shape), x.dtype, x.device)
     fold = chosen.get(key)
     if fold is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return conv(x)
+            return _plain_conv1d(x, conv, bias)
         fold = chosen[key] = _fold_is_faster(x, conv)
-    return dilation_folded_conv1d(x, conv) if fold else conv(x)
+    return dilation_folded_conv1d(x, conv, bias) if fold else _plain_conv1d(x, conv, bias)
+
+
+def _plain_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool) -> torch.Tensor:
+    return conv(x) if bias else conv._conv_forward(x, conv.weight, None)
 
 
 def _fold_is_faster(x: torch.Tensor, conv: nn.Conv1d, calls: int = 3) -> bool:
@@ -177,11 +205,12 @@ def mean_cuda_ms(fn: Callable[[], object], calls: int, warmup: int = 1) -> float
     return start.elapsed_time(end) / calls
 
 
-def conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """`conv(x)`: as `single_output_conv1d` where that takes the convolution, a dilated one as `dilated_conv1d`."""
+def conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
+    """`conv(x)`: as `single_output_conv1d` where that takes the convolution, a dilated one as `dilated_conv1d`.
+    Without its bias if not `bias` (for `add_and_snake` to add it), except where `single_output_conv1d` runs."""
     if takes_single_output(conv):
         return single_output_conv1d(x, conv)
-    return dilated_conv1d(x, conv) if takes_dilation_fold(conv) else conv(x)
+    return dilated_conv1d(x, conv, bias) if takes_dilation_fold(conv) else _plain_conv1d(x, conv, bias)
 
 
 class FusedSnake:
@@ -200,13 +229,56 @@ class FusedSnake:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return self.module(x)
-        batch, channels, length = x.shape
-        out = torch.empty(batch, channels, length, dtype=x.dtype, device=x.device)
-        with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
-            _snake_kernel[(batch * channels, triton.cdiv(length, BLOCK))](
-                x, x.stride(0), x.stride(1), self.alpha, self.inverse_beta, out, channels, length, BLOCK=BLOCK,
-            )
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _launch_add_and_snake(x, None, None, self, None, out)
         return out
+
+
+def add_and_snake(h: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                  snake: FusedSnake | None = None, keep_sum: bool = False,
+                  snake_into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """v = h + bias (per channel) + residual, for h [B, C, T]: (v if `keep_sum`, else None; `snake`(v), or None
+    without a snake). The snake's output fills the last T samples of `snake_into`'s rows when given (a
+    convolution's input buffer whose head holds its carried samples) and is that buffer, else a tensor of its own.
+    One kernel where Triton runs (and `FUSE_AROUND_CONVS`), else torch's adds and the snake on their own."""
+    if (FUSE_AROUND_CONVS and (snake is None or snake.applies(h)) and _on_triton(h) and h.dim() == 3
+            and h.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+            and (snake_into is None or snake_into.is_contiguous())):
+        total = torch.empty(h.shape, dtype=h.dtype, device=h.device) if keep_sum else None
+        out = None
+        if snake is not None:
+            out = snake_into if snake_into is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        _launch_add_and_snake(h, bias, residual, snake, total, out)
+        return total, out
+    v = h if bias is None else h + bias[:, None]
+    v = v if residual is None else v + residual
+    if snake is None:
+        return v, None
+    out = snake(v)
+    if snake_into is not None:
+        snake_into[..., snake_into.shape[-1] - out.shape[-1] :].copy_(out)
+        out = snake_into
+    return (v if keep_sum else None), out
+
+
+def _launch_add_and_snake(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                          snake: FusedSnake | None, total: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    """`_add_and_snake_kernel` over h [B, C, T]; `out` holds the snake in the last T samples of its rows."""
+    batch, channels, length = h.shape
+    if length == 0:
+        return
+    either = out if out is not None else total
+    assert either is not None
+    r = residual if residual is not None else h
+    with torch.cuda.device(h.device) if h.is_cuda else nullcontext():
+        _add_and_snake_kernel[(batch * channels, triton.cdiv(length, BLOCK))](
+            h, h.stride(0), h.stride(1), bias if bias is not None else h, r, r.stride(0), r.stride(1),
+            snake.alpha if snake is not None else h, snake.inverse_beta if snake is not None else h,
+            total if total is not None else either, out if out is not None else either, channels, length,
+            out.shape[-1] - length if out is not None else 0, out.shape[-1] if out is not None else length,
+            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, KEEP_SUM=total is not None,
+            SNAKE=out is not None, BLOCK=BLOCK,
+        )
 
 
 def fused_snakes(module: nn.Module, snake_type: type) -> dict[int, FusedSnake]:

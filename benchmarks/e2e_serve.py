@@ -200,7 +200,8 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
         cpu = {name: (used - cpu_before.get(name, 0.0)) / wall for name, used in service_cpu_seconds().items()}
         time.sleep(1.0)  # every ingress replica has posted its last replies' samples (each posts every 0.25 s)
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
-                     "errors": summary["errors"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
+                     "errors": summary["errors"], "errors_by_status": summary["errors_by_status"],
+                     "error_samples": summary["error_samples"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
                      "server": breakdown(before, scrape(), wall), "cpu_cores": cpu})
         print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)
@@ -281,6 +282,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{num(srv.get('vocoder_windows_per_call'), '{:.1f}')} | "
             + " / ".join(num(r.get("cpu_cores", {}).get(part), "{:.2f}")
                          for part in ("load generator", "proxy", "ingress", "thinker", "talker", "vocoder")) + " |")
+    failed = [r for r in rows if r["phase"] == "measure" and r.get("error_samples")]
+    if failed:
+        lines += [""] + [f"Failed requests at c={r['concurrency']}: {r['errors']} ("
+                         + "; ".join(r["error_samples"]) + ")" for r in failed]
     if baseline:
         lines += ["", f"transformers `generate()` on the same GPU in the same run (batch 1, not streaming): "
                       f"{baseline['total_s']:.1f} s for {baseline['audio_s']:.1f} s of audio, RTF {baseline['rtf']:.2f}; "

@@ -207,6 +207,16 @@ def describe(values: Iterable[float | None]) -> dict[str, float | int | None]:
     return out
 
 
+def error_samples(records: list[RequestRecord], limit: int = 5) -> list[str]:
+    """Up to `limit` distinct failures as 'KEY: message' (what a run that lost requests lost them to)."""
+    seen: list[str] = []
+    for record in records:
+        sample = f"{error_key(record)}: {record.error_message or ''}".strip()
+        if not record.ok and sample not in seen:
+            seen.append(sample)
+    return seen[:limit]
+
+
 def error_key(record: RequestRecord) -> str:
     """How an error is bucketed: its HTTP status if not 200, else its error type (timeout, stream error...)."""
     if record.status is not None and record.status != 200:
@@ -239,6 +249,7 @@ def aggregate(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "errors_by_status": dict(sorted(errors_by_status.items())),
         "errors_by_type": dict(sorted(errors_by_type.items())),
+        "error_samples": error_samples(records),
         "finish_reasons": dict(sorted(finish.items())),
         "wall_s": wall_s,
         "requests_per_s": rate(len(ok)),

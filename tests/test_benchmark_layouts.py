@@ -129,12 +129,15 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": served if c == 32 else {},
          "rtf_floor": floors[c]} for c in (1, 8, 32)]
+    rows[-1].update(ok=30, errors=2, error_samples=["500: relay failed", "timeout:"])
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table
     assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
     assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
+    assert "| 32 | 30/32 |" in table and "Failed requests at c=32: 2 (500: relay failed; timeout:)" in table
+    assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
             "talker: warm-up 41 s)") in table
 

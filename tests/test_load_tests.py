@@ -190,6 +190,9 @@ def test_aggregate() -> None:
     assert (s["requests"], s["ok"], s["errors"]) == (6, 3, 3)
     assert s["errors_by_status"] == {"503": 2, "timeout": 1}
     assert s["errors_by_type"] == {"overloaded": 2, "timeout": 1}
+    assert s["error_samples"] == ["503:", "timeout:"]  # distinct, in order (these records carry no message)
+    records[4].error_message = "stream stalled"
+    assert aggregate(records, wall_s=4.0)["error_samples"] == ["503:", "timeout: stream stalled"]
     assert s["finish_reasons"] == {"stop": 3}
     lat = s["stats"]["latency_s"]  # errors excluded
     assert lat["count"] == 3 and lat["p50"] == 2.0 and lat["mean"] == 2.0 and lat["p90"] == pytest.approx(2.8)

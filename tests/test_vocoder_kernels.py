@@ -159,11 +159,11 @@ def test_the_add_and_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
 
 
 def test_the_single_output_conv_kernel_compiles_for_the_h200_without_a_gpu() -> None:
-    from omni_ray.vocoder.kernels import BLOCK, _single_output_conv_kernel
+    from omni_ray.vocoder.kernels import CONV_BLOCK, CONV_BLOCK_C, _single_output_conv_kernel
 
     types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "w_ptr": "*bf16",
              "bias_ptr": "*bf16", "out_ptr": "*bf16", "length": "i32"}
-    constants = {"CHANNELS": 96, "TAPS": 7, "DILATION": 1, "HAS_BIAS": True, "BLOCK_C": 32, "BLOCK": BLOCK}
+    constants = {"CHANNELS": 96, "TAPS": 7, "DILATION": 1, "HAS_BIAS": True, "BLOCK_C": CONV_BLOCK_C, "BLOCK": CONV_BLOCK}
     compile_for_h200(_single_output_conv_kernel, types, constants)
 
 

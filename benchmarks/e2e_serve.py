@@ -201,7 +201,8 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
         time.sleep(1.0)  # every ingress replica has posted its last replies' samples (each posts every 0.25 s)
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
                      "errors": summary["errors"], "errors_by_status": summary["errors_by_status"],
-                     "error_samples": summary["error_samples"], "wall_s": wall, "audio_s_total": summary["audio_s_total"],
+                     "error_samples": summary["error_samples"], "wall_s": wall,
+                     "audio_s_total": summary["audio_s_total"],
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
                      "server": breakdown(before, scrape(), wall), "cpu_cores": cpu})
         print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)

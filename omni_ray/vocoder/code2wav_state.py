@@ -97,7 +97,8 @@ class StatefulCode2Wav:
         x = hidden.permute(0, 2, 1)
         for upsample, convnext in module.upsample:
             x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first).tensor(), walk)
-        return self._run(list(module.decoder), _Sum(x), walk, first).tensor().clamp(min=-1, max=1).flatten(1), walk.outgoing
+        wav = self._run(list(module.decoder), _Sum(x), walk, first).tensor()
+        return wav.clamp(min=-1, max=1).flatten(1), walk.outgoing
 
     # ---- the pre-transformer: sliding-window attention with a key/value cache --------------------------------
     def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
@@ -195,8 +196,9 @@ class StatefulCode2Wav:
         index = 0
         while index < len(parts):
             part = parts[index]
-            if id(part) in self.snakes and index + 1 < len(parts) and isinstance(parts[index + 1], Qwen3OmniMoeCausalConvNet):
-                x, _ = self._snake_then_conv(self.snakes[id(part)], x, parts[index + 1], walk, keep_sum=False)
+            following = parts[index + 1] if index + 1 < len(parts) else None
+            if id(part) in self.snakes and isinstance(following, Qwen3OmniMoeCausalConvNet):
+                x, _ = self._snake_then_conv(self.snakes[id(part)], x, following, walk, keep_sum=False)
                 index += 2
             else:
                 x = self._decoder_block(part, x, walk, first)

@@ -143,8 +143,8 @@ def takes_single_output(conv: nn.Module) -> bool:
 
 
 def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
-    """`conv(x)` (without its bias if not `bias`) for a dilated Conv1d (stride 1, no padding, no groups) as an undilated convolution: x [B, C, L] is
-    padded to a multiple of the dilation d and seen as [B, C, L' / d, d] (time step m * d + r at [m, r]), a Conv2d with
+    """`conv(x)` (without its bias if not `bias`) for a dilated Conv1d (stride 1, no padding, no groups) as an
+    undilated convolution: x [B, C, L] is padded to a multiple of the dilation d and seen as [B, C, L' / d, d] (time step m * d + r at [m, r]), a Conv2d with
     the (k, 1) kernel runs along m, and its output [B, O, L' / d - k + 1, d] is already in time order. (Folding the
     residues into the batch instead, then running a Conv1d, costs two permuting copies: slower on an H200.)"""
     dilation, taps = conv.dilation[0], conv.kernel_size[0]
@@ -242,14 +242,14 @@ class FusedSnake:
 def add_and_snake(h: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                   snake: FusedSnake | None = None, keep_sum: bool = False,
                   snake_into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """v = h + bias (per channel) + residual, for h [B, C, T]: (v if `keep_sum`, else None; `snake`(v), or None
-    without a snake). The snake's output fills the last T samples of `snake_into`'s rows when given (a
+    """v = h + bias (per channel) + residual, for h [B, C, T]: (v if `keep_sum` or without a snake, else None;
+    `snake`(v), or None without a snake). The snake's output fills the last T samples of `snake_into`'s rows when given (a
     convolution's input buffer whose head holds its carried samples) and is that buffer, else a tensor of its own.
     One kernel where Triton runs (and `FUSE_AROUND_CONVS`), else torch's adds and the snake on their own."""
     if (FUSE_AROUND_CONVS and (snake is None or snake.applies(h)) and _on_triton(h) and h.dim() == 3
             and h.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
             and (snake_into is None or snake_into.is_contiguous())):
-        total = torch.empty(h.shape, dtype=h.dtype, device=h.device) if keep_sum else None
+        total = torch.empty(h.shape, dtype=h.dtype, device=h.device) if keep_sum or snake is None else None
         out = None
         if snake is not None:
             out = snake_into if snake_into is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)

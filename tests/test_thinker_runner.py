@@ -22,13 +22,13 @@ REQUESTS = {
 
 def _replies(
     checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
-    prompt_lengths: tuple[int, ...] = (20, 20, 20),
+    prompt_lengths: tuple[int, ...] = (20, 20, 20), max_prefill_tokens: int = 8192,
 ) -> dict[str, list[int]]:
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     text = config.thinker_config.text_config
     cache = SlotKVCache(text.num_hidden_layers, 4, 128, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
     runner = ThinkerRunner(load_thinker(checkpoint, config, "cpu", torch.float32), config, cache,
-                           prefill_graph_tokens=prefill_graph_tokens)
+                           max_prefill_tokens=max_prefill_tokens, prefill_graph_tokens=prefill_graph_tokens)
     seqs = [ThinkerSequence(name, benchmark_prompt_ids(config, prompt_lengths[i], i), REQUESTS[name], tokens, frozenset())
             for i, name in enumerate(REQUESTS) if name in names]
     for seq in seqs:
@@ -52,3 +52,11 @@ def test_a_prefill_without_bucket_padding_makes_the_same_tokens(tiny_checkpoint:
     lengths = (20, 37, 9)
     bucketed = _replies(tiny_checkpoint, list(REQUESTS), prompt_lengths=lengths)
     assert _replies(tiny_checkpoint, list(REQUESTS), prefill_graph_tokens=0, prompt_lengths=lengths) == bucketed
+
+
+def test_prompts_past_the_prefill_budget_prefill_in_later_steps_with_the_same_tokens(tiny_checkpoint: Path) -> None:
+    """Three admitted prompts and a budget of one prompt's bucket (32 positions): each later step prefills the next
+    prompt while the earlier ones decode (their slots in between held by prompts not yet prefilled). The replies
+    equal those of one prefill of all three."""
+    together = _replies(tiny_checkpoint, list(REQUESTS))
+    assert _replies(tiny_checkpoint, list(REQUESTS), max_prefill_tokens=32) == together

@@ -86,7 +86,8 @@ class PlacementTransport:
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         transport = self.select(peer)
-        if transport is self.ipc and self.mode == "auto" and not device_bytes(message.items):
+        on_device = any(t.device.type != "cpu" for item in message.items for t in item.tensors.values())
+        if transport is self.ipc and self.mode == "auto" and not on_device:
             transport = self.tcp  # its tensors were copied to the CPU (a small message), or it has none
         await transport.send(peer, message)
 

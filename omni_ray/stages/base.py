@@ -270,12 +270,12 @@ class StageBase:
             return
         transport = self.sender.transport
         peers = [self._consumers.get(item.request_id) for item in items]
-        step_bytes: dict[str, int] = {}  # each peer's message this step: bytes of device tensors
+        bound: dict[str, tuple[RelayPeer, list[RelayItem]]] = {}  # each peer's message this step
         for peer, item in zip(peers, items):
             if peer is not None:
-                step_bytes[peer.replica_id] = step_bytes.get(peer.replica_id, 0) + device_bytes([item])
-        on_host = [i for i, peer in enumerate(peers)
-                   if peer is not None and transport.needs_host_tensors(peer, step_bytes[peer.replica_id])]
+                bound.setdefault(peer.replica_id, (peer, []))[1].append(item)
+        to_host = {rid for rid, (peer, mine) in bound.items() if transport.needs_host_tensors(peer, device_bytes(mine))}
+        on_host = [i for i, peer in enumerate(peers) if peer is not None and peer.replica_id in to_host]
         items = list(items)
         with host_range("relay: host copies"):
             for i, copied in zip(on_host, host_copies([items[i] for i in on_host])):  # one wait for the whole step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,28 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
     assert graph_tokens == eager_tokens
     assert [[f[0] for f in frames] for frames in graph_frames] == [[f[0] for f in frames] for frames in eager_frames]
     assert graph_frames == eager_frames
+
+
+def test_text_embeddings_arriving_partly_on_the_host_speak_what_embeddings_on_the_gpu_speak(tiny_checkpoint: Path) -> None:
+    """On one GPU the relay hands each Thinker step's message over through CUDA IPC or on the host path by its size,
+    so a request's text embeddings arrive some on the GPU and some on the host, and one Talker step's rows mix both
+    (the 1-GPU service lost whole batches of 32 requests to a device mismatch there in session 21). With every other
+    embedding of each request moved to the host (rows of one step on both), the Talker speaks the frames it speaks
+    with all of them on the GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = ("Hello there!", "Tell me a story about a dog.", "Hi")
+    lengths = (24, 16, 24)
+    seqs, outputs, _ = _think(tiny_checkpoint, "cuda", torch.float32, True, prompts, lengths, False)
+    frames = {s.request_id: n for s, n in zip(seqs, lengths)}
+    talker = _talker(tiny_checkpoint, "cuda", torch.float32, True, False)
+    on_gpu = _speak(talker, seqs, outputs, frames)
+    mixed = {request: [replace(out, talker_embed=out.talker_embed.cpu())
+                       if out.talker_embed is not None and (i + step) % 2 else out for step, out in enumerate(outs)]
+             for i, (request, outs) in enumerate(outputs.items())}
+    devices = {out.talker_embed.device.type for outs in mixed.values() for out in outs if out.talker_embed is not None}
+    assert devices == {"cpu", "cuda"}
+    assert _speak(talker, seqs, mixed, frames) == on_gpu
+    assert [len(on_gpu[s.request_id]) for s in seqs] == list(lengths)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-ops", "compiled-layers+draw-kernel"])

@@ -37,6 +37,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return upload({"tensor": tensor}, device)["tensor"]
 
 
+def stack_on_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`torch.stack(tensors)` on `device`, for tensors that may each sit on the host or on a GPU: on one GPU the relay
+    hands a step's message over on the host path or through CUDA IPC by its size, so one request's text embeddings
+    arrive on either, and one batch mixes them. The host ones go up in one upload, without waiting for the GPU."""
+    on_host = [t for t in tensors if t.device.type == "cpu" and device.type != "cpu"]
+    if not on_host:
+        return torch.stack([t.to(device) for t in tensors])
+    uploaded = iter(to_device(torch.stack(on_host), device))
+    return torch.stack([next(uploaded) if t.device.type == "cpu" else t.to(device) for t in tensors])
+
+
 class StepDone:
     """An event after everything queued so far on the current stream: `wait()` blocks the host until that work alone
     is done (not what is queued after it)."""

@@ -21,7 +21,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import Download, to_device, upload
+from omni_ray.engine.host_inputs import Download, stack_on_device, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
@@ -347,8 +347,8 @@ class TalkerRunner:
         rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
         pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
         if pending:
-            raw = torch.stack([seqs[j].text_embeds[index[j]] for j in pending])
-            raw = to_device(raw, self.device)  # relayed on the host path, or already here
+            # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
+            raw = stack_on_device([seqs[j].text_embeds[index[j]] for j in pending], self.device)
             for j, projected in zip(pending, self.model.text_projection(raw.to(dtype=self.assets.tts_pad.dtype))):
                 rows[j] = projected
         return torch.stack(rows)

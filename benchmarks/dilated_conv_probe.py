@@ -17,7 +17,7 @@ from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec
 from omni_ray.vocoder import code2wav_state
-from omni_ray.vocoder.kernels import dilated_conv1d, dilation_folded_conv1d, mean_cuda_ms
+from omni_ray.vocoder.convolutions import dilated_conv1d, dilation_folded_conv1d, mean_cuda_ms
 
 
 def dilated_shapes(module: nn.Module, streams: int, schedule: ChunkSchedule,

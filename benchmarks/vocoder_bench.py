@@ -17,6 +17,7 @@ from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
 from omni_ray.config import VocoderSettings
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
+from omni_ray.vocoder import code2wav_state, convolutions
 from omni_ray.vocoder import kernels as vocoder_kernels
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
 from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="torch's bias and residual adds and joins around the convolutions, the snake apart "
                         "(`kernels.FUSE_AROUND_CONVS` off), not `add_and_snake`")
+    parser.add_argument("--channel-by-channel", action="store_true",
+                        help="the stateful decoder's activations stored channel by channel, not channels last "
+                        "(`code2wav_state.CHANNELS_LAST` off): cuDNN converts around each convolution")
     parser.add_argument("--codes-on-device", action="store_true",
                         help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
     parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",
@@ -102,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     codes_device = args.device if args.codes_on_device else "cpu"
-    if args.cudnn_last_conv:  # `kernels.conv1d` asks this for every convolution it is handed
-        vocoder_kernels.takes_single_output = lambda conv: False
-    vocoder_kernels.FOLD_DILATION = not args.no_dilation_fold
+    if args.cudnn_last_conv:  # `convolutions.conv1d` asks this for every convolution it is handed
+        convolutions.takes_single_output = lambda conv: False
+    convolutions.FOLD_DILATION = not args.no_dilation_fold
+    code2wav_state.CHANNELS_LAST = not args.channel_by_channel
     vocoder_kernels.FUSE_AROUND_CONVS = not args.no_fused_adds
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]

@@ -10,21 +10,24 @@ import pytest
 import torch
 from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
-from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, kernels, step_shapes
+from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, code2wav_state, convolutions, step_shapes
 from omni_ray.vocoder.batching import BatchingStatefulCodec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("codes_on, folds", [("cpu", "timed"), ("cuda", "timed"), ("cpu", "always")])
-def test_graph_replayed_stateful_streams_equal_one_shot_decodes(codes_on: str, folds: str,
+@pytest.mark.parametrize("codes_on, folds, layout", [("cpu", "timed", "channels-last"), ("cuda", "timed", "channels-last"),
+                                                     ("cpu", "always", "channels-last"),
+                                                     ("cpu", "timed", "channel-by-channel")])
+def test_graph_replayed_stateful_streams_equal_one_shot_decodes(codes_on: str, folds: str, layout: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes pushed from the host, and from the GPU as the same-GPU relay hands them over: those stay on the GPU,
     joined and batched on each thread's default stream, which the vocoder's own stream then waits for. The dilated
     convolutions as timed at warm-up (at these tiny shapes most likely cuDNN's own), and all folded."""
-    monkeypatch.setattr(kernels, "_FOLD_FASTER", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(convolutions, "_FOLD_FASTER", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(code2wav_state, "CHANNELS_LAST", layout == "channels-last")
     if folds == "always":
-        monkeypatch.setattr(kernels, "_fold_is_faster", lambda x, conv: True)
+        monkeypatch.setattr(convolutions, "_fold_is_faster", lambda x, conv: True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     module = _tiny_code2wav().cuda()
@@ -54,6 +57,7 @@ def test_graph_replayed_stateful_streams_equal_one_shot_decodes(codes_on: str, f
         torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
     assert codec.states is not None and codec.states.in_use == 0
     dilated = [conv for conv in module.modules() if isinstance(conv, torch.nn.Conv1d) and conv.dilation[0] > 1]
-    assert dilated and all(kernels._FOLD_FASTER.get(conv) for conv in dilated)  # each met at warm-up and timed
+    assert dilated and all(convolutions._FOLD_FASTER.get(conv) for conv in dilated)  # each met at warm-up and timed
+    assert all(key[1] == (layout == "channels-last") for conv in dilated for key in convolutions._FOLD_FASTER[conv])
     if folds == "always":
-        assert all(all(chosen.values()) for chosen in kernels._FOLD_FASTER.values())
+        assert all(all(chosen.values()) for chosen in convolutions._FOLD_FASTER.values())

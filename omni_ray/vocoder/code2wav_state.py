@@ -7,6 +7,10 @@ each transposed convolution's overlap tail (its outputs still waiting for the ne
 one-shot decode of every frame so far, sample for sample up to float rounding: the first call of a stream yields
 `n * samples_per_frame - trim` samples, every later call `n * samples_per_frame`.
 
+The convolutional part runs with its activations stored channels last (`CHANNELS_LAST`, see `convolutions.py`):
+the pre-transformer's output already is, and cuDNN's convolutions then take and give that layout without
+converting. The carried state is kept channel by channel (a few samples per channel).
+
 The module is transformers' `Qwen3OmniMoeCode2Wav`; its weights and submodules are used as they are.
 """
 
@@ -30,9 +34,11 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_ray.errors import CapacityError
-from omni_ray.vocoder.kernels import FusedSnake, add_and_snake, conv1d, fused_snakes
+from omni_ray.vocoder.convolutions import conv1d, conv_transpose1d, prepare_channels_last
+from omni_ray.vocoder.kernels import FusedSnake, add_and_snake, empty_activation, fused_snakes
 
 State = list[torch.Tensor]  # one tensor per stateful op, in forward order, each [rows, ...]
+CHANNELS_LAST = True  # the convolutions' activations stored channels last; off: channel by channel (A/B runs)
 
 
 @dataclass
@@ -86,6 +92,7 @@ class StatefulCode2Wav:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.samples_per_frame = int(module.total_upsample)
         self.snakes = fused_snakes(module, Qwen3OmniMoeSnakeBeta)  # each SnakeBeta as one kernel (`kernels.py`)
+        prepare_channels_last(module)
 
     @torch.inference_mode()
     def step(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
@@ -94,7 +101,9 @@ class StatefulCode2Wav:
         first = state is None
         hidden = module.code_embedding(codes + module.code_offset).mean(1)  # [B, n, H]
         hidden = self._transformer(hidden, positions, walk)
-        x = hidden.permute(0, 2, 1)
+        x = hidden.transpose(1, 2)  # [B, H, n], channels last
+        if not CHANNELS_LAST:
+            x = x.contiguous()
         for upsample, convnext in module.upsample:
             x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first).tensor(), walk)
         wav = self._run(list(module.decoder), _Sum(x), walk, first).tensor()
@@ -139,7 +148,9 @@ class StatefulCode2Wav:
             raise ValueError("streaming needs stride-1 causal convolutions")
         if op.padding == 0:
             return conv1d(x, op.conv)
-        padded = torch.cat([walk.take(x, op.padding), x], dim=-1)
+        padded = empty_activation(x.shape[0], x.shape[1], op.padding + x.shape[-1], like=x)
+        padded[..., : op.padding].copy_(walk.take(x, op.padding))
+        padded[..., op.padding :].copy_(x)
         walk.keep(padded[..., -op.padding :])
         return conv1d(padded, op.conv)
 
@@ -153,7 +164,7 @@ class StatefulCode2Wav:
         into = None
         if op.padding:
             carried = walk.take(x.h, op.padding)
-            into = torch.empty(*x.h.shape[:-1], op.padding + x.h.shape[-1], dtype=x.h.dtype, device=x.h.device)
+            into = empty_activation(x.h.shape[0], x.h.shape[1], op.padding + x.h.shape[-1], like=x.h)
             into[..., : op.padding].copy_(carried)
         total, activated = add_and_snake(x.h, x.bias, x.residual, snake, keep_sum, into)
         assert activated is not None
@@ -170,9 +181,9 @@ class StatefulCode2Wav:
         one-shot decode trims them. Its bias is left for the next op's pass to add."""
         stride = op.conv.stride[0]
         overlap = op.conv.kernel_size[0] - stride
+        full = conv_transpose1d(x, op.conv)  # [B, C, (n-1)*s + k], no bias yet
         if overlap == 0:
-            return _Sum(op(x))
-        full = F.conv_transpose1d(x, op.conv.weight, None, stride=stride)  # [B, C, (n-1)*s + k], no bias yet
+            return _Sum(full, op.conv.bias)
         full[..., :overlap] += walk.take(full, overlap)  # in place: a join copied the whole output (4% of GPU time)
         ready = x.shape[-1] * stride
         walk.keep(full[..., ready:])

@@ -1,5 +1,5 @@
-"""Code2Wav's costly ops made cheap: the SnakeBeta activation and the last convolution as Triton kernels, a dilated
-convolution folded into an undilated one where that is faster.
+"""Code2Wav's costly ops made cheap: the SnakeBeta activation, the adds around the convolutions and the last
+convolution as Triton kernels.
 
 - SnakeBeta, x + sin²(αx) / β per channel: transformers' `Qwen3OmniMoeSnakeBeta` runs it as about nine kernels, five
   of them passes over the whole [B, C, T] activation, each rounding to the model's dtype; the decoder applies it 25
@@ -17,24 +17,18 @@ convolution folded into an undilated one where that is faster.
   and 17% of its GPU time (session 14's profile), called about as often as the decoder runs: most likely this
   convolution, which the profile does not name. `single_output_conv1d` reads the input once, each program summing
   channels x taps for a block of samples in fp32.
-- The residual units' kernel-7 convolutions dilated by 3 and 9: for one of them, 384 channels at dilation 9, cuDNN
-  falls back to the same non-tensor-core `implicit_convolve_sgemm`, 2.91 ms per 8-frame decode of 32 streams against
-  0.26 ms undilated, 18% of the vocoder's GPU time (session 16's op profile).
-  `dilation_folded_conv1d` gives the same sums as an undilated convolution over the time steps r, r + d, r + 2d, ...
-  of each residue r; `dilated_conv1d` takes it for a shape where it ran faster when first met (timed).
+- Either activation layout: a [B, C, T] activation stored channel by channel, or channels last ([B, T, C]
+  underneath, `is_channels_last`: what the stateful decoder runs in, see `convolutions.py`). Each kernel writes its
+  outputs in its input's layout (`empty_activation`).
 
-Without Triton, or off CUDA outside Triton's interpreter, torch runs the first two as before; the fold (plain torch) is
-taken on CUDA only.
+Without Triton, or off CUDA outside Triton's interpreter, torch's ops and the modules run instead.
 """
 
 from __future__ import annotations
 
-import weakref
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omni_ray.layers.small_batch import interpreting
@@ -50,7 +44,8 @@ BLOCK = 1024  # samples per program
 # channels at every tap, the kernel took 1.1 ms per call for 32 streams' 8-frame decode (96 MB read: about 85 GB/s),
 # 10% of the vocoder's GPU time (session 20's op profile), most likely from the tile spilling out of registers.
 CONV_BLOCK, CONV_BLOCK_C = 256, 16
-FOLD_DILATION = True  # `conv1d` may fold a dilated convolution (where faster); off: cuDNN's always
+CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST = 128, 32  # the same tile over an input stored channels last
+ADD_TILE = 2048  # `_add_and_snake_channels_last_kernel`'s time steps x channels per program
 FUSE_AROUND_CONVS = True  # `add_and_snake` as one kernel; off: torch's adds, the snake kernel, a copy (A/B runs)
 
 
@@ -88,12 +83,46 @@ if triton is not None:
             out = v + wave * wave * tl.load(inverse_beta_ptr + channel)
             tl.store(snake_ptr + row * snake_row + snake_offset + at, out.to(snake_ptr.dtype.element_ty), mask=inside)
 
-    @triton.jit(do_not_specialize=["x_batch_stride", "x_channel_stride", "length"])
-    def _single_output_conv_kernel(x_ptr, x_batch_stride, x_channel_stride, w_ptr, bias_ptr, out_ptr, length,
+    @triton.jit(do_not_specialize=["length", "snake_offset", "snake_row"])
+    def _add_and_snake_channels_last_kernel(h_ptr, h_batch_stride, h_time_stride, bias_ptr, r_ptr, r_batch_stride,
+                                            r_time_stride, alpha_ptr, inverse_beta_ptr, sum_ptr, snake_ptr, channels,
+                                            length, snake_offset, snake_row, HAS_BIAS: tl.constexpr,
+                                            HAS_RESIDUAL: tl.constexpr, KEEP_SUM: tl.constexpr, SNAKE: tl.constexpr,
+                                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """`_add_and_snake_kernel` for activations stored channels last (channel stride 1): one batch row's tile of
+        BLOCK_T time steps x BLOCK_C channels; `sum` is [B, length, C] underneath, `snake` [B, snake_row, C] with the
+        output from time step `snake_offset` on. (The channel count and strides stay specialized on: multiples of 16
+        in the released geometry, so one compile, with vector loads and stores.)"""
+        batch = tl.program_id(0)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        channel_ok = c < channels
+        inside = (t < length)[:, None] & channel_ok[None, :]
+        v = tl.load(h_ptr + batch * h_batch_stride + t[:, None] * h_time_stride + c[None, :], mask=inside, other=0.0)
+        v = v.to(tl.float32)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + c, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            v += tl.load(r_ptr + batch * r_batch_stride + t[:, None] * r_time_stride + c[None, :], mask=inside,
+                         other=0.0).to(tl.float32)
+        rounded = v.to(snake_ptr.dtype.element_ty)
+        if KEEP_SUM:
+            tl.store(sum_ptr + (batch * length + t[:, None]) * channels + c[None, :], rounded, mask=inside)
+        if SNAKE:
+            v = rounded.to(tl.float32)
+            wave = tl.sin(v * tl.load(alpha_ptr + c, mask=channel_ok, other=0.0)[None, :])
+            out = v + wave * wave * tl.load(inverse_beta_ptr + c, mask=channel_ok, other=0.0)[None, :]
+            tl.store(snake_ptr + (batch * snake_row + snake_offset + t[:, None]) * channels + c[None, :],
+                     out.to(snake_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit(do_not_specialize=["x_batch_stride", "length"])
+    def _single_output_conv_kernel(x_ptr, x_batch_stride, x_channel_stride, x_time_stride, w_ptr, bias_ptr, out_ptr,
+                                   length,
                                    CHANNELS: tl.constexpr, TAPS: tl.constexpr, DILATION: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
         """out[b, t] = bias + sum over c, j of w[c, j] * x[b, c, t + j * DILATION], t in this program's block of
-        `length` outputs (x holds length + (TAPS - 1) * DILATION samples per channel)."""
+        `length` outputs (x holds length + (TAPS - 1) * DILATION samples per channel). One of x's channel and time
+        strides is 1 (specialized on, so the loads run along it)."""
         b = tl.program_id(0)
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = at < length
@@ -103,7 +132,8 @@ if triton is not None:
             channel_ok = channels < CHANNELS
             rows = x_ptr + b * x_batch_stride + channels[:, None] * x_channel_stride
             for j in tl.static_range(TAPS):
-                x = tl.load(rows + (at + j * DILATION)[None, :], mask=channel_ok[:, None] & inside[None, :], other=0.0)
+                x = tl.load(rows + (at + j * DILATION)[None, :] * x_time_stride,
+                            mask=channel_ok[:, None] & inside[None, :], other=0.0)
                 w = tl.load(w_ptr + channels * TAPS + j, mask=channel_ok, other=0.0)
                 partial += x.to(tl.float32) * w.to(tl.float32)[:, None]
         acc = tl.sum(partial, axis=0)
@@ -117,20 +147,42 @@ def _on_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or interpreting())
 
 
+def is_channels_last(x: torch.Tensor) -> bool:
+    """x [B, C, T] (C > 1) stored time step by time step: channel stride 1, time stride C (any batch stride, so a
+    slice of a longer activation along time counts)."""
+    return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1 and x.stride(2) == x.shape[1]
+
+
+def empty_activation(batch: int, channels: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [B, C, T] activation in `like`'s layout, dtype and device (channels last: a [B, T, C] tensor
+    seen through a transpose)."""
+    if is_channels_last(like):
+        return torch.empty(batch, length, channels, dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.empty(batch, channels, length, dtype=like.dtype, device=like.device)
+
+
+def _time_contiguous(x: torch.Tensor) -> bool:
+    """x [B, C, T] with unit stride along time, or stored channels last: the kernels' two layouts."""
+    return x.dim() == 3 and (x.stride(-1) == 1 or is_channels_last(x))
+
+
 def single_output_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     """`conv(x)` for a Conv1d with one output channel, stride 1, no padding, no groups: x [B, C, T + (k - 1) * d] →
-    [B, 1, T]. One kernel where Triton runs, else the module."""
+    [B, 1, T], x in either layout. One kernel where Triton runs, else the module."""
     taps, dilation = conv.kernel_size[0], conv.dilation[0]
     length = x.shape[-1] - (taps - 1) * dilation
-    if not (_on_triton(x) and x.stride(-1) == 1 and length > 0):
+    if not (_on_triton(x) and _time_contiguous(x) and length > 0):
         return conv(x)
     batch, channels, _ = x.shape
+    block, block_c = ((CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST) if is_channels_last(x)
+                      else (CONV_BLOCK, CONV_BLOCK_C))
     out = torch.empty(batch, 1, length, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
-        _single_output_conv_kernel[(batch, triton.cdiv(length, CONV_BLOCK))](
-            x, x.stride(0), x.stride(1), conv.weight, conv.bias if conv.bias is not None else conv.weight, out, length,
+        _single_output_conv_kernel[(batch, triton.cdiv(length, block))](
+            x, x.stride(0), x.stride(1), x.stride(2), conv.weight,
+            conv.bias if conv.bias is not None else conv.weight, out, length,
             CHANNELS=channels, TAPS=taps, DILATION=dilation, HAS_BIAS=conv.bias is not None,
-            BLOCK_C=min(CONV_BLOCK_C, triton.next_power_of_2(channels)), BLOCK=CONV_BLOCK,
+            BLOCK_C=min(block_c, triton.next_power_of_2(channels)), BLOCK=block,
         )
     return out
 
@@ -140,82 +192,6 @@ def takes_single_output(conv: nn.Module) -> bool:
     groups."""
     return (isinstance(conv, nn.Conv1d) and conv.out_channels == 1 and conv.groups == 1 and conv.stride == (1,)
             and conv.padding == (0,) and conv.weight.is_contiguous())
-
-
-def dilation_folded_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
-    """`conv(x)` (without its bias if not `bias`) for a dilated Conv1d (stride 1, no padding, no groups) as an
-    undilated convolution: x [B, C, L] is padded to a multiple of the dilation d and seen as [B, C, L' / d, d] (time step m * d + r at [m, r]), a Conv2d with
-    the (k, 1) kernel runs along m, and its output [B, O, L' / d - k + 1, d] is already in time order. (Folding the
-    residues into the batch instead, then running a Conv1d, costs two permuting copies: slower on an H200.)"""
-    dilation, taps = conv.dilation[0], conv.kernel_size[0]
-    batch, channels, length = x.shape
-    out_length = length - (taps - 1) * dilation
-    if out_length <= 0:
-        return conv(x)
-    steps = -(-length // dilation)
-    grid = F.pad(x, (0, steps * dilation - length)).reshape(batch, channels, steps, dilation)
-    out = F.conv2d(grid, conv.weight[..., None], conv.bias if bias else None)
-    return out.reshape(batch, out.shape[1], -1)[..., :out_length]
-
-
-def takes_dilation_fold(conv: nn.Module) -> bool:
-    """Whether `dilation_folded_conv1d` computes this convolution: a dilated Conv1d, stride 1, no padding or groups
-    (`FOLD_DILATION` off turns the fold off, for A/B measurements)."""
-    return (FOLD_DILATION and isinstance(conv, nn.Conv1d) and conv.dilation[0] > 1 and conv.groups == 1
-            and conv.stride == (1,) and conv.padding == (0,) and conv.padding_mode == "zeros")
-
-
-# per convolution: (input shape, dtype, device) → whether the fold ran faster there
-_FOLD_FASTER: weakref.WeakKeyDictionary[nn.Module, dict[tuple[tuple[int, ...], torch.dtype, torch.device], bool]] = (
-    weakref.WeakKeyDictionary())
-
-
-def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
-    """A dilated convolution on CUDA, as cuDNN's own or folded, whichever ran faster the first time this convolution
-    met this input shape (both timed then; a decoder's warm-up meets every shape its graphs capture). cuDNN's choice
-    varies by shape: on an H200, for 32 streams' 8-frame decode, its kernel at 384 channels and dilation 9 took
-    2.96 ms against 0.31 ms folded, while at 96 and 192 channels the fold was slower (session 17's probe). Off CUDA,
-    or first met inside a graph capture (no timing there), cuDNN's. Without its bias if not `bias`."""
-    chosen = _FOLD_FASTER.setdefault(conv, {})
-    key = (tuple(x.shape), x.dtype, x.device)
-    fold = chosen.get(key)
-    if fold is None:
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return _plain_conv1d(x, conv, bias)
-        fold = chosen[key] = _fold_is_faster(x, conv)
-    return dilation_folded_conv1d(x, conv, bias) if fold else _plain_conv1d(x, conv, bias)
-
-
-def _plain_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool) -> torch.Tensor:
-    return conv(x) if bias else conv._conv_forward(x, conv.weight, None)
-
-
-def _fold_is_faster(x: torch.Tensor, conv: nn.Conv1d, calls: int = 3) -> bool:
-    """Both ways timed on the current stream after a first call each (cuDNN picks its algorithm on the first): the
-    fold only where it saves a tenth or more."""
-    dilated = mean_cuda_ms(lambda: conv(x), calls)
-    return mean_cuda_ms(lambda: dilation_folded_conv1d(x, conv), calls) < 0.9 * dilated
-
-
-def mean_cuda_ms(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
-    """`fn`'s mean GPU time per call on the current stream (CUDA events), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch.Tensor:
-    """`conv(x)`: as `single_output_conv1d` where that takes the convolution, a dilated one as `dilated_conv1d`.
-    Without its bias if not `bias` (for `add_and_snake` to add it), except where `single_output_conv1d` runs."""
-    if takes_single_output(conv):
-        return single_output_conv1d(x, conv)
-    return dilated_conv1d(x, conv, bias) if takes_dilation_fold(conv) else _plain_conv1d(x, conv, bias)
 
 
 class FusedSnake:
@@ -228,13 +204,13 @@ class FusedSnake:
             self.inverse_beta = (1.0 / (module.beta.detach().float().exp() + module.no_div_by_zero)).contiguous()
 
     def applies(self, x: torch.Tensor) -> bool:
-        """Triton on a GPU (or its interpreter), x [B, C, T] with unit stride along time."""
-        return _on_triton(x) and x.dim() == 3 and x.stride(-1) == 1 and x.shape[-1] > 0
+        """Triton on a GPU (or its interpreter), x [B, C, T] with unit stride along time or stored channels last."""
+        return _on_triton(x) and _time_contiguous(x) and x.shape[-1] > 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return self.module(x)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = empty_activation(*x.shape, like=x)
         _launch_add_and_snake(x, None, None, self, None, out)
         return out
 
@@ -245,14 +221,13 @@ def add_and_snake(h: torch.Tensor, bias: torch.Tensor | None = None, residual: t
     """v = h + bias (per channel) + residual, for h [B, C, T]: (v if `keep_sum` or without a snake, else None;
     `snake`(v), or None without a snake). The snake's output fills the last T samples of `snake_into`'s rows when given (a
     convolution's input buffer whose head holds its carried samples) and is that buffer, else a tensor of its own.
-    One kernel where Triton runs (and `FUSE_AROUND_CONVS`), else torch's adds and the snake on their own."""
-    if (FUSE_AROUND_CONVS and (snake is None or snake.applies(h)) and _on_triton(h) and h.dim() == 3
-            and h.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
-            and (snake_into is None or snake_into.is_contiguous())):
-        total = torch.empty(h.shape, dtype=h.dtype, device=h.device) if keep_sum or snake is None else None
+    Outputs in h's layout. One kernel where Triton runs (and `FUSE_AROUND_CONVS`, with h, the residual and
+    `snake_into` in one layout), else torch's adds and the snake on their own."""
+    if FUSE_AROUND_CONVS and (snake is None or snake.applies(h)) and _on_triton(h) and _fusable(h, residual, snake_into):
+        total = empty_activation(*h.shape, like=h) if keep_sum or snake is None else None
         out = None
         if snake is not None:
-            out = snake_into if snake_into is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+            out = snake_into if snake_into is not None else empty_activation(*h.shape, like=h)
         _launch_add_and_snake(h, bias, residual, snake, total, out)
         return total, out
     v = h if bias is None else h + bias[:, None]
@@ -266,9 +241,21 @@ def add_and_snake(h: torch.Tensor, bias: torch.Tensor | None = None, residual: t
     return (v if keep_sum else None), out
 
 
+def _fusable(h: torch.Tensor, residual: torch.Tensor | None, snake_into: torch.Tensor | None) -> bool:
+    """h, the residual and the snake's buffer (whole) all in one of the kernels' layouts."""
+    if h.dim() != 3:
+        return False
+    if is_channels_last(h):
+        return ((residual is None or is_channels_last(residual))
+                and (snake_into is None or (is_channels_last(snake_into) and snake_into.transpose(1, 2).is_contiguous())))
+    return (h.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+            and (snake_into is None or snake_into.is_contiguous()))
+
+
 def _launch_add_and_snake(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                           snake: FusedSnake | None, total: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    """`_add_and_snake_kernel` over h [B, C, T]; `out` holds the snake in the last T samples of its rows."""
+    """The add-and-snake kernel of h's layout over h [B, C, T]; `out` holds the snake in the last T samples of its
+    rows."""
     batch, channels, length = h.shape
     if length == 0:
         return
@@ -276,6 +263,18 @@ def _launch_add_and_snake(h: torch.Tensor, bias: torch.Tensor | None, residual: 
     assert either is not None
     r = residual if residual is not None else h
     with torch.cuda.device(h.device) if h.is_cuda else nullcontext():
+        if is_channels_last(h):
+            block_c = 64 if channels % 64 == 0 else 32 if channels % 32 == 0 else min(64, triton.next_power_of_2(channels))
+            block_t = ADD_TILE // block_c
+            _add_and_snake_channels_last_kernel[(batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+                h, h.stride(0), h.stride(2), bias if bias is not None else h, r, r.stride(0), r.stride(2),
+                snake.alpha if snake is not None else h, snake.inverse_beta if snake is not None else h,
+                total if total is not None else either, out if out is not None else either, channels, length,
+                out.shape[-1] - length if out is not None else 0, out.shape[-1] if out is not None else length,
+                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, KEEP_SUM=total is not None,
+                SNAKE=out is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+            )
+            return
         _add_and_snake_kernel[(batch * channels, triton.cdiv(length, BLOCK))](
             h, h.stride(0), h.stride(1), bias if bias is not None else h, r, r.stride(0), r.stride(1),
             snake.alpha if snake is not None else h, snake.inverse_beta if snake is not None else h,

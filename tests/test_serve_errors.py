@@ -150,3 +150,40 @@ def test_a_stage_at_capacity_is_a_503_with_retry_after_not_a_500() -> None:
     assert error.status == 503 and error.body()["error"]["code"] == "overloaded"
     assert error.headers.get("Retry-After")
     assert _as_openai_error(StageError("talker: boom")).status == 500  # a real failure stays a server error
+
+
+def test_a_stream_failing_after_its_headers_ends_with_an_error_event_not_a_cut_transfer() -> None:
+    """A stage failing mid-reply, after the 200 and the first chunks went out (the 1-GPU service's device mismatch in
+    the Talker, session 21): a chat stream's last events are the error in the OpenAI envelope and [DONE], so the
+    client reads why (the openai client raises it) instead of a broken chunked transfer. A raw audio stream has no room
+    for an error: it is cut. Both are counted."""
+    import asyncio
+    import json
+
+    from prometheus_client import generate_latest
+
+    from omni_ray.errors import StageError
+    from omni_ray.serve.ingress import OmniIngress, _sse_error
+    from omni_ray.serve.metrics import ServiceMetrics
+
+    async def failing() -> Any:
+        yield b"data: first\n\n"
+        raise StageError("talker: Expected all tensors to be on the same device")
+
+    class Replica:  # what `_counted` reads of the ingress replica
+        metrics = ServiceMetrics()
+
+    async def drain(endpoint: str, tail: Any) -> list[bytes]:
+        return [chunk async for chunk in OmniIngress._counted(Replica(), endpoint, failing(), tail)]
+
+    chunks = asyncio.run(drain("chat", _sse_error))
+    assert chunks[0] == b"data: first\n\n"
+    events = b"".join(chunks[1:]).decode().split("\n\n")
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "same device" in error["message"]
+    assert events[1:] == ["data: [DONE]", ""]
+    with pytest.raises(StageError):
+        asyncio.run(drain("speech", None))
+    page = generate_latest(Replica.metrics.registry).decode()
+    assert 'omni_stream_failures_total{endpoint="chat"} 1.0' in page
+    assert 'omni_stream_failures_total{endpoint="speech"} 1.0' in page

@@ -5,9 +5,10 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
 
 
 import asyncio
+import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from omni_ray.serve.stats import StatsReporter, serve_replica_id, stats_board
 from omni_ray.stages.client import ServeClient
 
 STAGES = ("encoder", "thinker", "talker", "vocoder")
+logger = logging.getLogger(__name__)
 app = FastAPI(title="omni-ray", docs_url=None, redoc_url=None)
 
 
@@ -60,6 +62,12 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 def _with_sent(timing: dict[str, float], first_sent: float | None) -> dict[str, float]:
     """A streamed reply's timing plus when its first audio chunk was handed to the HTTP response."""
     return timing if first_sent is None else {**timing, "first_audio_sent": first_sent}
+
+
+def _sse_error(exc: Exception) -> bytes:
+    """A chat stream's last events after a failure: the error in the OpenAI envelope (as its HTTP body would be),
+    then [DONE]."""
+    return oai.sse(_as_openai_error(exc).body()) + oai.SSE_DONE
 
 
 @serve.ingress(app)
@@ -157,14 +165,23 @@ class OmniIngress:
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    async def _counted(self, endpoint: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Streaming bodies: count cancellations (client gone) after the headers were sent."""
+    async def _counted(self, endpoint: str, stream: AsyncIterator[bytes],
+                       error_tail: Optional[Callable[[Exception], bytes]] = None) -> AsyncIterator[bytes]:
+        """Streaming bodies: count cancellations (client gone) and failures after the headers were sent. A failure
+        ends the body with `error_tail(error)` where its format has room for one (an SSE error event: the client
+        reads the error and the stream ends cleanly), else cuts it."""
         try:
             async for chunk in stream:
                 yield chunk
         except asyncio.CancelledError:
             self.metrics.cancelled.labels(endpoint).inc()
             raise
+        except Exception as exc:
+            self.metrics.stream_failures.labels(endpoint).inc()
+            logger.warning("a streamed %s reply failed after its headers were sent: %s", endpoint, exc)
+            if error_tail is None:
+                raise
+            yield error_tail(exc)
 
     # ---- chat ----------------------------------------------------------------------------------------------
     async def chat(self, raw: bytes) -> Response:
@@ -180,7 +197,7 @@ class OmniIngress:
         )
         if request.stream:
             body = self._chat_stream(rid, created, first, events, kwargs["audio"])
-            return StreamingResponse(self._counted("chat", body), media_type="text/event-stream")
+            return StreamingResponse(self._counted("chat", body, _sse_error), media_type="text/event-stream")
         return await self._chat_whole(rid, created, first, events, audio_format)
 
     async def _chat_stream(

@@ -63,6 +63,8 @@ class ServiceMetrics:
         r = self.registry
         self.requests = Counter("omni_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.cancelled = Counter("omni_requests_cancelled", "requests abandoned by the client", ["endpoint"], registry=r)
+        self.stream_failures = Counter("omni_stream_failures", "streamed replies that failed after their headers were "
+                                       "sent (a chat stream ends with an error event)", ["endpoint"], registry=r)
         self.in_flight = Gauge("omni_requests_in_flight", "requests being served by the ingress", registry=r)
         self.streams_open = Histogram("omni_time_to_streams_open_seconds",
                                       "time until every stage of the reply had opened its stream",

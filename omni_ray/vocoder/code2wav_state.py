@@ -102,8 +102,8 @@ class StatefulCode2Wav:
         hidden = module.code_embedding(codes + module.code_offset).mean(1)  # [B, n, H]
         hidden = self._transformer(hidden, positions, walk)
         x = hidden.transpose(1, 2)  # [B, H, n], channels last
-        if not CHANNELS_LAST:
-            x = x.contiguous()
+        if not CHANNELS_LAST:  # (not `contiguous()`: at n = 1 it keeps these strides, which read as channels last)
+            x = x.clone(memory_format=torch.contiguous_format)
         for upsample, convnext in module.upsample:
             x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first).tensor(), walk)
         wav = self._run(list(module.decoder), _Sum(x), walk, first).tensor()

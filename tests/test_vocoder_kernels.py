@@ -53,17 +53,30 @@ def test_the_fused_snake_equals_the_module_under_the_triton_interpreter() -> Non
 
 CONV = r"""
 import json, torch
+from omni_ray.vocoder import kernels
 from omni_ray.vocoder.kernels import BLOCK, single_output_conv1d, takes_single_output
+
+
+class Refused:  # a kernel that must not run for this input
+    def __getitem__(self, grid):
+        raise AssertionError("the strided kernel ran for a dense channels-last input")
+
+
+strided_kernel = kernels._single_output_conv_kernel
 
 torch.manual_seed(0)
 results = {}
 for dtype, channels, taps, dilation, bias in ((torch.float32, 96, 7, 1, True), (torch.float32, 40, 3, 2, False),
                                               (torch.bfloat16, 96, 7, 1, True)):
     conv = torch.nn.Conv1d(channels, 1, taps, dilation=dilation, bias=bias).to(dtype)
-    for layout in ("channel by channel", "channels last"):
+    for layout in ("channel by channel", "channels last", "channels last, dense"):
         x = torch.randn(3, channels, BLOCK + 50, dtype=dtype)[..., 5:]  # past one block, not contiguous
         if layout == "channels last":  # [B, T, C] underneath, a slice along time
             x = torch.randn(3, BLOCK + 50, channels, dtype=dtype)[:, 5:].transpose(1, 2)
+        kernels._single_output_conv_kernel = strided_kernel
+        if layout == "channels last, dense":  # a whole [B, T, C] tensor: its own kernel
+            x = torch.randn(3, BLOCK + 45, channels, dtype=dtype).transpose(1, 2)
+            kernels._single_output_conv_kernel = Refused()
         got, expected = single_output_conv1d(x, conv), conv(x)
         reference = torch.nn.functional.conv1d(x.float(), conv.weight.float(),
                                                None if conv.bias is None else conv.bias.float(), dilation=dilation)
@@ -183,11 +196,19 @@ def test_the_add_and_snake_kernel_compiles_for_the_h200_without_a_gpu() -> None:
         compile_for_h200(_add_and_snake_channels_last_kernel, channels_last_types, constants)
 
 
-@pytest.mark.parametrize("layout", ["channel by channel", "channels last"])
+@pytest.mark.parametrize("layout", ["channel by channel", "channels last", "channels last, dense"])
 def test_the_single_output_conv_kernel_compiles_for_the_h200_without_a_gpu(layout: str) -> None:
-    """Each layout as it is launched: its unit stride specialized on (Triton makes an argument of 1 a constant)."""
+    """Each layout as it is launched: the strided kernel with its unit stride specialized on (Triton makes an argument
+    of 1 a constant), the dense channels-last one at the decoder's 96 channels."""
     from omni_ray.vocoder.kernels import (CONV_BLOCK, CONV_BLOCK_C, CONV_BLOCK_C_CHANNELS_LAST, CONV_BLOCK_CHANNELS_LAST,
+                                          CONV_BLOCK_DENSE, _single_output_conv_channels_last_kernel,
                                           _single_output_conv_kernel)
+
+    if layout == "channels last, dense":
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "length": "i32"}
+        constants = {"CHANNELS": 96, "TAPS": 7, "DILATION": 1, "HAS_BIAS": True, "BLOCK_C": 128, "BLOCK": CONV_BLOCK_DENSE}
+        compile_for_h200(_single_output_conv_channels_last_kernel, types, constants)
+        return
 
     unit = "x_time_stride" if layout == "channel by channel" else "x_channel_stride"
     types = {"x_ptr": "*bf16", "x_batch_stride": "i32", "x_channel_stride": "i32", "x_time_stride": "i32",

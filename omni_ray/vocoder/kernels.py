@@ -44,7 +44,10 @@ BLOCK = 1024  # samples per program
 # channels at every tap, the kernel took 1.1 ms per call for 32 streams' 8-frame decode (96 MB read: about 85 GB/s),
 # 10% of the vocoder's GPU time (session 20's op profile), most likely from the tile spilling out of registers.
 CONV_BLOCK, CONV_BLOCK_C = 256, 16
-CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST = 128, 32  # the same tile over an input stored channels last
+CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST = 128, 32  # the same tile over a strided channels-last input
+# `_single_output_conv_channels_last_kernel`'s time steps per program (x every channel). The tile above took 0.44 ms
+# per call over a channels-last input (session 21's op profile), against 0.23 ms channel by channel.
+CONV_BLOCK_DENSE = 32
 ADD_TILE = 2048  # `_add_and_snake_channels_last_kernel`'s time steps x channels per program
 FUSE_AROUND_CONVS = True  # `add_and_snake` as one kernel; off: torch's adds, the snake kernel, a copy (A/B runs)
 
@@ -166,6 +169,33 @@ def _time_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and (x.stride(-1) == 1 or is_channels_last(x))
 
 
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["length"])
+    def _single_output_conv_channels_last_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, length, CHANNELS: tl.constexpr,
+                                                 TAPS: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                                 BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+        """`_single_output_conv_kernel` over a dense channels-last x ([B, length + (TAPS - 1) * DILATION, CHANNELS]
+        underneath): a tile of BLOCK time steps x every channel per tap, each time step's channels one contiguous run.
+        Its offsets are multiples of the constant CHANNELS, so Triton can prove them aligned and load in vectors."""
+        b = tl.program_id(0)
+        at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = at < length
+        c = tl.arange(0, BLOCK_C)
+        channel_ok = c < CHANNELS
+        steps = length + (TAPS - 1) * DILATION  # x's time steps per batch row
+        partial = tl.zeros([BLOCK, BLOCK_C], dtype=tl.float32)  # summed over channels once, at the end
+        for j in tl.static_range(TAPS):
+            x = tl.load(x_ptr + (b * steps + at + j * DILATION)[:, None] * CHANNELS + c[None, :],
+                        mask=inside[:, None] & channel_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + c * TAPS + j, mask=channel_ok, other=0.0)
+            partial += x.to(tl.float32) * w.to(tl.float32)[None, :]
+        acc = tl.sum(partial, axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr).to(tl.float32)
+        tl.store(out_ptr + b * length + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 def single_output_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     """`conv(x)` for a Conv1d with one output channel, stride 1, no padding, no groups: x [B, C, T + (k - 1) * d] →
     [B, 1, T], x in either layout. One kernel where Triton runs, else the module."""
@@ -173,14 +203,21 @@ def single_output_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     length = x.shape[-1] - (taps - 1) * dilation
     if not (_on_triton(x) and _time_contiguous(x) and length > 0):
         return conv(x)
-    batch, channels, _ = x.shape
+    batch, channels, steps = x.shape
+    out = torch.empty(batch, 1, length, dtype=x.dtype, device=x.device)
+    bias = conv.bias if conv.bias is not None else conv.weight
+    if is_channels_last(x) and x.stride(0) == channels * steps and channels <= 256:  # an input buffer, dense
+        with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
+            _single_output_conv_channels_last_kernel[(batch, triton.cdiv(length, CONV_BLOCK_DENSE))](
+                x, conv.weight, bias, out, length, CHANNELS=channels, TAPS=taps, DILATION=dilation,
+                HAS_BIAS=conv.bias is not None, BLOCK_C=triton.next_power_of_2(channels), BLOCK=CONV_BLOCK_DENSE,
+            )
+        return out
     block, block_c = ((CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST) if is_channels_last(x)
                       else (CONV_BLOCK, CONV_BLOCK_C))
-    out = torch.empty(batch, 1, length, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
         _single_output_conv_kernel[(batch, triton.cdiv(length, block))](
-            x, x.stride(0), x.stride(1), x.stride(2), conv.weight,
-            conv.bias if conv.bias is not None else conv.weight, out, length,
+            x, x.stride(0), x.stride(1), x.stride(2), conv.weight, bias, out, length,
             CHANNELS=channels, TAPS=taps, DILATION=dilation, HAS_BIAS=conv.bias is not None,
             BLOCK_C=min(block_c, triton.next_power_of_2(channels)), BLOCK=block,
         )

@@ -415,7 +415,8 @@ class VocoderStage(StageBase):
                     "finish_reason": item.meta.get("finish_reason", "stop"),
                     "samples": decoder.samples_emitted,
                     "frames": decoder.frames_received,
-                    "codes": torch.cat(received, dim=1) if received else None,
+                    # on the host: each message came on the host path or through CUDA IPC, by its size
+                    "codes": torch.cat([codes.cpu() for codes in received], dim=1) if received else None,
                     "t": time.time(),
                 }]
                 return

@@ -13,7 +13,7 @@ from test_streaming_vocoder import SPF, TRIM, _codes, _RecordingCodec, _tiny_cod
 from omni_ray.errors import CapacityError
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder, step_shapes
 from omni_ray.vocoder.batching import BatchingStatefulCodec, stacked
-from omni_ray.vocoder.code2wav_state import StatefulCode2Wav
+from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, StateStore
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,24 @@ def test_streams_at_different_positions_step_together_from_their_slots(codec: Co
     assert codec.states.in_use == 0
     with pytest.raises(ValueError, match="not in use"):
         codec.close_stream(slot_a)
+
+
+def test_the_state_store_keeps_each_slots_state_tensors_apart_in_its_one_buffer() -> None:
+    """State tensors of several shapes, handed in as strided views (as a step keeps them), scattered into two slots
+    and gathered back in another order: each slot's tensors come back as they went in, the untouched slot stays zero,
+    and a second scatter into one slot leaves the other as it was."""
+    store = StateStore([(3, 4), (2,), (5, 1)], torch.float32, torch.device("cpu"), capacity=4)
+    first = [torch.randn(2, 4, 3).transpose(1, 2), torch.randn(2, 6)[:, 1:3], torch.randn(2, 5, 3)[..., 1:2]]
+    store.scatter(torch.tensor([2, 0]), first)
+    got = store.gather(torch.tensor([0, 1, 2]))
+    assert [tuple(t.shape) for t in got] == [(3, 3, 4), (3, 2), (3, 5, 1)]
+    for sent, back in zip(first, got):
+        assert torch.equal(back[0], sent[1]) and torch.equal(back[2], sent[0]) and not back[1].any()
+    second = [torch.full((1, *t.shape[1:]), 7.0) for t in first]
+    store.scatter(torch.tensor([2]), second)
+    for sent, back in zip(first, store.gather(torch.tensor([0, 2]))):
+        assert torch.equal(back[0], sent[1]) and bool((back[1] == 7).all())
+    assert store.bytes_per_stream() == (12 + 2 + 5) * 4
 
 
 def test_a_full_state_store_refuses_a_stream_with_a_clear_error() -> None:

@@ -16,6 +16,7 @@ The module is transformers' `Qwen3OmniMoeCode2Wav`; its weights and submodules a
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -73,7 +74,9 @@ class _StateWalk:
         return next(self._incoming)
 
     def keep(self, state: torch.Tensor) -> None:
-        self.outgoing.append(state.contiguous())
+        """A view of this call's tensors: whoever keeps the state copies it out (`StateStore.scatter`) before they
+        are reused."""
+        self.outgoing.append(state)
 
 
 class StatefulCode2Wav:
@@ -233,13 +236,16 @@ class StatefulCode2Wav:
 
 
 class StateStore:
-    """Every open stream's state in preallocated device buffers, one row (slot) per stream, so that a batched step
-    gathers its rows' state and scatters the new state back inside the step (one CUDA graph, no per-stream copies).
-    The last row is a scratch slot for padding rows."""
+    """Every open stream's state in one preallocated device buffer, one row (slot) per stream holding each of its
+    state tensors in turn, so that a batched step gathers its rows' state in one indexing kernel and scatters the new
+    state back with one more, inside the step (one CUDA graph, no per-stream copies; a buffer per state tensor took
+    36 kernels each way). The last row is a scratch slot for padding rows."""
 
     def __init__(self, row_shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
-        self.buffers = [torch.zeros(capacity + 1, *shape, dtype=dtype, device=device) for shape in row_shapes]
+        self.row_shapes = row_shapes
+        self.sizes = [math.prod(shape) for shape in row_shapes]
+        self.buffer = torch.zeros(capacity + 1, sum(self.sizes), dtype=dtype, device=device)
         self.scratch_slot = capacity
         self._free = list(range(capacity - 1, -1, -1))
         self._lock = threading.Lock()
@@ -261,14 +267,22 @@ class StateStore:
         return self.capacity - len(self._free)
 
     def gather(self, slots: torch.Tensor) -> State:
-        return [buffer[slots] for buffer in self.buffers]
+        """The state of the streams in `slots`: views of one gathered copy of their rows."""
+        return self._split(self.buffer[slots])
 
     def scatter(self, slots: torch.Tensor, state: State) -> None:
-        for buffer, rows in zip(self.buffers, state):
-            buffer.index_copy_(0, slots, rows.to(buffer.dtype))
+        """`state` (one tensor per state op, [rows, ...] each, any strides) into the rows of `slots`."""
+        packed = self.buffer.new_empty(slots.shape[0], self.buffer.shape[1])
+        for view, rows in zip(self._split(packed), state):
+            view.copy_(rows)
+        self.buffer.index_copy_(0, slots, packed)
+
+    def _split(self, packed: torch.Tensor) -> State:
+        """[rows, total] → each state tensor's view [rows, *shape]."""
+        return [part.view(-1, *shape) for part, shape in zip(packed.split(self.sizes, dim=1), self.row_shapes)]
 
     def bytes_per_stream(self) -> int:
-        return sum(b[0].numel() * b.element_size() for b in self.buffers)
+        return self.buffer[0].numel() * self.buffer.element_size()
 
 
 __all__: list[Any] = ["State", "StateStore", "StatefulCode2Wav"]

@@ -38,6 +38,7 @@ if [ "${DRY_RUN:-0}" != 1 ] && [ -f .whl/py-spy.gz ] && [ ! -x /tmp/spy/py-spy ]
   mkdir -p /tmp/spy && gzip -dc .whl/py-spy.gz > /tmp/spy/py-spy && chmod +x /tmp/spy/py-spy
 fi
 
+failed_steps=""  # the suite exits non-zero when any step did, after packing what every step left
 run_step() {  # name, command...
   local name=$1; shift
   local limit=$LIMIT
@@ -49,6 +50,7 @@ run_step() {  # name, command...
   timeout -k 15 "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - started))s"
+  [ "$rc" = 0 ] || failed_steps="$failed_steps $name"
 }
 
 mps_on() {
@@ -118,3 +120,4 @@ done
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 for table in "$OUT"/results/*/*.md; do [ -e "$table" ] && { echo "== $table"; tail -n 12 "$table"; }; done
 tar -czf /tmp/suite.tar.gz -C "$OUT" logs results && mv /tmp/suite.tar.gz "$OUT/suite.tar.gz"
+if [ -n "$failed_steps" ]; then echo "failed steps:$failed_steps"; exit 1; fi

@@ -144,33 +144,6 @@ if triton is not None:
             acc += tl.load(bias_ptr).to(tl.float32)
         tl.store(out_ptr + b * length + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
-
-def _on_triton(x: torch.Tensor) -> bool:
-    """Triton present, and x on a GPU (or Triton's interpreter running)."""
-    return triton is not None and (x.is_cuda or interpreting())
-
-
-def is_channels_last(x: torch.Tensor) -> bool:
-    """x [B, C, T] (C > 1) stored time step by time step: channel stride 1, time stride C (any batch stride, so a
-    slice of a longer activation along time counts)."""
-    return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1 and x.stride(2) == x.shape[1]
-
-
-def empty_activation(batch: int, channels: int, length: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised [B, C, T] activation in `like`'s layout, dtype and device (channels last: a [B, T, C] tensor
-    seen through a transpose)."""
-    if is_channels_last(like):
-        return torch.empty(batch, length, channels, dtype=like.dtype, device=like.device).transpose(1, 2)
-    return torch.empty(batch, channels, length, dtype=like.dtype, device=like.device)
-
-
-def _time_contiguous(x: torch.Tensor) -> bool:
-    """x [B, C, T] with unit stride along time, or stored channels last: the kernels' two layouts."""
-    return x.dim() == 3 and (x.stride(-1) == 1 or is_channels_last(x))
-
-
-if triton is not None:
-
     @triton.jit(do_not_specialize=["length"])
     def _single_output_conv_channels_last_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, length, CHANNELS: tl.constexpr,
                                                  TAPS: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -194,6 +167,30 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(bias_ptr).to(tl.float32)
         tl.store(out_ptr + b * length + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    """Triton present, and x on a GPU (or Triton's interpreter running)."""
+    return triton is not None and (x.is_cuda or interpreting())
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """x [B, C, T] (C > 1) stored time step by time step: channel stride 1, time stride C (any batch stride, so a
+    slice of a longer activation along time counts)."""
+    return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1 and x.stride(2) == x.shape[1]
+
+
+def empty_activation(batch: int, channels: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [B, C, T] activation in `like`'s layout, dtype and device (channels last: a [B, T, C] tensor
+    seen through a transpose)."""
+    if is_channels_last(like):
+        return torch.empty(batch, length, channels, dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.empty(batch, channels, length, dtype=like.dtype, device=like.device)
+
+
+def _time_contiguous(x: torch.Tensor) -> bool:
+    """x [B, C, T] with unit stride along time, or stored channels last: the kernels' two layouts."""
+    return x.dim() == 3 and (x.stride(-1) == 1 or is_channels_last(x))
 
 
 def single_output_conv1d(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
-from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, code2wav_state, convolutions, step_shapes
+from omni_ray.vocoder import (ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, code2wav_state, convolutions,
+                              step_shapes)
 from omni_ray.vocoder.batching import BatchingStatefulCodec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,7 +24,9 @@ def test_graph_replayed_stateful_streams_equal_one_shot_decodes(codes_on: str, f
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes pushed from the host, and from the GPU as the same-GPU relay hands them over: those stay on the GPU,
     joined and batched on each thread's default stream, which the vocoder's own stream then waits for. The dilated
-    convolutions as timed at warm-up (at these tiny shapes most likely cuDNN's own), and all folded."""
+    convolutions as timed at warm-up (at these tiny shapes most likely cuDNN's own), and all folded. The activations
+    channels last (the default), and channel by channel (the A/B setting): each dilated convolution met only its
+    layout."""
     monkeypatch.setattr(convolutions, "_FOLD_FASTER", weakref.WeakKeyDictionary())
     monkeypatch.setattr(code2wav_state, "CHANNELS_LAST", layout == "channels-last")
     if folds == "always":

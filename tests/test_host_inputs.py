@@ -1,5 +1,5 @@
 """`upload`: a step's host-built inputs packed into one buffer per dtype and handed back as views, each equal to
-its input (shape, dtype, values), including empty ones."""
+its input (shape, dtype, values), including empty ones; `stack_on_device` over rows on the host and the device."""
 
 from __future__ import annotations
 
@@ -33,3 +33,21 @@ def test_to_device_and_step_done_on_the_cpu() -> None:
     moved = to_device(tensor, torch.device("cpu"))
     assert moved.dtype == tensor.dtype and torch.equal(moved, tensor)
     StepDone(torch.device("cpu")).wait()  # nothing queued: returns at once
+
+
+def test_stack_on_device_takes_rows_from_the_host_and_the_device_in_one_batch() -> None:
+    """One step's text embeddings, some relayed on the host path and some already on the device (here torch's `meta`
+    device stands in for a GPU: no values, but the same device checks): a plain stack refuses the mix, and
+    `stack_on_device` gives one tensor on the device, in order. On the CPU it is a plain stack, values and all."""
+    import pytest
+
+    from omni_ray.engine.host_inputs import stack_on_device
+
+    meta = torch.device("meta")
+    mixed = [torch.randn(4), torch.empty(4, device=meta), torch.randn(4)]
+    with pytest.raises(RuntimeError):
+        torch.stack(mixed)
+    stacked = stack_on_device(mixed, meta)
+    assert stacked.device == meta and stacked.shape == (3, 4)
+    rows = [torch.randn(4) for _ in range(3)]
+    assert torch.equal(stack_on_device(rows, torch.device("cpu")), torch.stack(rows))

@@ -325,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                     max_tokens=args.max_tokens, mps=mps_running(),
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
-    return 0
+    failed = sum(int(row.get("errors") or 0) for row in rows if row["phase"] == "measure")
+    if failed:  # the results are written; the exit status says a measured request failed (a suite step fails)
+        print(f"{failed} measured requests failed (see the e2e table's failed requests)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

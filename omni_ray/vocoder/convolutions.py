@@ -112,7 +112,7 @@ def takes_dilation_fold(conv: nn.Module) -> bool:
             and conv.stride == (1,) and conv.padding == (0,) and conv.padding_mode == "zeros")
 
 
-# per convolution: (input shape, its strides, dtype, device) → whether the fold ran faster there
+# per convolution: (input shape, whether channels last, dtype, device) → whether the fold ran faster there
 _FOLD_FASTER: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], bool]] = weakref.WeakKeyDictionary()
 
 

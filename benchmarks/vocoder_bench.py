@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.bench import DTYPES, FULL_CONFIG, run_meta, write_results
 from omni_ray.config import VocoderSettings
+from omni_ray.engine.cuda_graphs import all_buckets
 from omni_ray.models.qwen3_omni.codecs import load_code2wav
 from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder
 from omni_ray.vocoder import code2wav_state, convolutions
@@ -24,29 +26,59 @@ from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
 
 
 def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,
-                device: str, codes_device: str = "cpu") -> dict[str, Any]:
-    """`ticks` Talker steps: every stream pushes one frame per step, all streams at once; the step waits for the
-    chunks it completes (as the vocoder stage's streams do). The frames are pushed from `codes_device`."""
+                device: str, codes_device: str = "cpu", phases: int = 1) -> dict[str, Any]:
+    """Talker steps: every stream pushes one frame per step (`ticks` in all, with the step count as the clock), all
+    streams at once; the step waits for the chunks it completes (as the vocoder stage's streams do). With `phases`,
+    stream s starts s mod `phases` steps late (in the service, streams start at different steps). The frames are
+    pushed from `codes_device`."""
     decoders = [StatefulStreamingDecoder(codec, schedule) if isinstance(codec, BatchingStatefulCodec)
                 else StreamingDecoder(codec, schedule) for _ in range(streams)]
     codes = torch.randint(0, 2048, (streams, codec.num_quantizers, ticks), generator=torch.Generator().manual_seed(0))
     codes = codes.to(codes_device)
     worker = codec.worker
     busy, frames, calls, samples = worker.busy_s, worker.frames, worker.batches, 0
+    steps = ticks + phases - 1
+
+    def push(stream: int, tick: int) -> list[torch.Tensor]:
+        frame = tick - stream % phases
+        return decoders[stream].push(codes[stream, :, frame : frame + 1], tick) if 0 <= frame < ticks else []
+
     with ThreadPoolExecutor(max_workers=streams) as pool:
         start = time.perf_counter()
-        for tick in range(ticks):
-            chunks = list(pool.map(lambda s: decoders[s].push(codes[s, :, tick : tick + 1]), range(streams)))
+        for tick in range(steps):
+            chunks = list(pool.map(lambda s: push(s, tick), range(streams)))
             samples += sum(int(c.numel()) for per_stream in chunks for c in per_stream)
         torch.cuda.synchronize() if device.startswith("cuda") else None
         wall = time.perf_counter() - start
-    row = {"streams": streams, "ticks": ticks, "wall_ms_per_tick": 1000 * wall / ticks,
-           "busy_ms_per_tick": 1000 * (worker.busy_s - busy) / ticks, "frames_decoded_per_tick": (worker.frames - frames) / ticks,
-           "decode_calls_per_tick": (worker.batches - calls) / ticks,
+    row = {"streams": streams, "ticks": steps, "phases": phases, "aligned": schedule.aligned,
+           "wall_ms_per_tick": 1000 * wall / steps, "busy_ms_per_tick": 1000 * (worker.busy_s - busy) / steps,
+           "frames_decoded_per_tick": (worker.frames - frames) / steps,
+           "decode_calls_per_tick": (worker.batches - calls) / steps,
            "audio_s": samples / codec.sample_rate}
     for decoder in decoders:
         decoder.finish()  # not timed: frees the state slots
     return row
+
+
+def call_costs(codec: Code2WavCodec, schedule: ChunkSchedule, max_rows: int, calls: int = 20) -> list[dict[str, Any]]:
+    """Wall time of one stateful decode call (graph replay, codes up, samples back), by rows and new frames, on the
+    scratch slot: what a decode call costs the decode thread whatever its rows."""
+    assert codec.states is not None
+    rows_list = list(all_buckets(max_rows))
+    out = []
+    for size, first in step_shapes(schedule):
+        for rows in rows_list:
+            codes = torch.zeros(rows, codec.num_quantizers, size, dtype=torch.long)
+            slots = torch.full((rows,), codec.states.scratch_slot, dtype=torch.long)
+            positions = torch.full((rows,), 0 if first else 16, dtype=torch.long)
+            codec.step_batch(codes, positions, slots, first)
+            torch.cuda.synchronize() if codec.device.type == "cuda" else None
+            start = time.perf_counter()
+            for _ in range(calls):
+                codec.step_batch(codes, positions, slots, first)
+            out.append({"rows": rows, "frames": size, "first": first,
+                        "ms_per_call": 1000 * (time.perf_counter() - start) / calls})
+    return out
 
 
 def profile_ops(module: torch.nn.Module, schedule: ChunkSchedule, streams: int, calls: int, device: str,
@@ -100,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(`code2wav_state.CHANNELS_LAST` off): cuDNN converts around each convolution")
     parser.add_argument("--codes-on-device", action="store_true",
                         help="push the frames from the device, as the same-GPU relay hands them to the vocoder stage")
+    parser.add_argument("--phases", type=int, default=1,
+                        help="stream s starts s mod PHASES steps late (the service's streams start at different steps)")
+    parser.add_argument("--aligned", default="off", choices=["off", "on", "both"],
+                        help="chunks aligned to the step clock (`streaming.aligned_chunks`); both: a row each")
+    parser.add_argument("--call-costs", action="store_true",
+                        help="then time one stateful decode call by rows and new frames (into the results)")
     parser.add_argument("--profile-ops", type=int, default=0, metavar="CALLS",
                         help="then profile CALLS eager stateful decodes of a steady chunk for the most streams at once: "
                         "ops by CUDA time with their input shapes, into vocoder_ops.txt")
@@ -113,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     vocoder_kernels.FUSE_AROUND_CONVS = not args.no_fused_adds
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     streams = [int(s) for s in args.streams.split(",")]
-    schedule = ChunkSchedule((1, 2, 4), 8, 25)
+    alignments = {"off": [False], "on": [True], "both": [False, True]}[args.aligned]
+    schedule = ChunkSchedule((1, 2, 4), 8, 25, aligned=True in alignments)  # its shapes cover both
     module = load_code2wav(None, config, args.device, DTYPES[args.dtype])
     torch.backends.cudnn.benchmark = args.cudnn_autotune
     codec = Code2WavCodec(module, cuda_graphs=not args.no_graphs, max_streams=max(streams))
@@ -124,17 +163,28 @@ def main(argv: list[str] | None = None) -> int:
     codecs = (("window", BatchingCodec(codec, 64, gather_s)), ("stateful", BatchingStatefulCodec(codec, 64, gather_s)))
     for mode, batching in [(mode, batching) for mode, batching in codecs if mode in decoders]:
         for count in streams:
-            rows.append({"mode": mode, **run_streams(batching, schedule, count, args.ticks, args.device, codes_device)})
+            for aligned in alignments:
+                rows.append({"mode": mode, **run_streams(batching, replace(schedule, aligned=aligned), count,
+                                                         args.ticks, args.device, codes_device, args.phases)})
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     meta = run_meta("benchmarks.vocoder_bench", argv, gpu=gpu, dtype=args.dtype, schedule="ramp 1,2,4; steady 8; left context 25")
     lines = [f"# Vocoder cost per Talker step ({gpu}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {args.dtype}, {meta['schedule']}", "",
-             "| decoder | streams | wall per step (ms) | decode busy per step (ms) | frames decoded per step | "
-             "decode calls per step |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['streams']} | {r['wall_ms_per_tick']:.2f} | {r['busy_ms_per_tick']:.2f} | "
+             "| decoder | streams | start phases | chunks aligned | wall per step (ms) | decode busy per step (ms) | "
+             "frames decoded per step | decode calls per step |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['streams']} | {r['phases']} | {'yes' if r['aligned'] else 'no'} | "
+              f"{r['wall_ms_per_tick']:.2f} | {r['busy_ms_per_tick']:.2f} | "
               f"{r['frames_decoded_per_tick']:.1f} | {r['decode_calls_per_tick']:.2f} |" for r in rows]
-    write_results(args.out, "vocoder_steps", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
+    costs = call_costs(codec, schedule, max(streams)) if args.call_costs and "stateful" in decoders else []
+    if costs:
+        lines += ["", "One stateful decode call (ms, wall: graph replay, codes up, samples back), by rows and new frames:",
+                  "", "| rows | " + " | ".join(f"{s} new{' (first)' if f else ''}" for s, f in step_shapes(schedule)) + " |",
+                  "|---|" + "---|" * len(step_shapes(schedule))]
+        for rows_count in sorted({c["rows"] for c in costs}):
+            lines.append(f"| {rows_count} | " + " | ".join(f"{c['ms_per_call']:.2f}" for c in costs
+                                                         if c["rows"] == rows_count) + " |")
+    write_results(args.out, "vocoder_steps", {"meta": meta, "rows": rows, "call_costs": costs}, "\n".join(lines) + "\n")
     if args.profile_ops:
         table = profile_ops(module, schedule, max(streams), args.profile_ops, args.device, codes_device)
         header = (f"# The stateful vocoder's ops, eager: {args.profile_ops} decodes of {schedule.steady} frames for "

@@ -89,6 +89,13 @@ class VocoderSettings(_Strict):
     chunk_ramp: tuple[int, ...] = (1, 2, 4)
     steady_chunk: int = Field(default=8, ge=1)
     left_context: int = Field(default=25, ge=0)
+    aligned_chunks: bool = Field(
+        default=True,
+        description="after the ramp, end each stream's chunks where the Talker's step count ends a period of "
+        "`steady_chunk` steps, so the streams one Talker replica feeds decode together, in one batched call per "
+        "period, instead of each on its own phase: a decode call's cost is mostly fixed (its kernels' launches), "
+        "whatever its rows",
+    )
     max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
     batch_gather_ms: float = Field(
         default=1.0, ge=0, le=20,

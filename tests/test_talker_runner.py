@@ -251,8 +251,9 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
 
 
 def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str, Any]) -> None:
-    """The engine launches step N+1 before it collects step N. The frames and the ends are the same; a Thinker end
-    that arrives between a step's launch and its collection still cuts the reply at the text-proportional limit."""
+    """The engine launches step N+1 before it collects step N. The frames and the ends are the same (and each frame
+    its step); a Thinker end that arrives between a step's launch and its collection still cuts the reply at the
+    text-proportional limit."""
     runner = _runner(parts)
     speaker = parts["config"].talker_config.speaker_id["ethan"]
 
@@ -266,9 +267,12 @@ def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str
     expected = _run(runner, one_at_a_time)
     ahead = speech("b")
     ahead.hear(parts["thinker_outputs"])
+    first_step = runner.frame_steps
     frames, outputs = _run_pipelined(runner, ahead)
     assert frames == expected and len(frames) == 3 + 2 * 11
     assert [o.finish_reason for o in outputs] == [None] * (len(frames) - 1) + ["length"]
+    # each frame carries its step on the runner's clock, which the vocoder ends its aligned chunks on
+    assert [o.step for o in outputs] == list(range(first_step, first_step + len(frames)))
 
     late = speech("c")  # the Thinker's end arrives after the step making frame 25 was launched
     late.hear(parts["thinker_outputs"], done=False)

@@ -57,11 +57,17 @@ class ChunkSchedule:
     ``left_context`` is how many already-decoded frames precede the new frames in each decode
     window (capped by what exists). More context means closer to one-shot quality; at or above
     the codec's receptive field the streamed output equals the one-shot decode.
+
+    ``aligned``: after the ramp, a chunk ends where the producer's step clock (pushed with the frames) ends a
+    period of ``steady`` steps, so every stream fed by one producer decodes at the same steps, in one batched call,
+    whenever it started; a chunk then holds up to ``steady`` frames (fewer on the way into step, or when the stream
+    skipped steps). Without a clock the schedule is the plain one.
     """
 
     ramp: tuple[int, ...] = (1, 2, 4)
     steady: int = 8
     left_context: int = 25
+    aligned: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ramp", tuple(self.ramp))
@@ -70,10 +76,24 @@ class ChunkSchedule:
         ]:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ChunkSchedule.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.aligned, bool):
+            raise ValueError(f"ChunkSchedule.aligned must be a bool, got {self.aligned!r}")
 
     def chunk_size(self, index: int) -> int:
-        """Number of new frames in the ``index``-th (0-based) chunk."""
+        """Number of new frames in the ``index``-th (0-based) chunk (at most, for an aligned chunk)."""
         return self.ramp[index] if index < len(self.ramp) else self.steady
+
+    def aligns(self, index: int, clock: int | None) -> bool:
+        """Whether the ``index``-th chunk ends on the producer's clock (aligned, past the ramp and a first chunk)."""
+        return self.aligned and clock is not None and index >= max(len(self.ramp), 1)
+
+    def later_sizes(self) -> list[int]:
+        """The new-frame counts of a stream's calls after its first, largest first: the ramp's and the steady
+        chunk, and when aligned every power of two below ``steady`` too, from which any shorter chunk is made."""
+        sizes = {*self.ramp[1:], self.steady}
+        if self.aligned:
+            sizes.update(1 << bit for bit in range(self.steady.bit_length()) if 1 << bit < self.steady)
+        return sorted(sizes, reverse=True)
 
 
 def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) -> list[int]:
@@ -103,8 +123,19 @@ def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) ->
 def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
     """Every (new frames, first call) a ``StatefulStreamingDecoder`` on this schedule passes to ``step`` (its last,
     partial chunk is padded to the scheduled size)."""
-    later = {(size, False) for size in (*schedule.ramp[1:], schedule.steady)}
-    return [(schedule.chunk_size(0), True), *sorted(later)]
+    return [(schedule.chunk_size(0), True), *sorted((size, False) for size in schedule.later_sizes())]
+
+
+def split_into_calls(size: int, sizes: list[int]) -> list[int]:
+    """`size` frames as calls of the given sizes (largest first; they include 1 or `size` itself), largest first."""
+    out = []
+    for piece in sizes:
+        while size >= piece:
+            out.append(piece)
+            size -= piece
+    if size:
+        raise ValueError(f"no call sizes {sizes} add up to {size} more frames")
+    return out
 
 
 def joined_frames(held: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -134,6 +165,7 @@ class _ScheduledDecoder:
         self._emitted = 0  # samples emitted so far (all final)
         self._chunk_index = 0
         self._finished = False
+        self._clock: int | None = None  # the producer's step at the last frame pushed (aligned schedules)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -152,29 +184,67 @@ class _ScheduledDecoder:
         """Frames pushed but not yet decoded (waiting for the schedule's next chunk)."""
         return self._received - self._decoded
 
-    def decodes_on_push(self, frames: int) -> bool:
-        """Whether pushing `frames` more frames completes a chunk (so `push` decodes, and may wait for a batched
-        decode); otherwise `push` only keeps them and returns no chunk."""
-        return self.pending_frames + frames >= self.schedule.chunk_size(self._chunk_index)
+    def decodes_on_push(self, frames: int, clock: int | None = None) -> bool:
+        """Whether pushing `frames` more frames (the last at the producer's step `clock`) completes a chunk (so
+        `push` decodes, and may wait for a batched decode); otherwise `push` only keeps them and returns no chunk."""
+        if not self.schedule.aligns(self._chunk_index, clock):
+            return self.pending_frames + frames >= self.schedule.chunk_size(self._chunk_index)
+        assert clock is not None
+        return frames > 1 or self._period_ended(clock) or self._period_ends(clock, self.pending_frames + frames)
 
-    def push(self, frames: torch.Tensor) -> list[torch.Tensor]:
+    def push(self, frames: torch.Tensor, clock: int | None = None) -> list[torch.Tensor]:
         """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
 
-        Each returned chunk is a 1-D float32 tensor of final samples.
+        `clock`: the producer's step count at the last of these frames (one frame per step before it), which an
+        aligned schedule ends its chunks on. Each returned chunk is a 1-D float32 tensor of final samples.
         """
         if self._finished:
             raise RuntimeError("push() after finish()")
         codes = self._check_codes(frames, "frames")
+        count = int(codes.shape[1])
+        if not self.schedule.aligned or clock is None:
+            return self._take(codes)
+        chunks: list[torch.Tensor] = []
+        for index in range(count):  # frame by frame against the clock
+            chunks += self._take(codes[:, index : index + 1], clock - (count - 1 - index))
+        return chunks
+
+    def _take(self, codes: torch.Tensor, clock: int | None = None) -> list[torch.Tensor]:
+        """Keep `codes` (frames made up to the producer's step `clock`) and decode the chunks now due."""
+        chunks: list[torch.Tensor] = []
+        if clock is not None and self.schedule.aligns(self._chunk_index, clock) and self._period_ended(clock):
+            chunks += self._next_chunk(self.pending_frames)  # its period ended at a step this stream sat out
         if codes.shape[1]:
             self._append(codes)
             self._received += int(codes.shape[1])
-        chunks: list[torch.Tensor] = []
-        while self.pending_frames >= self.schedule.chunk_size(self._chunk_index):
-            chunk = self._decode_next(self.schedule.chunk_size(self._chunk_index))
-            self._chunk_index += 1
-            if chunk is not None:
-                chunks.append(chunk)
+        if clock is not None:
+            self._clock = clock
+        while self.pending_frames:
+            if self.schedule.aligns(self._chunk_index, clock):
+                assert clock is not None
+                if not self._period_ends(clock, self.pending_frames):
+                    break
+                size = min(self.pending_frames, self.schedule.steady)
+            else:
+                size = self.schedule.chunk_size(self._chunk_index)
+                if self.pending_frames < size:
+                    break
+            chunks += self._next_chunk(size)
         return chunks
+
+    def _period_ended(self, clock: int) -> bool:
+        """Whether frames are pending from a clock period before `clock`'s."""
+        steady = self.schedule.steady
+        return self.pending_frames > 0 and self._clock is not None and clock // steady > self._clock // steady
+
+    def _period_ends(self, clock: int, pending: int) -> bool:
+        """Whether `pending` frames, the last made at step `clock`, make an aligned chunk now."""
+        return pending >= self.schedule.steady or (pending > 0 and (clock + 1) % self.schedule.steady == 0)
+
+    def _next_chunk(self, size: int) -> list[torch.Tensor]:
+        chunk = self._decode_next(size)
+        self._chunk_index += 1
+        return [chunk] if chunk is not None else []
 
     def finish(self) -> torch.Tensor | None:
         """Decode the remaining (partial-chunk) frames and end the stream.
@@ -329,14 +399,24 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
         with self._lock:
             if self._slot is None:
                 raise RuntimeError("the stream is closed")
-            scheduled = self.schedule.chunk_size(self._chunk_index)  # > size only for the last, partial chunk
-            codes = self._pending[:, :size]
-            if size < scheduled:
-                codes = torch.cat([codes, codes.new_zeros(self._q, scheduled - size)], dim=1)
             first = self._decoded == 0
-            wav = self.stateful_codec.step(codes, self._decoded, self._slot, first)
-            chunk = wav.reshape(-1)[: max(size * self._spf - (self._trim if first else 0), 0)].to(torch.float32)
-            self._pending = self._pending[:, size:]
-            self._decoded += size
-            self._emitted += int(chunk.numel())
-            return chunk
+            if self._finished or first:  # one call of the scheduled size (the last, partial chunk padded)
+                calls = [max(size, self.schedule.chunk_size(self._chunk_index))]
+            else:  # an aligned chunk may be shorter than its schedule's: calls of the sizes the codec has shapes for
+                calls = split_into_calls(size, self.schedule.later_sizes())
+            chunks = [self._step(min(call, self.pending_frames), call) for call in calls]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _step(self, size: int, frames: int) -> torch.Tensor:
+        """One codec call of `frames` new frames, the first `size` of them pending ones (the rest zero padding)."""
+        assert self._slot is not None
+        codes = self._pending[:, :size]
+        if size < frames:
+            codes = torch.cat([codes, codes.new_zeros(self._q, frames - size)], dim=1)
+        first = self._decoded == 0
+        wav = self.stateful_codec.step(codes, self._decoded, self._slot, first)
+        chunk = wav.reshape(-1)[: max(size * self._spf - (self._trim if first else 0), 0)].to(torch.float32)
+        self._pending = self._pending[:, size:]
+        self._decoded += size
+        self._emitted += int(chunk.numel())
+        return chunk

@@ -323,7 +323,8 @@ class TalkerStage(StageBase):
             return []
         items = []
         if out.codes is not None:
-            items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]}))
+            items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]},
+                                   meta={"clock": out.step}))
         if out.finish_reason is not None:
             items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))
         return items
@@ -348,7 +349,8 @@ class VocoderStage(StageBase):
             module = load_code2wav(files.weights, config, res.device, DTYPES[res.dtype])
         if streaming.cudnn_autotune and self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # before the first decode: warm-up times each shape once
-        self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context)
+        self.schedule = ChunkSchedule(tuple(streaming.chunk_ramp), streaming.steady_chunk, streaming.left_context,
+                                      streaming.aligned_chunks)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
                               max_streams=streaming.max_streams if streaming.stateful else 0)
         self.codec: BatchingCodec | BatchingStatefulCodec
@@ -395,11 +397,11 @@ class VocoderStage(StageBase):
                 loop = asyncio.get_running_loop()
                 chunks = []
                 if item.tensors:
-                    codes = item.tensors["codes"]
-                    if decoder.decodes_on_push(int(codes.shape[-1])):  # may wait for a batched decode: off the loop
-                        chunks = await loop.run_in_executor(self._decode_threads, decoder.push, codes)
+                    codes, clock = item.tensors["codes"], item.meta.get("clock")  # the Talker's step count
+                    if decoder.decodes_on_push(int(codes.shape[-1]), clock):  # may wait for a batched decode: off loop
+                        chunks = await loop.run_in_executor(self._decode_threads, decoder.push, codes, clock)
                     else:  # the frames are only kept: no thread hop for them
-                        chunks = decoder.push(codes)
+                        chunks = decoder.push(codes, clock)
                 if item.kind == "end":
                     last = await loop.run_in_executor(self._decode_threads, decoder.finish)
                     chunks = [*chunks, *([last] if last is not None else [])]

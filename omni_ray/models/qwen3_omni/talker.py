@@ -115,6 +115,7 @@ class TalkerStepOutput:
     request_id: str
     codes: list[int] | None  # one frame, all groups; None when the step ended the request without a frame
     finish_reason: str | None
+    step: int = -1  # which of its runner's frame steps made it: the clock the vocoder aligns its chunks on
 
 
 @dataclass
@@ -125,6 +126,7 @@ class PendingFrames:
     rows: list[tuple[TalkerSequence, int]] = field(default_factory=list)
     codes: Download | None = None
     outputs: list[TalkerStepOutput] = field(default_factory=list)
+    step: int = -1  # the runner's frame step count at this step
 
 
 class TalkerRunner:
@@ -173,6 +175,7 @@ class TalkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
+        self.frame_steps = 0  # steps that made frames: the clock the vocoder ends its aligned chunks on
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
@@ -268,7 +271,8 @@ class TalkerRunner:
         if decoding:
             hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
         codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
-        pending.codes = Download(codes)
+        pending.codes, pending.step = Download(codes), self.frame_steps
+        self.frame_steps += 1
         for i, seq in enumerate(stepping):
             seq.feedback = feedback[i]
             seq.frames += 1
@@ -298,7 +302,7 @@ class TalkerRunner:
                     outputs.append(TalkerStepOutput(seq.request_id, None, "length"))
                     continue
             last = seq.finish_reason is not None and frame == seq.frames
-            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason if last else None))
+            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason if last else None, pending.step))
         return outputs
 
     def _prompt_length(self, seq: TalkerSequence) -> int:

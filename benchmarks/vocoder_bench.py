@@ -5,9 +5,9 @@ Full-size Code2Wav with random weights, or any config's."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from dataclasses import replace
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,34 +22,41 @@ from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDeco
 from omni_ray.vocoder import code2wav_state, convolutions
 from omni_ray.vocoder import kernels as vocoder_kernels
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
-from omni_ray.vocoder.streaming import decode_window_lengths, step_shapes
+from omni_ray.vocoder.schedule import decode_window_lengths, step_shapes
 
 
 def run_streams(codec: BatchingCodec | BatchingStatefulCodec, schedule: ChunkSchedule, streams: int, ticks: int,
                 device: str, codes_device: str = "cpu", phases: int = 1) -> dict[str, Any]:
     """Talker steps: every stream pushes one frame per step (`ticks` in all, with the step count as the clock), all
-    streams at once; the step waits for the chunks it completes (as the vocoder stage's streams do). With `phases`,
-    stream s starts s mod `phases` steps late (in the service, streams start at different steps). The frames are
-    pushed from `codes_device`."""
+    streams at once, each a coroutine on one event loop that submits its decode calls to the batching worker (as
+    the vocoder stage's streams do); the step waits for the chunks it completes. With `phases`, stream s starts
+    s mod `phases` steps late (in the service, streams start at different steps). The frames are pushed from
+    `codes_device`."""
     decoders = [StatefulStreamingDecoder(codec, schedule) if isinstance(codec, BatchingStatefulCodec)
                 else StreamingDecoder(codec, schedule) for _ in range(streams)]
     codes = torch.randint(0, 2048, (streams, codec.num_quantizers, ticks), generator=torch.Generator().manual_seed(0))
     codes = codes.to(codes_device)
     worker = codec.worker
-    busy, frames, calls, samples = worker.busy_s, worker.frames, worker.batches, 0
+    busy, frames, calls = worker.busy_s, worker.frames, worker.batches
     steps = ticks + phases - 1
 
-    def push(stream: int, tick: int) -> list[torch.Tensor]:
+    async def push(stream: int, tick: int) -> list[torch.Tensor]:
         frame = tick - stream % phases
-        return decoders[stream].push(codes[stream, :, frame : frame + 1], tick) if 0 <= frame < ticks else []
+        if not 0 <= frame < ticks:
+            return []
+        return await decoders[stream].push_async(codes[stream, :, frame : frame + 1], tick, worker.submit_nowait)
 
-    with ThreadPoolExecutor(max_workers=streams) as pool:
-        start = time.perf_counter()
+    async def run() -> int:
+        pushed = 0
         for tick in range(steps):
-            chunks = list(pool.map(lambda s: push(s, tick), range(streams)))
-            samples += sum(int(c.numel()) for per_stream in chunks for c in per_stream)
-        torch.cuda.synchronize() if device.startswith("cuda") else None
-        wall = time.perf_counter() - start
+            chunks = await asyncio.gather(*(push(stream, tick) for stream in range(streams)))
+            pushed += sum(int(c.numel()) for per_stream in chunks for c in per_stream)
+        return pushed
+
+    start = time.perf_counter()
+    samples = asyncio.run(run())
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    wall = time.perf_counter() - start
     row = {"streams": streams, "ticks": steps, "phases": phases, "aligned": schedule.aligned,
            "wall_ms_per_tick": 1000 * wall / steps, "busy_ms_per_tick": 1000 * (worker.busy_s - busy) / steps,
            "frames_decoded_per_tick": (worker.frames - frames) / steps,

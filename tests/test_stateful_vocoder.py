@@ -4,14 +4,15 @@ streaming decoder and the batching worker (tiny Code2Wav with the released geome
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from test_streaming_vocoder import SPF, TRIM, _codes, _RecordingCodec, _tiny_code2wav
+from test_streaming_vocoder import SPF, TRIM, _codes, _tiny_code2wav
 
 from omni_ray.errors import CapacityError
-from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, StreamingDecoder, step_shapes
+from omni_ray.vocoder import ChunkSchedule, Code2WavCodec, StatefulStreamingDecoder, step_shapes
 from omni_ray.vocoder.batching import BatchingStatefulCodec, stacked
 from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, StateStore
 
@@ -170,25 +171,56 @@ def test_codes_relayed_on_a_device_reach_the_batched_step_there() -> None:
     assert stacked([_codes(2).to("meta"), _codes(2)]).device == torch.device("meta")  # a host-fed stream joins
 
 
-@pytest.mark.parametrize("stateful", [True, False])
-def test_decodes_on_push_says_when_a_push_decodes(codec: Code2WavCodec, stateful: bool) -> None:
-    """The vocoder stage pushes frames that complete no chunk on its event loop and only the others through a
-    thread: `decodes_on_push` must name exactly the pushes that decode (bursts of 1-3 frames over the ramp and the
-    steady chunks)."""
+def test_streams_on_one_event_loop_decode_in_one_batch_per_step(codec: Code2WavCodec) -> None:
+    """As the vocoder stage runs its streams: each a coroutine on one event loop, its codec calls submitted to the
+    batching worker without a thread of its own. Four streams push a frame per step: the calls they make at the same
+    step (chunks of 1, 2, 4, 8 frames, then the partial last one) run as one batched call each, and each stream's
+    chunks join into its one-shot decode."""
+    worker = BatchingStatefulCodec(codec, max_batch=4, gather_s=0.05)
     schedule = ChunkSchedule((1, 2, 4), 8, 25)
-    if stateful:
-        batching = BatchingStatefulCodec(codec)
-        decoder: StatefulStreamingDecoder | StreamingDecoder = StatefulStreamingDecoder(batching, schedule)
-        decodes = lambda: batching.worker.windows  # noqa: E731
-    else:
-        window = _RecordingCodec(codec)
-        decoder = StreamingDecoder(window, schedule)
-        decodes = lambda: len(window.windows)  # noqa: E731
-    predicted, seen = [], []
-    for burst in [1, 1, 2, 1, 3, 1, 1, 2, 3, 3, 1, 2, 2, 3]:
-        predicted.append(decoder.decodes_on_push(burst))
-        before = decodes()
-        decoder.push(_codes(burst))
-        seen.append(decodes() > before)
-    decoder.finish()
-    assert predicted == seen and any(seen) and not all(seen)
+    codes = [_codes(21, seed=40 + index) for index in range(4)]
+
+    async def run() -> list[torch.Tensor]:
+        decoders = [StatefulStreamingDecoder(worker, schedule) for _ in codes]
+        chunks: list[list[torch.Tensor]] = [[] for _ in codes]
+        for step in range(21):
+            pushed = await asyncio.gather(*(decoder.push_async(codes[index][:, step : step + 1], step,
+                                                               worker.worker.submit_nowait)
+                                            for index, decoder in enumerate(decoders)))
+            for index, got in enumerate(pushed):
+                chunks[index] += got
+        lasts = await asyncio.gather(*(decoder.finish_async(worker.worker.submit_nowait) for decoder in decoders))
+        return [torch.cat([*got, last]) for got, last in zip(chunks, lasts)]
+
+    streamed = asyncio.run(run())
+    for index, samples in enumerate(streamed):
+        torch.testing.assert_close(samples, _one_shot(codec, codes[index]), rtol=0, atol=1e-5)
+    assert (worker.worker.batches, worker.worker.windows) == (5, 20)
+    assert codec.states is not None and codec.states.in_use == 0
+
+
+def test_a_stream_cancelled_with_a_call_in_flight_frees_its_slot_once_the_call_has_run(codec: Code2WavCodec) -> None:
+    """The stage closes an aborted stream while its decode call may still be queued: the call still reads and
+    writes the stream's state slot, so the slot is freed only once the call has run, not when the stream closes."""
+    held: list[Future[torch.Tensor]] = []
+
+    def submit(call: object) -> Future[torch.Tensor]:
+        held.append(Future())
+        return held[-1]
+
+    async def run() -> None:
+        decoder = StatefulStreamingDecoder(BatchingStatefulCodec(codec), ChunkSchedule((1, 2, 4), 8, 25))
+        task = asyncio.ensure_future(decoder.push_async(_codes(1), 0, submit))
+        while not held:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        decoder.close()
+        assert codec.states is not None and codec.states.in_use == 1  # the call still holds the slot
+        held[0].set_result(torch.zeros(SPF))
+        assert codec.states.in_use == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            decoder.push(_codes(2))
+
+    asyncio.run(run())

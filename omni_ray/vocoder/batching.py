@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Protocol, TypeVar
 
@@ -46,15 +47,14 @@ class StatefulBatchDecoder(Protocol):
 @dataclass
 class _Call(Generic[Item, Result]):
     item: Item
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Result | None = None
-    error: BaseException | None = None
+    future: Future[Result] = field(default_factory=Future)
 
 
 class BatchWorker(Generic[Item, Result]):
-    """`submit` may be called from many threads at once (one per stream) and blocks until its result is ready. A
-    worker thread takes every waiting call, groups them by `key`, and runs each group (at most `max_batch` calls) as
-    one `run_group`. Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work.
+    """`submit` may be called from many threads at once (one per stream) and blocks until its result is ready;
+    `submit_nowait` returns a future (an event loop's streams submit without a thread each). A worker thread takes
+    every waiting call, groups them by `key`, and runs each group (at most `max_batch` calls) as one `run_group`.
+    Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work.
 
     With `gather_s`, the worker, once it has calls to take, keeps taking more while they come less than `gather_s`
     apart (for at most `gather_max_s`): the streams whose chunks one Talker step completes reach it one thread hop
@@ -78,15 +78,14 @@ class BatchWorker(Generic[Item, Result]):
         self._thread.start()
 
     def submit(self, item: Item) -> Result:
+        return self.submit_nowait(item).result()
+
+    def submit_nowait(self, item: Item) -> Future[Result]:
         call: _Call[Item, Result] = _Call(item)
         with self._cond:
             self._pending.append(call)
             self._cond.notify()
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        assert call.result is not None
-        return call.result
+        return call.future
 
     def _run(self) -> None:
         while True:
@@ -119,21 +118,24 @@ class BatchWorker(Generic[Item, Result]):
 
     def _run_calls(self, group: list[_Call[Item, Result]]) -> None:
         started = time.perf_counter()
+        results: list[Result] | None = None
+        error: BaseException | None = None
         try:
             with self.profiler.step(len(group)):
                 results = self._run_group([call.item for call in group])
-            for call, result in zip(group, results):
-                call.result = result
         except BaseException as exc:  # every waiting stream gets the error; the worker keeps serving
             log.exception("vocoder batch of %d calls failed", len(group))
-            for call in group:
-                call.error = exc
+            error = exc
         self.busy_s += time.perf_counter() - started
         self.batches += 1
         self.windows += len(group)
         self.frames += sum(self._frames(call.item) for call in group)
-        for call in group:
-            call.done.set()
+        for index, call in enumerate(group):
+            if results is not None:
+                call.future.set_result(results[index])
+            else:
+                assert error is not None
+                call.future.set_exception(error)
 
 
 def stacked(codes: list[torch.Tensor]) -> torch.Tensor:

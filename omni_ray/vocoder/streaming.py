@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Generator, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-__all__ = [
-    "Codec",
-    "ChunkSchedule",
-    "StatefulCodec",
-    "StatefulStreamingDecoder",
-    "StreamingDecoder",
-    "decode_window_lengths",
-    "measure_trim",
-    "step_shapes",
-]
+from omni_ray.vocoder.schedule import ChunkSchedule, split_into_calls
+
+Result = TypeVar("Result")
+
+__all__ = ["Codec", "StatefulCodec", "StatefulStreamingDecoder", "StreamingDecoder", "measure_trim", "run_calls",
+           "run_calls_async"]
 
 
 @runtime_checkable
@@ -50,94 +47,6 @@ def measure_trim(codec: Codec, frames: int = 2) -> int:
     return trim
 
 
-@dataclass(frozen=True)
-class ChunkSchedule:
-    """Chunk sizes in new frames: ``ramp`` first (low first-packet latency), then ``steady``.
-
-    ``left_context`` is how many already-decoded frames precede the new frames in each decode
-    window (capped by what exists). More context means closer to one-shot quality; at or above
-    the codec's receptive field the streamed output equals the one-shot decode.
-
-    ``aligned``: after the ramp, a chunk ends where the producer's step clock (pushed with the frames) ends a
-    period of ``steady`` steps, so every stream fed by one producer decodes at the same steps, in one batched call,
-    whenever it started; a chunk then holds up to ``steady`` frames (fewer on the way into step, or when the stream
-    skipped steps). Without a clock the schedule is the plain one.
-    """
-
-    ramp: tuple[int, ...] = (1, 2, 4)
-    steady: int = 8
-    left_context: int = 25
-    aligned: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ramp", tuple(self.ramp))
-        for name, value in [("steady", self.steady), ("left_context", self.left_context)] + [
-            (f"ramp[{i}]", v) for i, v in enumerate(self.ramp)
-        ]:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ChunkSchedule.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.aligned, bool):
-            raise ValueError(f"ChunkSchedule.aligned must be a bool, got {self.aligned!r}")
-
-    def chunk_size(self, index: int) -> int:
-        """Number of new frames in the ``index``-th (0-based) chunk (at most, for an aligned chunk)."""
-        return self.ramp[index] if index < len(self.ramp) else self.steady
-
-    def aligns(self, index: int, clock: int | None) -> bool:
-        """Whether the ``index``-th chunk ends on the producer's clock (aligned, past the ramp and a first chunk)."""
-        return self.aligned and clock is not None and index >= max(len(self.ramp), 1)
-
-    def later_sizes(self) -> list[int]:
-        """The new-frame counts of a stream's calls after its first, largest first: the ramp's and the steady
-        chunk, and when aligned every power of two below ``steady`` too, from which any shorter chunk is made."""
-        sizes = {*self.ramp[1:], self.steady}
-        if self.aligned:
-            sizes.update(1 << bit for bit in range(self.steady.bit_length()) if 1 << bit < self.steady)
-        return sorted(sizes, reverse=True)
-
-
-def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) -> list[int]:
-    """Every window length (frames) a ``StreamingDecoder`` on this schedule can pass to ``decode``.
-
-    Covers scheduled chunks and the partial chunk decoded by ``finish()`` at any stream length,
-    for a stream started with ``reference_frames`` reference frames. The set is finite: once
-    the left context saturates and the ramp is over, windows repeat.
-    """
-    if reference_frames < 0:
-        raise ValueError(f"reference_frames must be >= 0, got {reference_frames}")
-    lengths: set[int] = set()
-    start = 0  # first new frame of the current chunk (reference frames are at negative indices)
-    index = 0
-    while True:
-        context = min(schedule.left_context, start + reference_frames)
-        size = schedule.chunk_size(index)
-        lengths.add(context + size)  # a full scheduled chunk
-        lengths.update(context + r for r in range(1, size))  # finish() with a partial chunk
-        if index >= len(schedule.ramp) and context == schedule.left_context:
-            break  # every later chunk yields the same windows
-        start += size
-        index += 1
-    return sorted(lengths)
-
-
-def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
-    """Every (new frames, first call) a ``StatefulStreamingDecoder`` on this schedule passes to ``step`` (its last,
-    partial chunk is padded to the scheduled size)."""
-    return [(schedule.chunk_size(0), True), *sorted((size, False) for size in schedule.later_sizes())]
-
-
-def split_into_calls(size: int, sizes: list[int]) -> list[int]:
-    """`size` frames as calls of the given sizes (largest first; they include 1 or `size` itself), largest first."""
-    out = []
-    for piece in sizes:
-        while size >= piece:
-            out.append(piece)
-            size -= piece
-    if size:
-        raise ValueError(f"no call sizes {sizes} add up to {size} more frames")
-    return out
-
-
 def joined_frames(held: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """`held` then `codes` along the frame axis, on the codes' device. Codes relayed on a GPU stay there: copied to
     the host, each stream's frames waited for the copy (in the 1-GPU service under MPS, 32 such copies per vocoder
@@ -150,9 +59,46 @@ def joined_frames(held: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([held.to(codes.device), codes], dim=1)
 
 
+CodecCall = Any  # what a decoder asks its codec for: a window's codes, or a stateful step's `StepCall`
+Calls = Generator[CodecCall, torch.Tensor, Result]  # yields codec calls, is sent their samples, returns its result
+
+
+def run_calls(calls: Calls[Result], run: Callable[[CodecCall], torch.Tensor]) -> Result:
+    """Drive `calls` on this thread, each codec call run (and waited for) by `run`."""
+    try:
+        call = next(calls)
+        while True:
+            call = calls.send(run(call))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_calls_async(calls: Calls[Result], submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> Result:
+    """Drive `calls` on the event loop: each codec call is `submit`ted (to a batching worker: the calls that many
+    streams submit in one pass of the loop decode as one batch) and awaited without a thread of its own. Cancelled
+    while a call is in flight, the decoder hears of it once the call has run (its state slot is in use until then)."""
+    try:
+        call = next(calls)
+        while True:
+            future = submit(call)
+            try:
+                samples = await asyncio.shield(asyncio.wrap_future(future))
+            except asyncio.CancelledError:
+                future.add_done_callback(lambda _: calls.close())
+                raise
+            except Exception as exc:
+                call = calls.throw(exc)
+                continue
+            call = calls.send(samples)
+    except StopIteration as done:
+        return done.value
+
+
 class _ScheduledDecoder:
     """What both streaming decoders share: frames in, chunks of final samples out on the schedule, and the counts.
-    Subclasses keep the frames (`_append`) and decode the next `size` of them (`_decode_next`)."""
+    Subclasses keep the frames (`_append`), decode the next `size` of them (`_decode_next`, yielding the codec calls
+    it needs) and run a codec call (`_run`). `push` and `finish` run their codec calls on the calling thread;
+    `push_async` and `finish_async` hand them to a batching worker from the event loop."""
 
     def __init__(self, codec: Codec | StatefulCodec, schedule: ChunkSchedule | None) -> None:
         self.codec = codec
@@ -184,36 +130,39 @@ class _ScheduledDecoder:
         """Frames pushed but not yet decoded (waiting for the schedule's next chunk)."""
         return self._received - self._decoded
 
-    def decodes_on_push(self, frames: int, clock: int | None = None) -> bool:
-        """Whether pushing `frames` more frames (the last at the producer's step `clock`) completes a chunk (so
-        `push` decodes, and may wait for a batched decode); otherwise `push` only keeps them and returns no chunk."""
-        if not self.schedule.aligns(self._chunk_index, clock):
-            return self.pending_frames + frames >= self.schedule.chunk_size(self._chunk_index)
-        assert clock is not None
-        return frames > 1 or self._period_ended(clock) or self._period_ends(clock, self.pending_frames + frames)
-
     def push(self, frames: torch.Tensor, clock: int | None = None) -> list[torch.Tensor]:
         """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
 
         `clock`: the producer's step count at the last of these frames (one frame per step before it), which an
         aligned schedule ends its chunks on. Each returned chunk is a 1-D float32 tensor of final samples.
         """
+        return run_calls(self.push_calls(frames, clock), self._run)
+
+    async def push_async(self, frames: torch.Tensor, clock: int | None,
+                         submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> list[torch.Tensor]:
+        """`push`, its codec calls `submit`ted from the event loop (`run_calls_async`)."""
+        return await run_calls_async(self.push_calls(frames, clock), submit)
+
+    def push_calls(self, frames: torch.Tensor, clock: int | None = None) -> Calls[list[torch.Tensor]]:
+        """`push` as the codec calls it makes (checked before the first)."""
         if self._finished:
             raise RuntimeError("push() after finish()")
-        codes = self._check_codes(frames, "frames")
+        return self._push_frames(self._check_codes(frames, "frames"), clock)
+
+    def _push_frames(self, codes: torch.Tensor, clock: int | None) -> Calls[list[torch.Tensor]]:
         count = int(codes.shape[1])
         if not self.schedule.aligned or clock is None:
-            return self._take(codes)
+            return (yield from self._take(codes))
         chunks: list[torch.Tensor] = []
         for index in range(count):  # frame by frame against the clock
-            chunks += self._take(codes[:, index : index + 1], clock - (count - 1 - index))
+            chunks += yield from self._take(codes[:, index : index + 1], clock - (count - 1 - index))
         return chunks
 
-    def _take(self, codes: torch.Tensor, clock: int | None = None) -> list[torch.Tensor]:
+    def _take(self, codes: torch.Tensor, clock: int | None = None) -> Calls[list[torch.Tensor]]:
         """Keep `codes` (frames made up to the producer's step `clock`) and decode the chunks now due."""
         chunks: list[torch.Tensor] = []
         if clock is not None and self.schedule.aligns(self._chunk_index, clock) and self._period_ended(clock):
-            chunks += self._next_chunk(self.pending_frames)  # its period ended at a step this stream sat out
+            chunks += yield from self._next_chunk(self.pending_frames)  # its period ended at a step this stream sat out
         if codes.shape[1]:
             self._append(codes)
             self._received += int(codes.shape[1])
@@ -229,7 +178,7 @@ class _ScheduledDecoder:
                 size = self.schedule.chunk_size(self._chunk_index)
                 if self.pending_frames < size:
                     break
-            chunks += self._next_chunk(size)
+            chunks += yield from self._next_chunk(size)
         return chunks
 
     def _period_ended(self, clock: int) -> bool:
@@ -241,8 +190,8 @@ class _ScheduledDecoder:
         """Whether `pending` frames, the last made at step `clock`, make an aligned chunk now."""
         return pending >= self.schedule.steady or (pending > 0 and (clock + 1) % self.schedule.steady == 0)
 
-    def _next_chunk(self, size: int) -> list[torch.Tensor]:
-        chunk = self._decode_next(size)
+    def _next_chunk(self, size: int) -> Calls[list[torch.Tensor]]:
+        chunk = yield from self._decode_next(size)
         self._chunk_index += 1
         return [chunk] if chunk is not None else []
 
@@ -252,12 +201,23 @@ class _ScheduledDecoder:
         Returns the last chunk, or ``None`` if nothing is left. The final ``trim`` samples of the
         stream are not produced, exactly as in a one-shot decode of all frames.
         """
+        return run_calls(self.finish_calls(), self._run)
+
+    async def finish_async(self, submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> torch.Tensor | None:
+        """`finish`, its codec calls `submit`ted from the event loop (`run_calls_async`)."""
+        return await run_calls_async(self.finish_calls(), submit)
+
+    def finish_calls(self) -> Calls[torch.Tensor | None]:
+        """`finish` as the codec calls it makes (checked before the first)."""
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
+        return self._finish_frames()
+
+    def _finish_frames(self) -> Calls[torch.Tensor | None]:
         if self.pending_frames == 0:
             return None
-        return self._decode_next(self.pending_frames)
+        return (yield from self._decode_next(self.pending_frames))
 
     def _check_codes(self, codes: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(codes, torch.Tensor):
@@ -273,7 +233,10 @@ class _ScheduledDecoder:
     def _append(self, codes: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _decode_next(self, size: int) -> torch.Tensor | None:
+    def _decode_next(self, size: int) -> Calls[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _run(self, call: CodecCall) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -317,14 +280,17 @@ class StreamingDecoder(_ScheduledDecoder):
     def _append(self, codes: torch.Tensor) -> None:
         self._buf = joined_frames(self._buf, codes)
 
-    def _decode_next(self, size: int) -> torch.Tensor | None:
+    def _run(self, call: CodecCall) -> torch.Tensor:
+        return self.codec.decode(call)
+
+    def _decode_next(self, size: int) -> Calls[torch.Tensor | None]:
         start = self._decoded
         end = start + size
         window_start = max(start - self.schedule.left_context, -self.reference_frames)
         # left_context * spf >= trim guarantees the held-back samples are inside the window.
         assert window_start * self._spf <= self._emitted
         codes = self._buf[:, window_start - self._buf_start : end - self._buf_start]
-        wav = self.codec.decode(codes).reshape(-1)
+        wav = (yield codes).reshape(-1)
         expected = (end - window_start) * self._spf - self._trim
         if wav.numel() != expected:
             raise RuntimeError(
@@ -369,52 +335,73 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
     ``N * spf - trim``, a one-shot decode of the N frames. The last partial chunk is padded with zero frames to
     its scheduled size (one decode shape per schedule step) and its output cut: the codec is causal, so frames
     after the real ones change nothing before them. The stream holds a codec state slot until ``close()`` (which
-    ``finish()`` calls)."""
+    ``finish()`` calls); closed while a step is in flight, it frees the slot once the step has run."""
 
     def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None) -> None:
         super().__init__(codec, schedule)
         self.stateful_codec = codec
         self._pending = torch.zeros(self._q, 0, dtype=torch.long)
         self._slot: int | None = codec.open_stream()
-        self._lock = threading.Lock()  # a close() from another thread waits for a step in flight
+        self._guard = threading.Lock()  # the slot against a close() from another thread
+        self._in_flight = False  # a step on the slot has been asked for and not yet returned (or failed)
+        self._close_asked = False
 
-    def finish(self) -> torch.Tensor | None:
+    def finish_calls(self) -> Calls[torch.Tensor | None]:
         """Decode the remaining (partial-chunk) frames, end the stream and free its slot; None if nothing is left."""
+        calls = super().finish_calls()
         try:
-            return super().finish()
+            return (yield from calls)
         finally:
             self.close()
 
     def close(self) -> None:
-        """Free the codec state slot (idempotent; an aborted stream calls it without finishing)."""
-        with self._lock:
-            if self._slot is not None:
-                self.stateful_codec.close_stream(self._slot)
-                self._slot = None
+        """Free the codec state slot (idempotent; an aborted stream calls it without finishing), or, with a step in
+        flight, once that step has run: until then the step still reads and writes the slot."""
+        with self._guard:
+            if self._in_flight:
+                self._close_asked = True
+            else:
+                self._release()
+
+    def _release(self) -> None:
+        if self._slot is not None:
+            self.stateful_codec.close_stream(self._slot)
+            self._slot = None
 
     def _append(self, codes: torch.Tensor) -> None:
         self._pending = joined_frames(self._pending, codes)
 
-    def _decode_next(self, size: int) -> torch.Tensor:
-        with self._lock:
-            if self._slot is None:
-                raise RuntimeError("the stream is closed")
-            first = self._decoded == 0
-            if self._finished or first:  # one call of the scheduled size (the last, partial chunk padded)
-                calls = [max(size, self.schedule.chunk_size(self._chunk_index))]
-            else:  # an aligned chunk may be shorter than its schedule's: calls of the sizes the codec has shapes for
-                calls = split_into_calls(size, self.schedule.later_sizes())
-            chunks = [self._step(min(call, self.pending_frames), call) for call in calls]
-            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    def _run(self, call: CodecCall) -> torch.Tensor:
+        return self.stateful_codec.step(*call)
 
-    def _step(self, size: int, frames: int) -> torch.Tensor:
+    def _decode_next(self, size: int) -> Calls[torch.Tensor | None]:
+        first = self._decoded == 0
+        if self._finished or first:  # one call of the scheduled size (the last, partial chunk padded)
+            calls = [max(size, self.schedule.chunk_size(self._chunk_index))]
+        else:  # an aligned chunk may be shorter than its schedule's: calls of the sizes the codec has shapes for
+            calls = split_into_calls(size, self.schedule.later_sizes())
+        chunks = []
+        for call in calls:
+            chunks.append((yield from self._step(min(call, self.pending_frames), call)))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _step(self, size: int, frames: int) -> Calls[torch.Tensor]:
         """One codec call of `frames` new frames, the first `size` of them pending ones (the rest zero padding)."""
-        assert self._slot is not None
+        with self._guard:
+            if self._slot is None or self._close_asked:
+                raise RuntimeError("the stream is closed")
+            self._in_flight = True
         codes = self._pending[:, :size]
         if size < frames:
             codes = torch.cat([codes, codes.new_zeros(self._q, frames - size)], dim=1)
         first = self._decoded == 0
-        wav = self.stateful_codec.step(codes, self._decoded, self._slot, first)
+        try:
+            wav = yield (codes, self._decoded, self._slot, first)
+        finally:
+            with self._guard:
+                self._in_flight = False
+                if self._close_asked:
+                    self._release()
         chunk = wav.reshape(-1)[: max(size * self._spf - (self._trim if first else 0), 0)].to(torch.float32)
         self._pending = self._pending[:, size:]
         self._decoded += size

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -361,8 +360,6 @@ class VocoderStage(StageBase):
             else:
                 codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
                 self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
-        # a stream's thread waits while its window is batched with other streams': one thread per open stream
-        self._decode_threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vocoder-stream")
         # the decode thread lets the GIL go at each graph replay and wait for the device, as an engine thread does
         lower_gil_switch_interval(streaming.gil_switch_interval_ms / 1000)
         self.start_reporting()
@@ -394,16 +391,12 @@ class VocoderStage(StageBase):
                     return
                 if item.tensors and return_codes:
                     received.append(item.tensors["codes"])
-                loop = asyncio.get_running_loop()
                 chunks = []
-                if item.tensors:
-                    codes, clock = item.tensors["codes"], item.meta.get("clock")  # the Talker's step count
-                    if decoder.decodes_on_push(int(codes.shape[-1]), clock):  # may wait for a batched decode: off loop
-                        chunks = await loop.run_in_executor(self._decode_threads, decoder.push, codes, clock)
-                    else:  # the frames are only kept: no thread hop for them
-                        chunks = decoder.push(codes, clock)
+                submit = self.codec.worker.submit_nowait  # the streams' calls of one Talker step batch together
+                if item.tensors:  # with the Talker's step count: the clock aligned chunks end on
+                    chunks = await decoder.push_async(item.tensors["codes"], item.meta.get("clock"), submit)
                 if item.kind == "end":
-                    last = await loop.run_in_executor(self._decode_threads, decoder.finish)
+                    last = await decoder.finish_async(submit)
                     chunks = [*chunks, *([last] if last is not None else [])]
                 audio = [{"type": "audio", "pcm": chunk.float().cpu().numpy(), "sample_rate": self.codec.sample_rate,
                           "t": time.time()} for chunk in chunks]

@@ -93,15 +93,15 @@ class VocoderSettings(_Strict):
         default=True,
         description="after the ramp, end each stream's chunks where the Talker's step count ends a period of "
         "`steady_chunk` steps, so the streams one Talker replica feeds decode together, in one batched call per "
-        "period, instead of each on its own phase: a decode call's cost is mostly fixed (its kernels' launches), "
-        "whatever its rows",
+        "period, instead of each on its own phase: a decode call's cost is mostly fixed (on an H200, 2.3 ms for one "
+        "stream's 8 frames, 7.9 ms for 32 streams')",
     )
     max_batch: int = Field(default=64, ge=1, description="windows of equal length decoded in one call")
     batch_gather_ms: float = Field(
         default=1.0, ge=0, le=20,
         description="the decode thread, once it has a stream's chunk to decode, keeps taking others' while they come "
         "less than this apart (at most 4x this in all), so the chunks one Talker step completes decode in one call: "
-        "they reach it one thread hop after another. 0: decode whatever has arrived at once",
+        "the streams' coroutines submit them one after another. 0: decode whatever has arrived at once",
     )
     cuda_graphs: bool = Field(default=True, description="replay each (batch, window length) from a CUDA graph")
     stateful: bool = Field(

@@ -57,8 +57,8 @@ class BatchWorker(Generic[Item, Result]):
     Under load, calls gather while the previous group runs. `busy_s` and `frames` add up the work.
 
     With `gather_s`, the worker, once it has calls to take, keeps taking more while they come less than `gather_s`
-    apart (for at most `gather_max_s`): the streams whose chunks one Talker step completes reach it one thread hop
-    after another, and without the wait the first would run alone and the rest in a second call."""
+    apart (for at most `gather_max_s`): the streams whose chunks one Talker step completes submit them one after
+    another, and without the wait the first would run alone and the rest in a second call."""
 
     def __init__(self, run_group: Callable[[list[Item]], list[Result]], key: Callable[[Item], Hashable],
                  frames: Callable[[Item], int], max_batch: int, gather_s: float = 0.0,

@@ -17,8 +17,8 @@ class ChunkSchedule:
 
     ``aligned``: after the ramp, a chunk ends where the producer's step clock (pushed with the frames) ends a
     period of ``steady`` steps, so every stream fed by one producer decodes at the same steps, in one batched call,
-    whenever it started; a chunk then holds up to ``steady`` frames (fewer on the way into step, or when the stream
-    skipped steps). Without a clock the schedule is the plain one.
+    whenever it started; a chunk then holds up to ``steady`` frames (fewer for the chunk that brings a stream into
+    step, or after steps the stream sat out). Without a clock the schedule is the plain one.
     """
 
     ramp: tuple[int, ...] = (1, 2, 4)
@@ -84,7 +84,7 @@ def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
 
 
 def split_into_calls(size: int, sizes: list[int]) -> list[int]:
-    """`size` frames as calls of the given sizes (largest first; they include 1 or `size` itself), largest first."""
+    """`size` frames as calls of the given `sizes` (largest first), taking the largest that fits each time."""
     out = []
     for piece in sizes:
         while size >= piece:

@@ -61,6 +61,7 @@ def joined_frames(held: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 CodecCall = Any  # what a decoder asks its codec for: a window's codes, or a stateful step's `StepCall`
 Calls = Generator[CodecCall, torch.Tensor, Result]  # yields codec calls, is sent their samples, returns its result
+Submit = Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]  # e.g. `BatchWorker.submit_nowait`
 
 
 def run_calls(calls: Calls[Result], run: Callable[[CodecCall], torch.Tensor]) -> Result:
@@ -73,7 +74,7 @@ def run_calls(calls: Calls[Result], run: Callable[[CodecCall], torch.Tensor]) ->
         return done.value
 
 
-async def run_calls_async(calls: Calls[Result], submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> Result:
+async def run_calls_async(calls: Calls[Result], submit: Submit) -> Result:
     """Drive `calls` on the event loop: each codec call is `submit`ted (to a batching worker: the calls that many
     streams submit in one pass of the loop decode as one batch) and awaited without a thread of its own. Cancelled
     while a call is in flight, the decoder hears of it once the call has run (its state slot is in use until then)."""
@@ -138,8 +139,7 @@ class _ScheduledDecoder:
         """
         return run_calls(self.push_calls(frames, clock), self._run)
 
-    async def push_async(self, frames: torch.Tensor, clock: int | None,
-                         submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> list[torch.Tensor]:
+    async def push_async(self, frames: torch.Tensor, clock: int | None, submit: Submit) -> list[torch.Tensor]:
         """`push`, its codec calls `submit`ted from the event loop (`run_calls_async`)."""
         return await run_calls_async(self.push_calls(frames, clock), submit)
 
@@ -203,7 +203,7 @@ class _ScheduledDecoder:
         """
         return run_calls(self.finish_calls(), self._run)
 
-    async def finish_async(self, submit: Callable[[CodecCall], concurrent.futures.Future[torch.Tensor]]) -> torch.Tensor | None:
+    async def finish_async(self, submit: Submit) -> torch.Tensor | None:
         """`finish`, its codec calls `submit`ted from the event loop (`run_calls_async`)."""
         return await run_calls_async(self.finish_calls(), submit)
 

@@ -267,12 +267,21 @@ def test_steps_launched_ahead_speak_what_steps_run_one_at_a_time(parts: dict[str
     expected = _run(runner, one_at_a_time)
     ahead = speech("b")
     ahead.hear(parts["thinker_outputs"])
-    first_step = runner.frame_steps
+    assert runner.frame_steps == len(expected)
     frames, outputs = _run_pipelined(runner, ahead)
     assert frames == expected and len(frames) == 3 + 2 * 11
     assert [o.finish_reason for o in outputs] == [None] * (len(frames) - 1) + ["length"]
-    # each frame carries its step on the runner's clock, which the vocoder ends its aligned chunks on
-    assert [o.step for o in outputs] == list(range(first_step, first_step + len(frames)))
+    # each frame carries its step on the runner's clock, which the vocoder ends its aligned chunks on; alone, a
+    # request starts it again at 0 (so it is chunked the same way every time)
+    assert [o.step for o in outputs] == list(range(len(frames)))
+
+    first, second = speech("x"), speech("y")  # a request joining one that speaks shares its clock
+    first.hear(parts["thinker_outputs"])
+    second.hear(parts["thinker_outputs"])
+    assert [o.step for _ in range(3) for o in runner.step([first])] == [0, 1, 2]
+    assert sorted((o.request_id, o.step) for o in runner.step([first, second])) == [("x", 3), ("y", 3)]
+    runner.release(first)
+    runner.release(second)
 
     late = speech("c")  # the Thinker's end arrives after the step making frame 25 was launched
     late.hear(parts["thinker_outputs"], done=False)

@@ -99,6 +99,10 @@ class SlotTable(Generic[S]):
         self._owners[seq.slot] = seq
         return seq.slot
 
+    def sequences(self) -> list[S]:
+        """The sequences holding slots now."""
+        return list(self._owners.values())
+
     def release(self, seq: S) -> None:
         if seq.slot < 0:
             return

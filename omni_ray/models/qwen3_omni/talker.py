@@ -115,7 +115,7 @@ class TalkerStepOutput:
     request_id: str
     codes: list[int] | None  # one frame, all groups; None when the step ended the request without a frame
     finish_reason: str | None
-    step: int = -1  # which of its runner's frame steps made it: the clock the vocoder aligns its chunks on
+    step: int = -1  # its runner's frame step count when it was made: the clock the vocoder aligns its chunks on
 
 
 @dataclass
@@ -175,7 +175,10 @@ class TalkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
-        self.frame_steps = 0  # steps that made frames: the clock the vocoder ends its aligned chunks on
+        # Steps that made frames: the clock the vocoder ends its aligned chunks on. It starts again at a step where
+        # no sequence holding a slot has spoken yet, so a request served alone is chunked, and its audio rounded,
+        # the same way every time.
+        self.frame_steps = 0
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
         self._sample = sample
@@ -271,6 +274,8 @@ class TalkerRunner:
         if decoding:
             hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
         codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
+        if not any(seq.frames for seq in self.slots.sequences()):  # none has spoken yet: the clock starts again
+            self.frame_steps = 0
         pending.codes, pending.step = Download(codes), self.frame_steps
         self.frame_steps += 1
         for i, seq in enumerate(stepping):

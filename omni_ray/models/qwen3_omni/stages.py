@@ -380,6 +380,7 @@ class VocoderStage(StageBase):
         inbox: asyncio.Queue[RelayItem] = asyncio.Queue()
         self.endpoint.claim(request_id, inbox.put_nowait)
         decoder: StreamingDecoder | StatefulStreamingDecoder | None = None
+        submit = self.codec.worker.submit_nowait  # the streams' calls of one Talker step batch together
         try:
             decoder = (StatefulStreamingDecoder(self.codec, self.schedule) if isinstance(self.codec, BatchingStatefulCodec)
                        else StreamingDecoder(self.codec, self.schedule))
@@ -392,7 +393,6 @@ class VocoderStage(StageBase):
                 if item.tensors and return_codes:
                     received.append(item.tensors["codes"])
                 chunks = []
-                submit = self.codec.worker.submit_nowait  # the streams' calls of one Talker step batch together
                 if item.tensors:  # with the Talker's step count: the clock aligned chunks end on
                     chunks = await decoder.push_async(item.tensors["codes"], item.meta.get("clock"), submit)
                 if item.kind == "end":

@@ -68,6 +68,13 @@ class EngineSettings(_Strict):
         "(`layers/moe_kernels.py`) instead of grouped GEMMs (on an H200 the Thinker's step at 32 streams took 13.3 "
         "instead of 16.1 ms, the Talker's 8.9 instead of 9.4)",
     )
+    moe_layer_kernels: bool = Field(
+        default=False,
+        description="on CUDA, with `moe_kernels`: each MoE layer of a decode step of up to 64 rows as eight Triton "
+        "kernels (`layers/small_batch_moe.py`: norm-fused GEMMs, one attention kernel with the KV write, one routing "
+        "kernel, the expert kernels finding their tokens among the picks, one combine) instead of the layer's own "
+        "code (about 29-33 kernels a layer compiled by inductor)",
+    )
     launch_ahead: bool | None = Field(
         default=None,
         description="queue each step on the device before reading the previous one back, so that the host's "

@@ -11,7 +11,7 @@ from torch import nn
 
 from omni_ray.layers.attention import Attention, AttentionBatch
 from omni_ray.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
-from omni_ray.layers import moe_kernels, small_batch
+from omni_ray.layers import moe_kernels, small_batch, small_batch_moe
 from omni_ray.layers.moe import SparseMoE
 
 
@@ -118,6 +118,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
         self.small_batch_kernels = False  # see use_small_batch_kernels
+        self.moe_layer_kernels = False  # see use_moe_layer_kernels
 
     def fuse_projections(self) -> None:
         """q/k/v, and gate/up of dense and shared-expert MLPs, each as one weight (one GEMM)."""
@@ -147,6 +148,16 @@ class DecoderStack(nn.Module):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.experts.use_kernels = True
                 layer.mlp.fold_shared_expert()
+        return True
+
+    def use_moe_layer_kernels(self) -> bool:
+        """Run MoE layers' decode steps of a few rows as `small_batch_moe.decoder_layer` (eight Triton kernels a
+        layer); other steps run the layers as they are. Turns the expert kernels on (`use_moe_kernels`). False (and
+        nothing changes) without Triton."""
+        if small_batch_moe.triton is None or not self.use_moe_kernels():
+            return False
+        self.fuse_projections()
+        self.moe_layer_kernels = True
         return True
 
     def compile_layers(self) -> None:
@@ -191,6 +202,8 @@ class DecoderStack(nn.Module):
         for i, layer in enumerate(self.layers):
             if self.small_batch_kernels and small_batch.applies(layer, x, batch):
                 x, squares = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
+            elif self.moe_layer_kernels and small_batch_moe.applies(layer, x, batch):
+                x, squares = small_batch_moe.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
             else:
                 x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:

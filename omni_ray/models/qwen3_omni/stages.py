@@ -135,7 +135,8 @@ class ThinkerStage(StageBase):
             cache = _kv_cache(config.thinker_config.text_config, engine, res)
         with self.startup_phase("warmup"):
             runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
-                                   engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens)
+                                   engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens,
+                                   moe_layer_kernels=engine.moe_layer_kernels)
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
@@ -236,7 +237,8 @@ class TalkerStage(StageBase):
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
                                   engine.compile_layers, engine.sampling_kernel,
-                                  engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens)
+                                  engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens,
+                                  moe_layer_kernels=engine.moe_layer_kernels)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

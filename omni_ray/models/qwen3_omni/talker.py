@@ -147,6 +147,7 @@ class TalkerRunner:
         code_predictor_kernels: bool = True,
         moe_kernels: bool = True,
         prefill_graph_tokens: int | None = None,
+        moe_layer_kernels: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -184,6 +185,8 @@ class TalkerRunner:
         self._sample = sample
         if moe_kernels and self.device.type == "cuda":
             self.model.model.use_moe_kernels()
+            if moe_layer_kernels:
+                self.model.model.use_moe_layer_kernels()
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers()
             stack = self.model.code_predictor.model

@@ -1,0 +1,389 @@
+"""An MoE decoder layer's decode step at a few rows in eight Triton kernels, with no sort and no host sync.
+
+Compiled by inductor, a Thinker or Talker MoE layer's decode step was about 29-33 kernels (cuBLAS GEMMs and their
+split-K reductions, norms, rotary, the KV write, the attention kernel and its mask, the router's softmax and top-k
+by comparison, the pairs' ranks and scatters, the expert kernels, the combine): on an H200 1,389 kernels and 4.1 ms of
+GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is eight:
+
+1. input RMSNorm + the fused q/k/v projection (`small_batch.rows_matmul`);
+2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys in blocks (online softmax),
+   one program per (row, KV head), its query heads as the rows of one tile;
+3. the output projection + the residual, leaving the partial sums of its rows' squares;
+4. post-attention RMSNorm + the router's GEMM (and the shared expert's gate column, when folded);
+5. routing: softmax, top-k, renormalisation, the shared expert's sigmoid gate, and the list of picked experts, in one
+   program;
+6. post-attention RMSNorm + each picked expert's gate/up projection + SiLU(gate) * up, one program per (picked
+   expert, column block), which finds its tokens among the picks itself;
+7. each picked expert's down projection, the same way;
+8. each token's picks weighted and summed, + the residual, leaving the partial sums of its rows' squares for the next
+   layer's input norm.
+
+A pair's results are stored at its (token, pick) row, so nothing sorts the pairs by expert and nothing gathers them
+back. Sums run in fp32 and each kernel rounds once where the eager layer rounds after every op: outputs agree with
+the eager layer to bf16 rounding, not bit for bit. Only decode steps (one token per row) over the cache take it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_ray.layers import small_batch
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, rows_matmul_keeping_squares
+
+try:
+    import triton
+    import triton.language as tl
+
+    from omni_ray.layers.small_batch import _head_norm_rope
+except ImportError:  # a CPU-only install: the layers run their own code
+    triton = None
+
+MAX_ROWS = 64  # rows of a decode step the kernels take: every expert's tokens in one tile
+KEY_BLOCK = 64  # keys per attention block
+EXPERT_CONFIG = (64, 128, 3, 4)  # BLOCK_N, BLOCK_K, num_stages, num_warps of the expert GEMMs (as `moe_kernels`)
+COMBINE_BLOCK_N = 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(  # no annotations in jit functions: Triton reads them as its own types
+        qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
+        slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, scale,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP_ROWS: tl.constexpr, KEYS: tl.constexpr,
+        KEY_BLOCK: tl.constexpr, ROWS_ARE_SLOTS: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Row b's new token for KV head g: its key and value into the cache at its position, then the head's query
+        heads (rows of one [GROUP_ROWS, D] tile) attend over the slot's positions up to it, KEY_BLOCK keys at a time
+        with an online softmax (KEYS: a multiple of KEY_BLOCK past every row's position). The new key and value are
+        taken from registers where their block is read."""
+        GROUP: tl.constexpr = HEADS // KV_HEADS
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        d = tl.arange(0, D)
+        slot = b if ROWS_ARE_SLOTS else tl.load(slots_ptr + b)
+        written = tl.load(index_ptr + b)
+        base = qkv_ptr + b * qkv_stride
+        cos_at, sin_at = cos_ptr + b * rope_stride, sin_ptr + b * rope_stride
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        key = _head_norm_rope(base + (HEADS + g) * D, k_norm_ptr, eps, cos_at, sin_at, D).to(cache_dtype)
+        value = tl.load(base + (HEADS + KV_HEADS + g) * D + d).to(cache_dtype)
+        at = slot * slot_stride + written * position_stride + g * D + d
+        tl.store(k_cache_ptr + at, key)
+        tl.store(v_cache_ptr + at, value)
+        # the group's queries, each RMS-normed and rotated as `_head_norm_rope` does one
+        j = tl.arange(0, GROUP_ROWS)
+        head_ok = (j < GROUP)[:, None]
+        q_at = base + (g * GROUP + j)[:, None] * D
+        turned = (d + D // 2) % D
+        dtype = qkv_ptr.dtype.element_ty
+        raw = tl.load(q_at + d[None, :], mask=head_ok, other=0.0).to(tl.float32)
+        inverse_rms = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / D + eps)
+        normed = (raw * inverse_rms[:, None] * tl.load(q_norm_ptr + d).to(tl.float32)[None, :]).to(dtype)
+        other = tl.load(q_at + turned[None, :], mask=head_ok, other=0.0).to(tl.float32) * inverse_rms[:, None]
+        other = (other * tl.load(q_norm_ptr + turned).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        other = tl.where(d < D // 2, -1.0, 1.0)[None, :] * other
+        query = (normed.to(tl.float32) * tl.load(cos_at + d).to(tl.float32)[None, :]
+                 + other * tl.load(sin_at + d).to(tl.float32)[None, :]).to(cache_dtype)
+        best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_ROWS], dtype=tl.float32)
+        acc = tl.zeros([GROUP_ROWS, D], dtype=tl.float32)
+        for start in range(0, KEYS, KEY_BLOCK):
+            if start <= written:
+                positions = start + tl.arange(0, KEY_BLOCK)
+                visible = positions <= written
+                cache_at = slot * slot_stride + positions[:, None] * position_stride + g * D + d[None, :]
+                here = (positions == written)[:, None]
+                keys = tl.load(k_cache_ptr + cache_at, mask=visible[:, None] & ~here, other=0.0)
+                values = tl.load(v_cache_ptr + cache_at, mask=visible[:, None] & ~here, other=0.0)
+                keys = tl.where(here, key[None, :], keys)
+                values = tl.where(here, value[None, :], values)
+                q, k = query, keys
+                if FP32_DOT:
+                    q, k = q.to(tl.float32), k.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                scores = tl.where(visible[None, :], scores, float("-inf"))
+                new_best = tl.maximum(best, tl.max(scores, axis=1))
+                fade = tl.exp(best - new_best)
+                weights = tl.exp(scores - new_best[:, None])
+                total = total * fade + tl.sum(weights, axis=1)
+                p, v = weights.to(cache_dtype), values
+                if FP32_DOT:
+                    p, v = p.to(tl.float32), v.to(tl.float32)
+                acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
+                best = new_best
+        out = acc / total[:, None]
+        tl.store(out_ptr + b * out_stride + (g * GROUP + j)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok)
+
+    @triton.jit
+    def _route_kernel(
+        logits_ptr, logits_stride, picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, M, num_experts,
+        TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROWS: tl.constexpr,
+        EXPERTS: tl.constexpr, PICKS: tl.constexpr, BINS: tl.constexpr,
+    ):
+        """Router logits [M, experts (+ the shared expert's gate)] → each row's TOP_K experts by softmax probability
+        (ties to the lower id), their weights (renormalised with NORM_TOP_K, rounded to the logits' dtype), then
+        SHARED_PARTS more picks of the shared expert's parts (ids num_experts..) weighted by the sigmoid of the last
+        logit: picks and weights [M, TOP_K + SHARED_PARTS]. Also the picked experts' ids in increasing order
+        (hit_list) and their number (hits). One program."""
+        WIDTH: tl.constexpr = TOP_K + SHARED_PARTS
+        rows = tl.arange(0, ROWS)
+        experts = tl.arange(0, EXPERTS)
+        slots = tl.arange(0, PICKS)
+        row_ok = rows < M
+        dtype = logits_ptr.dtype.element_ty
+        logits = tl.load(logits_ptr + rows[:, None] * logits_stride + experts[None, :],
+                         mask=row_ok[:, None] & (experts < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+        logits = tl.where(row_ok[:, None], logits, 0.0)  # padding rows: finite, never stored
+        probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        probs = probs / tl.sum(probs, axis=1)[:, None]
+        left = tl.where((experts < num_experts)[None, :], probs, -1.0)
+        picks = tl.zeros([ROWS, PICKS], dtype=tl.int32)
+        weights = tl.zeros([ROWS, PICKS], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            top = tl.max(left, axis=1)
+            pick = tl.min(tl.where(left == top[:, None], experts[None, :], EXPERTS), axis=1)
+            picks = tl.where(slots[None, :] == k, pick[:, None], picks)
+            weights = tl.where(slots[None, :] == k, top[:, None], weights)
+            left = tl.where(experts[None, :] == pick[:, None], -1.0, left)
+        if NORM_TOP_K:
+            weights = weights / tl.sum(weights, axis=1)[:, None]
+        weights = weights.to(dtype).to(tl.float32)
+        if SHARED_PARTS > 0:
+            gate = tl.load(logits_ptr + rows * logits_stride + num_experts, mask=row_ok, other=0.0).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            shared = (slots >= TOP_K) & (slots < WIDTH)
+            picks = tl.where(shared[None, :], num_experts + slots[None, :] - TOP_K, picks)
+            weights = tl.where(shared[None, :], gate[:, None], weights)
+        stored = row_ok[:, None] & (slots < WIDTH)[None, :]
+        tl.store(picks_ptr + rows[:, None] * WIDTH + slots[None, :], picks, mask=stored)
+        tl.store(weights_ptr + rows[:, None] * WIDTH + slots[None, :], weights, mask=stored)
+        bins = tl.arange(0, BINS)
+        counted = tl.histogram(tl.reshape(tl.where(stored, picks, BINS - 1), [ROWS * PICKS]), BINS)
+        hit = (counted > 0) & (bins < num_experts + SHARED_PARTS)
+        tl.store(hit_list_ptr + tl.cumsum(hit.to(tl.int32), axis=0) - 1, bins, mask=hit)
+        tl.store(hits_ptr, tl.sum(hit.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _picked_expert_kernel(
+        x_ptr, x_stride, squares_ptr, squares_count, norm_ptr, eps, picks_ptr, hit_list_ptr, hits_ptr,
+        w_ptr, w_expert_stride, w_row_stride, out_ptr, out_stride, M, N,
+        K: tl.constexpr, WIDTH: tl.constexpr, PICKS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+        SQUARES_IN: tl.constexpr, PER_PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """For the program_id(0)-th picked expert e (hit_list) and its column block: the rows of the tokens that
+        picked e, x[token] (or x[token * WIDTH + pick] with PER_PICK) RMS-normed with NORM (each row's sum of squares
+        from SQUARES_IN partial sums [squares_count, M]) times w[e, cols].T, into out[token * WIDTH + pick]; GATED:
+        w[e] holds gate rows then up rows (N each), and the result is SiLU(gate) * up."""
+        if tl.program_id(0) < tl.load(hits_ptr):
+            expert = tl.load(hit_list_ptr + tl.program_id(0))
+            tokens = tl.arange(0, BLOCK_M)
+            slots = tl.arange(0, PICKS)
+            token_ok = tokens < M
+            picks = tl.load(picks_ptr + tokens[:, None] * WIDTH + slots[None, :],
+                            mask=token_ok[:, None] & (slots < WIDTH)[None, :], other=-1)
+            match = picks == expert
+            mine = tl.max(match.to(tl.int32), axis=1) > 0
+            pair = tokens * WIDTH + tl.sum(tl.where(match, slots[None, :], 0), axis=1)
+            rows = pair if PER_PICK else tokens
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            ks = tl.arange(0, BLOCK_K)
+            if NORM:
+                parts = tl.arange(0, SQUARES_IN)
+                partial = tl.load(squares_ptr + parts[:, None] * M + tokens[None, :],
+                                  mask=(parts < squares_count)[:, None] & mine[None, :], other=0.0)
+                inverse_rms = 1.0 / tl.sqrt(tl.sum(partial, axis=0) / K + eps)
+            w_base = w_ptr + expert * w_expert_stride
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                k_ok = kk < K
+                x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=mine[:, None] & k_ok[None, :],
+                            other=0.0)
+                if NORM:
+                    scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                    x = x.to(tl.float32) * inverse_rms[:, None] * scale[None, :]
+                x = x.to(w_ptr.dtype.element_ty)
+                w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                if FP32_DOT:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if GATED:
+                    up = tl.load(w_base + (cols + N)[:, None] * w_row_stride + kk[None, :],
+                                 mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                    if FP32_DOT:
+                        up = up.to(tl.float32)
+                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
+            if GATED:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_ptr + pair[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mine[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(
+        y_ptr, y_stride, weights_ptr, res_ptr, res_stride, out_ptr, out_stride, squares_out_ptr, M, N,
+        WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """out = residual + (each token's WIDTH pick results y[token * WIDTH + pick] weighted and summed in fp32,
+        rounded), rounded; and the partial sums of the block's squares at row program_id(0) of [column blocks, M]."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rows < M)[:, None] & (cols < N)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for pick in tl.static_range(WIDTH):
+            pair = rows * WIDTH + pick
+            weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
+            y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc += y * weight[:, None]
+        dtype = out_ptr.dtype.element_ty
+        residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        out = (residual + acc.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=ok)
+        rounded = tl.where(ok, out.to(tl.float32), 0.0)
+        tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1), mask=rows < M)
+
+
+def _precision(weight: torch.Tensor) -> str:
+    return "ieee" if weight.dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    qkv: torch.Tensor, attn: "torch.nn.Module", cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, warps: int = 4,
+) -> torch.Tensor:
+    """`Attention.forward` after its q/k/v projection for a decode step (one token per row) over any number of keys:
+    qkv [rows, (H + 2G) * D] → attention output [rows, H * D], the new keys and values written into `kv_cache`.
+    One kernel."""
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    rows = qkv.shape[0]
+    k_cache, v_cache = kv_cache
+    cos, sin = cos.reshape(rows, dim), sin.reshape(rows, dim)
+    out = torch.empty(rows, heads * dim, dtype=qkv.dtype, device=qkv.device)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    with _on_device(qkv):
+        _decode_attention_kernel[(rows, kv_heads)](
+            qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
+            cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), batch.slots,
+            batch.write_index.reshape(-1), out, out.stride(0), dim**-0.5, HEADS=heads, KV_HEADS=kv_heads, D=dim,
+            GROUP_ROWS=max(16, triton.next_power_of_2(heads // kv_heads)),
+            KEYS=triton.cdiv(batch.kv_len, KEY_BLOCK) * KEY_BLOCK, KEY_BLOCK=KEY_BLOCK,
+            ROWS_ARE_SLOTS=batch.rows_are_slots, FP32_DOT=interpreting(), PRECISION=_precision(k_cache),
+            num_warps=warps,
+        )
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [M, num_experts (+1: the shared expert's gate, with shared_parts)] → picks [M, top_k +
+    shared_parts] int32, their weights (fp32 holding the logits' dtype's values), the picked experts' ids in
+    increasing order (a list as long as there are experts, its tail unused) and their number [1]. One kernel."""
+    rows = logits.shape[0]
+    width = top_k + shared_parts
+    total = num_experts + shared_parts
+    picks = torch.empty(rows, width, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    hit_list = torch.empty(total, dtype=torch.int32, device=logits.device)
+    hits = torch.empty(1, dtype=torch.int32, device=logits.device)
+    with _on_device(logits):
+        _route_kernel[(1,)](
+            logits, logits.stride(0), picks, weights, hit_list, hits, rows, num_experts,
+            TOP_K=top_k, SHARED_PARTS=shared_parts, NORM_TOP_K=norm_top_k, ROWS=max(16, triton.next_power_of_2(rows)),
+            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width),
+            BINS=triton.next_power_of_2(total + 1), num_warps=4,
+        )
+    return picks, weights, hit_list, hits
+
+
+def picked_expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, picks: torch.Tensor, hit_list: torch.Tensor, hits: torch.Tensor,
+    gated: bool, per_pick: bool, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    squares: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each picked expert's GEMM over its tokens' rows: x [M, K] (or [M * width, K] with `per_pick`: one row per
+    pick) @ weight[e].T, weight [E, N, K] (or [E, 2N, K], `gated`: SiLU(gate) * up) → [M * width, N], row
+    token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
+    grid covers as many experts as can be picked."""
+    tokens, width = picks.shape
+    experts, out_width, depth = weight.shape
+    n = out_width // 2 if gated else out_width
+    assert x.stride(1) == 1 and weight.stride(2) == 1
+    out = torch.empty(tokens * width, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, stages, warps = EXPERT_CONFIG
+    with _on_device(x):
+        _picked_expert_kernel[(min(tokens * width, experts), triton.cdiv(n, block_n))](
+            x, x.stride(0), squares if squares is not None else x, 0 if squares is None else squares.shape[0],
+            norm_weight if norm_weight is not None else x, eps, picks, hit_list, hits,
+            weight, weight.stride(0), weight.stride(1), out, out.stride(0), tokens, n,
+            K=depth, WIDTH=width, PICKS=triton.next_power_of_2(width), GATED=gated, NORM=norm_weight is not None,
+            SQUARES_IN=1 if squares is None else triton.next_power_of_2(squares.shape[0]), PER_PICK=per_pick,
+            BLOCK_M=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
+            FP32_DOT=interpreting(), PRECISION=_precision(weight), num_warps=warps, num_stages=stages,
+        )
+    return out
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual [M, N] + each token's picks' results y [M * width, N] weighted by `weights` [M, width] → the layer's
+    output [M, N] and the partial sums of its rows' squares [column blocks, M]. One kernel."""
+    rows, n = residual.shape
+    width = weights.shape[1]
+    out = torch.empty_like(residual)
+    block_m = min(small_batch.ROW_TILE, max(16, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(n, COMBINE_BLOCK_N), triton.cdiv(rows, block_m))
+    squares = torch.empty(grid[0], rows, dtype=torch.float32, device=residual.device)
+    with _on_device(residual):
+        _combine_kernel[grid](
+            y, y.stride(0), weights, residual, residual.stride(0), out, out.stride(0), squares, rows, n,
+            WIDTH=width, BLOCK_M=block_m, BLOCK_N=COMBINE_BLOCK_N, num_warps=4,
+        )
+    return out, squares
+
+
+def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) -> bool:
+    """Whether `decoder_layer` can run this layer's step: Triton on a GPU (or its interpreter), an MoE layer with
+    fused q/k/v and expert kernels on (a shared expert folded in, if it has one), a decode step of at most
+    `MAX_ROWS` rows over the cache."""
+    from omni_ray.layers.moe import SparseMoE
+
+    mlp, attn = layer.mlp, layer.self_attn
+    return (
+        triton is not None and (x.is_cuda or interpreting()) and isinstance(mlp, SparseMoE) and mlp.experts.use_kernels
+        and (mlp.shared_expert is None or mlp.router_and_shared_gate is not None) and attn.qkv is not None
+        and x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and not batch.from_zero
+        and attn.head_dim & (attn.head_dim - 1) == 0
+    )
+
+
+def decoder_layer(
+    layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DecoderLayer.forward` for an MoE layer's decode step in eight kernels (see the module's docstring). x [B, 1,
+    h]; `squares`: the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the
+    layer's output and the same sums of it, for the next layer's input norm."""
+    rows, _, width = x.shape
+    attn, moe = layer.self_attn, layer.mlp
+    flat = x.reshape(rows, width)
+    norm = layer.input_layernorm
+    qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
+    attended = decode_attention(qkv, attn, cos, sin, kv_cache, batch)
+    flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
+    norm = layer.post_attention_layernorm
+    router = moe.router_and_shared_gate if moe.router_and_shared_gate is not None else moe.gate.weight
+    logits = rows_matmul(flat, router, norm.weight, norm.variance_epsilon, squares=squares)
+    num_experts = moe.gate.weight.shape[0]
+    picks, weights, hit_list, hits = route(logits, moe.gate.top_k, moe.gate.norm_topk_prob, num_experts,
+                                           moe.shared_parts)
+    gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
+    hidden = picked_expert_matmul(flat, gate_up, picks, hit_list, hits, gated=True, per_pick=False,
+                                  norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
+    y = picked_expert_matmul(hidden, down, picks, hit_list, hits, gated=False, per_pick=True)
+    out, squares = combine(y, weights, flat)
+    return out.reshape(rows, 1, width), squares

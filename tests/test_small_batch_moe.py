@@ -1,0 +1,126 @@
+"""The eight-kernel MoE decoder layer (`layers/small_batch_moe.py`) against the eager layer: under Triton's
+interpreter on the CPU, and compiled for the H200 without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from _triton import compile_for_h200, run_interpreted
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before the kernels are defined.
+CHECK = r"""
+import copy, json, torch
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers import small_batch_moe
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+torch.manual_seed(0)
+results = {}
+CACHE = 150
+for dtype, rows_are_slots, shared, heads in ((torch.float32, True, 64, 4), (torch.float32, False, 0, 16),
+                                             (torch.bfloat16, False, 64, 4)):
+    spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=heads, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, mrope_section=None, intermediate_size=96, num_experts=8, top_k=3,
+                       moe_intermediate_size=32, norm_topk_prob=True, shared_expert_intermediate_size=shared)
+    eager = DecoderStack(spec).to(dtype)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.15) + (1.0 if p.dim() == 1 else 0.0))
+    fused = copy.deepcopy(eager)
+    eager.fuse_projections()
+    assert fused.use_moe_layer_kernels()
+    caches = [SlotKVCache(2, 5, CACHE, 2, 32, dtype, "cpu") for _ in range(2)]
+    for k, v in caches[0].layers:  # stale keys past each row's position: the kernel must not read them
+        k.normal_(); v.normal_()
+    for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
+        k1.copy_(k0); v1.copy_(v0)
+    rows = 3
+    slots = torch.arange(rows) if rows_are_slots else torch.tensor([4, 0, 2])
+    starts = torch.tensor([5, 63, 130])
+    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0}
+    for step in range(3):
+        batch = AttentionBatch.from_tensors(slots, starts, 1, int(starts.max()) + 1, rows_are_slots=rows_are_slots)
+        x = torch.randn(rows, 1, 64).to(dtype)
+        cos, sin = eager.rotary(starts[:, None], dtype)
+        outs = []
+        for stack, cache in zip((eager, fused), caches):
+            if stack is fused:
+                worst["used"] += sum(int(small_batch_moe.applies(layer, x, batch)) for layer in stack.layers)
+            outs.append(stack(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
+        worst["hidden"] = max(worst["hidden"], (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item())
+        for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
+            worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
+            worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
+        starts = starts + 1
+    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}"] = worst
+print(json.dumps(results))
+"""
+
+
+def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpreter() -> None:
+    """A two-layer MoE stack (8 experts, 3 picked per token, with and without a shared expert folded in as two more
+    picks) over a 150-position cache holding stale keys: three rows decode three steps from positions 5, 63 and 130
+    (so a row's keys span one to three blocks of 64, and its new key lands at a block's edge), in the first slots or
+    in others, with 2 and 8 query heads per KV head. The kernels' outputs and the keys and values they write equal the
+    eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
+    every layer of every step: the second layer's input norm reads the sums of squares the first layer's combine
+    left."""
+    results = run_interpreted(CHECK)
+    assert len(results) == 3
+    for case, worst in results.items():
+        assert worst["used"] == 6, case  # 2 layers x 3 steps ran the kernels
+        bf16 = "bfloat16" in case
+        assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
+        assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
+
+
+def _bf16_pointers(*names: str) -> dict[str, str]:
+    return {name: "*bf16" for name in names}
+
+
+def _i32(*names: str) -> dict[str, str]:
+    return {name: "i32" for name in names}
+
+
+@pytest.mark.parametrize("kernel_name", ["attention", "route", "gate_up", "down", "combine"])
+def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) -> None:
+    """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), each kernel in the form the
+    Talker's layers launch it at 32 rows: what the interpreter lets pass and a GPU would refuse fails here."""
+    from omni_ray.layers import small_batch_moe as kernels
+
+    types: dict[str, str]
+    constants: dict[str, Any]
+    if kernel_name == "attention":
+        kernel = kernels._decode_attention_kernel
+        types = _bf16_pointers("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
+                               "v_cache_ptr", "out_ptr")
+        types |= {"slots_ptr": "*i64", "index_ptr": "*i64", "eps": "fp32", "scale": "fp32"}
+        types |= _i32("qkv_stride", "rope_stride", "slot_stride", "position_stride", "out_stride")
+        constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "GROUP_ROWS": 16, "KEYS": 576, "KEY_BLOCK": 64,
+                     "ROWS_ARE_SLOTS": True, "FP32_DOT": False, "PRECISION": "tf32"}
+    elif kernel_name == "route":
+        kernel = kernels._route_kernel
+        types = {"logits_ptr": "*bf16", "picks_ptr": "*i32", "weights_ptr": "*fp32", "hit_list_ptr": "*i32",
+                 "hits_ptr": "*i32"} | _i32("logits_stride", "M", "num_experts")
+        constants = {"TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROWS": 32, "EXPERTS": 128, "PICKS": 8,
+                     "BINS": 256}
+    elif kernel_name in ("gate_up", "down"):
+        kernel = kernels._picked_expert_kernel
+        gated = kernel_name == "gate_up"
+        types = _bf16_pointers("x_ptr", "norm_ptr", "w_ptr", "out_ptr")
+        types |= {"squares_ptr": "*fp32", "picks_ptr": "*i32", "hit_list_ptr": "*i32", "hits_ptr": "*i32",
+                  "eps": "fp32"} | _i32("x_stride", "squares_count", "w_expert_stride", "w_row_stride", "out_stride",
+                                        "M", "N")
+        block_n, block_k, _, _ = kernels.EXPERT_CONFIG
+        constants = {"K": 1024 if gated else 384, "WIDTH": 8, "PICKS": 8, "GATED": gated, "NORM": gated,
+                     "SQUARES_IN": 64, "PER_PICK": not gated, "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "FP32_DOT": False, "PRECISION": "tf32"}
+    else:
+        kernel = kernels._combine_kernel
+        types = _bf16_pointers("y_ptr", "res_ptr", "out_ptr") | {"weights_ptr": "*fp32", "squares_out_ptr": "*fp32"}
+        types |= _i32("y_stride", "res_stride", "out_stride", "M", "N")
+        constants = {"WIDTH": 8, "BLOCK_M": 32, "BLOCK_N": kernels.COMBINE_BLOCK_N}
+    compile_for_h200(kernel, types, constants)

@@ -154,7 +154,7 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
 def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, max_seq_len: int = 0, sampling: SamplingParams = SamplingParams(temperature=0.0),
-    moe_kernels: bool = True, prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = False,
+    moe_kernels: bool = True, prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + 2 * steps + 8, max_seq_len)
@@ -180,7 +180,7 @@ def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
-    prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = False,
+    prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compiled: the code predictor's layers compiled by inductor instead of its Triton kernels")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
-    parser.add_argument("--moe-layer-kernels", action="store_true",
-                        help="each MoE layer of a decode step as eight Triton kernels (`engine.moe_layer_kernels`)")
+    parser.add_argument("--no-moe-layer-kernels", action="store_true",
+                        help="MoE layers' decode steps as the layers' own code instead of eight Triton kernels each "
+                        "(`engine.moe_layer_kernels: false`)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS,
                         help="prefill batches whose bucket holds more padded tokens run without a graph, unbucketed "
                         "(`engine.prefill_graph_tokens`, the service's default; -1: every prefill from a graph)")
@@ -278,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                               args.max_seq_len, SERVED_THINKER if args.thinker_sampling == "served" else SamplingParams(temperature=0.0),
-                              not args.no_moe_kernels, args.prefill_graph_tokens, args.moe_layer_kernels)
+                              not args.no_moe_kernels, args.prefill_graph_tokens, not args.no_moe_layer_kernels)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
-                             args.moe_layer_kernels)
+                             not args.no_moe_layer_kernels)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
-                    + (", MoE layers' decode steps as eight kernels" if args.moe_layer_kernels else "")
+                    + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"
                        if args.prefill_graph_tokens is not None else ", every prefill from a graph")
                     + f", KV slots of {args.max_seq_len} positions",

@@ -69,7 +69,7 @@ class EngineSettings(_Strict):
         "instead of 16.1 ms, the Talker's 8.9 instead of 9.4)",
     )
     moe_layer_kernels: bool = Field(
-        default=False,
+        default=True,
         description="on CUDA, with `moe_kernels`: each MoE layer of a decode step of up to 64 rows as eight Triton "
         "kernels (`layers/small_batch_moe.py`: norm-fused GEMMs, one attention kernel with the KV write, one routing "
         "kernel, the expert kernels finding their tokens among the picks, one combine) instead of the layer's own "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -24,12 +25,16 @@ CACHE_POSITIONS = 640
 
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: int) -> None:
+def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(
+    stage: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two layers of Qwen3-Omni-30B's Thinker (2,048 wide, 32 query and 4 KV heads, 8 of 128 experts) or Talker
     (1,024 wide, 16 and 2 heads, 6 of 128 experts and a shared expert folded in as two more), random bf16 weights,
     rows at positions spread over 600 cached ones, three decode steps: the hidden states and the keys and values
     written agree with the layers' own decode (the expert kernels, as served without these) to bf16 rounding, and a
-    graph replay gives the kernels' eager output."""
+    graph replay gives the kernels' eager output. A row whose picks differ between the two in some layer (a last-bit
+    difference in the router's input can reorder two experts' close probabilities; ties of bf16 logits abound) is
+    left out of the comparison from then on, as its keys differ too; at least three in four rows must stay."""
     pytest.importorskip("triton")
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config if stage == "thinker" else config.talker_config.text_config
@@ -54,6 +59,28 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: 
     for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
         k1.copy_(k0)
         v1.copy_(v0)
+    picked: dict[str, list[torch.Tensor]] = {"reference": [], "kernels": []}
+
+    def recording_pick(router: torch.nn.Module) -> Any:
+        pick = router.pick
+
+        def recorded(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, experts = pick(logits)
+            picked["reference"].append(experts.sort(-1).values)
+            return weights, experts
+        return recorded
+
+    for layer in reference.layers:
+        layer.mlp.gate.pick = recording_pick(layer.mlp.gate)
+    route = small_batch_moe.route
+
+    def recorded_route(logits: torch.Tensor, top_k: int, *args: Any) -> Any:
+        out = route(logits, top_k, *args)
+        picked["kernels"].append(out[0][:, :top_k].long().sort(-1).values)
+        return out
+
+    monkeypatch.setattr(small_batch_moe, "route", recorded_route)
+    kept = torch.ones(rows, dtype=torch.bool, device="cuda")
     slots = torch.randperm(32, device="cuda")[:rows]
     starts = torch.randint(0, 600, (rows,), device="cuda")
     for _ in range(3):
@@ -66,10 +93,14 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: 
         assert all(small_batch_moe.applies(layer, x, batch) for layer in kernels.layers)
         expected = reference(x, None, caches[0].layers, batch, rope=(cos, sin))[0].float()
         got = kernels(x, None, caches[1].layers, batch, rope=(cos, sin))[0].float()
-        assert (got - expected).abs().max().item() < 3e-2 * expected.abs().max().item()
+        for ours, theirs in zip(picked["kernels"][-spec.num_layers:], picked["reference"][-spec.num_layers:]):
+            kept &= (ours == theirs).all(-1)
+        assert int(kept.sum()) >= max(1, rows * 3 // 4)
+        assert (got - expected)[kept].abs().max().item() < 3e-2 * expected.abs().max().item()
+        kept_slots = slots[kept]
         for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
-            assert (k0.float() - k1.float()).abs().max().item() < 0.1
-            assert (v0.float() - v1.float()).abs().max().item() < 0.1
+            assert (k0[kept_slots].float() - k1[kept_slots].float()).abs().max().item() < 0.1
+            assert (v0[kept_slots].float() - v1[kept_slots].float()).abs().max().item() < 0.1
         starts = starts + 1
 
     graph = torch.cuda.CUDAGraph()

@@ -147,7 +147,7 @@ class TalkerRunner:
         code_predictor_kernels: bool = True,
         moe_kernels: bool = True,
         prefill_graph_tokens: int | None = None,
-        moe_layer_kernels: bool = False,
+        moe_layer_kernels: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model

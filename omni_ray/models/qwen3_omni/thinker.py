@@ -111,7 +111,7 @@ class ThinkerRunner:
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
         compile_layers: bool = False, moe_kernels: bool = True, prefill_graph_tokens: int | None = None,
-        moe_layer_kernels: bool = False,
+        moe_layer_kernels: bool = True,
     ) -> None:
         self.model = model
         self.config = config

@@ -20,9 +20,9 @@ from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 torch.manual_seed(0)
 results = {}
 CACHE = 150
-for dtype, rows_are_slots, shared, heads in ((torch.float32, True, 64, 4), (torch.float32, False, 0, 16),
-                                             (torch.bfloat16, False, 64, 4)):
-    spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=heads, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+for dtype, rows_are_slots, shared, heads, dim in ((torch.float32, True, 64, 4, 32), (torch.float32, False, 0, 16, 32),
+                                                  (torch.bfloat16, False, 64, 4, 32), (torch.float32, False, 64, 4, 8)):
+    spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=heads, num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-6,
                        rope_theta=10000.0, mrope_section=None, intermediate_size=96, num_experts=8, top_k=3,
                        moe_intermediate_size=32, norm_topk_prob=True, shared_expert_intermediate_size=shared)
     eager = DecoderStack(spec).to(dtype)
@@ -32,7 +32,7 @@ for dtype, rows_are_slots, shared, heads in ((torch.float32, True, 64, 4), (torc
     fused = copy.deepcopy(eager)
     eager.fuse_projections()
     assert fused.use_moe_layer_kernels()
-    caches = [SlotKVCache(2, 5, CACHE, 2, 32, dtype, "cpu") for _ in range(2)]
+    caches = [SlotKVCache(2, 5, CACHE, 2, dim, dtype, "cpu") for _ in range(2)]
     for k, v in caches[0].layers:  # stale keys past each row's position: the kernel must not read them
         k.normal_(); v.normal_()
     for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
@@ -55,7 +55,7 @@ for dtype, rows_are_slots, shared, heads in ((torch.float32, True, 64, 4), (torc
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
         starts = starts + 1
-    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}"] = worst
+    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}"] = worst
 print(json.dumps(results))
 """
 
@@ -64,12 +64,12 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     """A two-layer MoE stack (8 experts, 3 picked per token, with and without a shared expert folded in as two more
     picks) over a 150-position cache holding stale keys: three rows decode three steps from positions 5, 63 and 130
     (so a row's keys span one to three blocks of 64, and its new key lands at a block's edge), in the first slots or
-    in others, with 2 and 8 query heads per KV head. The kernels' outputs and the keys and values they write equal the
+    in others, with 2 and 8 query heads per KV head, heads of 32 and of 8 (padded to 16 for the tile products). The kernels' outputs and the keys and values they write equal the
     eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
     every layer of every step: the second layer's input norm reads the sums of squares the first layer's combine
     left."""
     results = run_interpreted(CHECK)
-    assert len(results) == 3
+    assert len(results) == 4
     for case, worst in results.items():
         assert worst["used"] == 6, case  # 2 layers x 3 steps ran the kernels
         bf16 = "bfloat16" in case
@@ -99,7 +99,7 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
                                "v_cache_ptr", "out_ptr")
         types |= {"slots_ptr": "*i64", "index_ptr": "*i64", "eps": "fp32", "scale": "fp32"}
         types |= _i32("qkv_stride", "rope_stride", "slot_stride", "position_stride", "out_stride")
-        constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "GROUP_ROWS": 16, "KEYS": 576, "KEY_BLOCK": 64,
+        constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "D_PAD": 128, "GROUP_ROWS": 16, "KEYS": 576, "KEY_BLOCK": 64,
                      "ROWS_ARE_SLOTS": True, "FP32_DOT": False, "PRECISION": "tf32"}
     elif kernel_name == "route":
         kernel = kernels._route_kernel

@@ -34,8 +34,6 @@ from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, r
 try:
     import triton
     import triton.language as tl
-
-    from omni_ray.layers.small_batch import _head_norm_rope
 except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
@@ -48,57 +46,71 @@ COMBINE_BLOCK_N = 64
 if triton is not None:
 
     @triton.jit
+    def _norm_rope_rows(at, ok, norm_ptr, eps, cos_ptr, sin_ptr, D: tl.constexpr, D_PAD: tl.constexpr):
+        """Head vectors at the pointers `at` [R, 1] (rows where `ok`), each RMS-normed with `norm_ptr`'s scale and
+        rotated (rotate-half rotary), each step rounded to their dtype as the eager layer rounds it: [R, D_PAD], zero
+        past D."""
+        d = tl.arange(0, D_PAD)
+        d_ok = d < D
+        turned = (d + D // 2) % D  # rotate_half: the other half, the first half negated
+        mask = ok & d_ok[None, :]
+        dtype = at.dtype.element_ty
+        raw = tl.load(at + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        inverse_rms = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / D + eps)
+        scale = tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        normed = (raw * inverse_rms[:, None] * scale[None, :]).to(dtype).to(tl.float32)
+        other = tl.load(at + turned[None, :], mask=mask, other=0.0).to(tl.float32) * inverse_rms[:, None]
+        other = (other * tl.load(norm_ptr + turned, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        other = tl.where(d < D // 2, -1.0, 1.0)[None, :] * other.to(tl.float32)
+        cos = tl.load(cos_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        return (normed * cos[None, :] + other * sin[None, :]).to(dtype)
+
+    @triton.jit
     def _decode_attention_kernel(  # no annotations in jit functions: Triton reads them as its own types
         qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
         slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, scale,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP_ROWS: tl.constexpr, KEYS: tl.constexpr,
-        KEY_BLOCK: tl.constexpr, ROWS_ARE_SLOTS: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        KEYS: tl.constexpr, KEY_BLOCK: tl.constexpr, ROWS_ARE_SLOTS: tl.constexpr, FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """Row b's new token for KV head g: its key and value into the cache at its position, then the head's query
-        heads (rows of one [GROUP_ROWS, D] tile) attend over the slot's positions up to it, KEY_BLOCK keys at a time
-        with an online softmax (KEYS: a multiple of KEY_BLOCK past every row's position). The new key and value are
-        taken from registers where their block is read."""
+        heads (rows of one [GROUP_ROWS, D_PAD] tile; D_PAD >= 16 for the tile products) attend over the slot's
+        positions up to it, KEY_BLOCK keys at a time with an online softmax (KEYS: a multiple of KEY_BLOCK past every
+        row's position). The new key and value are taken from registers where their block is read."""
         GROUP: tl.constexpr = HEADS // KV_HEADS
         b = tl.program_id(0)
         g = tl.program_id(1)
-        d = tl.arange(0, D)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < D
+        j = tl.arange(0, GROUP_ROWS)
         slot = b if ROWS_ARE_SLOTS else tl.load(slots_ptr + b)
         written = tl.load(index_ptr + b)
         base = qkv_ptr + b * qkv_stride
         cos_at, sin_at = cos_ptr + b * rope_stride, sin_ptr + b * rope_stride
         cache_dtype = k_cache_ptr.dtype.element_ty
-        key = _head_norm_rope(base + (HEADS + g) * D, k_norm_ptr, eps, cos_at, sin_at, D).to(cache_dtype)
-        value = tl.load(base + (HEADS + KV_HEADS + g) * D + d).to(cache_dtype)
+        first = (j == 0)[:, None]
+        key = _norm_rope_rows(base + (HEADS + g) * D + j[:, None] * 0, first, k_norm_ptr, eps, cos_at, sin_at, D, D_PAD)
+        key = tl.sum(tl.where(first, key.to(tl.float32), 0.0), axis=0).to(cache_dtype)
+        value = tl.load(base + (HEADS + KV_HEADS + g) * D + d, mask=d_ok, other=0.0).to(cache_dtype)
         at = slot * slot_stride + written * position_stride + g * D + d
-        tl.store(k_cache_ptr + at, key)
-        tl.store(v_cache_ptr + at, value)
-        # the group's queries, each RMS-normed and rotated as `_head_norm_rope` does one
-        j = tl.arange(0, GROUP_ROWS)
+        tl.store(k_cache_ptr + at, key, mask=d_ok)
+        tl.store(v_cache_ptr + at, value, mask=d_ok)
         head_ok = (j < GROUP)[:, None]
-        q_at = base + (g * GROUP + j)[:, None] * D
-        turned = (d + D // 2) % D
-        dtype = qkv_ptr.dtype.element_ty
-        raw = tl.load(q_at + d[None, :], mask=head_ok, other=0.0).to(tl.float32)
-        inverse_rms = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / D + eps)
-        normed = (raw * inverse_rms[:, None] * tl.load(q_norm_ptr + d).to(tl.float32)[None, :]).to(dtype)
-        other = tl.load(q_at + turned[None, :], mask=head_ok, other=0.0).to(tl.float32) * inverse_rms[:, None]
-        other = (other * tl.load(q_norm_ptr + turned).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        other = tl.where(d < D // 2, -1.0, 1.0)[None, :] * other
-        query = (normed.to(tl.float32) * tl.load(cos_at + d).to(tl.float32)[None, :]
-                 + other * tl.load(sin_at + d).to(tl.float32)[None, :]).to(cache_dtype)
+        query = _norm_rope_rows(base + (g * GROUP + j)[:, None] * D, head_ok, q_norm_ptr, eps, cos_at, sin_at, D,
+                                D_PAD).to(cache_dtype)
         best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_ROWS], dtype=tl.float32)
-        acc = tl.zeros([GROUP_ROWS, D], dtype=tl.float32)
+        acc = tl.zeros([GROUP_ROWS, D_PAD], dtype=tl.float32)
         for start in range(0, KEYS, KEY_BLOCK):
             if start <= written:
                 positions = start + tl.arange(0, KEY_BLOCK)
                 visible = positions <= written
                 cache_at = slot * slot_stride + positions[:, None] * position_stride + g * D + d[None, :]
                 here = (positions == written)[:, None]
-                keys = tl.load(k_cache_ptr + cache_at, mask=visible[:, None] & ~here, other=0.0)
-                values = tl.load(v_cache_ptr + cache_at, mask=visible[:, None] & ~here, other=0.0)
-                keys = tl.where(here, key[None, :], keys)
-                values = tl.where(here, value[None, :], values)
+                stored = visible[:, None] & ~here & d_ok[None, :]
+                keys = tl.where(here, key[None, :], tl.load(k_cache_ptr + cache_at, mask=stored, other=0.0))
+                values = tl.where(here, value[None, :], tl.load(v_cache_ptr + cache_at, mask=stored, other=0.0))
                 q, k = query, keys
                 if FP32_DOT:
                     q, k = q.to(tl.float32), k.to(tl.float32)
@@ -115,7 +127,7 @@ if triton is not None:
                 best = new_best
         out = acc / total[:, None]
         tl.store(out_ptr + b * out_stride + (g * GROUP + j)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_ok)
+                 mask=head_ok & d_ok[None, :])
 
     @triton.jit
     def _route_kernel(
@@ -271,7 +283,7 @@ def decode_attention(
             qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
             cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), batch.slots,
             batch.write_index.reshape(-1), out, out.stride(0), dim**-0.5, HEADS=heads, KV_HEADS=kv_heads, D=dim,
-            GROUP_ROWS=max(16, triton.next_power_of_2(heads // kv_heads)),
+            D_PAD=max(16, dim), GROUP_ROWS=max(16, triton.next_power_of_2(heads // kv_heads)),
             KEYS=triton.cdiv(batch.kv_len, KEY_BLOCK) * KEY_BLOCK, KEY_BLOCK=KEY_BLOCK,
             ROWS_ARE_SLOTS=batch.rows_are_slots, FP32_DOT=interpreting(), PRECISION=_precision(k_cache),
             num_warps=warps,

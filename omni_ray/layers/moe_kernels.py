@@ -39,6 +39,41 @@ def launch_config(gated: bool, tokens: int) -> ExpertMatmulConfig:
 if triton is not None:
 
     @triton.jit
+    def expert_tile(  # no annotations in jit functions: Triton reads them as its own types
+        x_ptr, x_stride, rows, row_ok, w_base, w_row_stride, cols, col_ok, N, inverse_rms, norm_ptr,
+        K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """x[rows] (each row scaled by inverse_rms and norm_ptr's weights first, with NORM) @ w_base[cols].T in
+        fp32 [BLOCK_M, BLOCK_N]; GATED: w_base holds gate rows then up rows (N each), and the tile is SiLU(gate) *
+        up. Rows not row_ok are zeros."""
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if NORM:
+                scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inverse_rms[:, None] * scale[None, :]).to(w_base.dtype.element_ty)
+            w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if FP32_DOT:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATED:
+                up = tl.load(w_base + (cols + N)[:, None] * w_row_stride + kk[None, :],
+                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                if FP32_DOT:
+                    up = up.to(tl.float32)
+                acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        return acc
+
+    @triton.jit
     def _expert_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, token_ptr, w_ptr, w_expert_stride, w_row_stride, counts_ptr, out_ptr, out_stride, N,
         num_experts,
@@ -63,28 +98,9 @@ if triton is not None:
             rows = tl.load(token_ptr + pairs, mask=pair_ok, other=0) if GATHER else pairs
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
-            ks = tl.arange(0, BLOCK_K)
-            w_base = w_ptr + expert * w_expert_stride
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < K
-                x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=pair_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                if FP32_DOT:
-                    x, w = x.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-                if GATED:
-                    up = tl.load(w_base + (cols + N)[:, None] * w_row_stride + kk[None, :],
-                                 mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    if FP32_DOT:
-                        up = up.to(tl.float32)
-                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-            if GATED:
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            acc = expert_tile(x_ptr, x_stride, rows, pair_ok, w_ptr + expert * w_expert_stride, w_row_stride, cols,
+                              col_ok, N, tl.zeros([BLOCK_M], dtype=tl.float32), x_ptr, K, False, GATED, BLOCK_M,
+                              BLOCK_N, BLOCK_K, FP32_DOT, PRECISION)
             tl.store(out_ptr + pairs[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=pair_ok[:, None] & col_ok[None, :])
 

@@ -34,6 +34,8 @@ from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, r
 try:
     import triton
     import triton.language as tl
+
+    from omni_ray.layers.moe_kernels import expert_tile
 except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
@@ -202,40 +204,17 @@ if triton is not None:
             pair = tokens * WIDTH + tl.sum(tl.where(match, slots[None, :], 0), axis=1)
             rows = pair if PER_PICK else tokens
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            ks = tl.arange(0, BLOCK_K)
+            inverse_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
             if NORM:
                 parts = tl.arange(0, SQUARES_IN)
                 partial = tl.load(squares_ptr + parts[:, None] * M + tokens[None, :],
                                   mask=(parts < squares_count)[:, None] & mine[None, :], other=0.0)
                 inverse_rms = 1.0 / tl.sqrt(tl.sum(partial, axis=0) / K + eps)
-            w_base = w_ptr + expert * w_expert_stride
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < K
-                x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=mine[:, None] & k_ok[None, :],
-                            other=0.0)
-                if NORM:
-                    scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                    x = x.to(tl.float32) * inverse_rms[:, None] * scale[None, :]
-                x = x.to(w_ptr.dtype.element_ty)
-                w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                if FP32_DOT:
-                    x, w = x.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-                if GATED:
-                    up = tl.load(w_base + (cols + N)[:, None] * w_row_stride + kk[None, :],
-                                 mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    if FP32_DOT:
-                        up = up.to(tl.float32)
-                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-            if GATED:
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            acc = expert_tile(x_ptr, x_stride, rows, mine, w_ptr + expert * w_expert_stride, w_row_stride, cols,
+                              cols < N, N, inverse_rms, norm_ptr, K, NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+                              PRECISION)
             tl.store(out_ptr + pair[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mine[:, None] & col_ok[None, :])
+                     mask=mine[:, None] & (cols < N)[None, :])
 
     @triton.jit
     def _combine_kernel(

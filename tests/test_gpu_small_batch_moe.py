@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
 
 import pytest
 import torch
@@ -25,17 +24,16 @@ CACHE_POSITIONS = 640
 
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(
-    stage: str, rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: int) -> None:
     """Two layers of Qwen3-Omni-30B's Thinker (2,048 wide, 32 query and 4 KV heads, 8 of 128 experts) or Talker
     (1,024 wide, 16 and 2 heads, 6 of 128 experts and a shared expert folded in as two more), random bf16 weights,
     rows at positions spread over 600 cached ones, three decode steps. Against the same layers evaluated in fp32, the
-    kernels' hidden states are at most twice as far off as the layers' own bf16 decode (the expert kernels, as served
-    without these), plus 1% of the largest value; the keys and values they write agree with the bf16 decode's to its
-    rounding; a graph replay gives the kernels' eager output. A row whose expert picks differ among the three in some
-    layer (a last-bit difference in the router's input can reorder two experts' close probabilities) is left out from
-    then on, as its keys differ too; at least three in four rows must stay."""
+    kernels' hidden states, and the keys and values they write, are off by at most twice what the layers' own bf16
+    decode (the expert kernels, as served without these) is off, or bf16 noise (3% of the largest hidden value, 0.05 for
+    keys), and never by more than 10%; a graph replay gives the kernels' eager output. (The two bf16 paths are not
+    compared with each other: on the CPU at these shapes the layers' bf16 decode was off the fp32 layers by 21% of the
+    largest value in one row, the kernels by 3%.) Routing is part of what is compared: an expert picked in one
+    evaluation and not another (close probabilities) counts in the error."""
     pytest.importorskip("triton")
     torch.backends.cuda.matmul.allow_tf32 = False
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
@@ -62,29 +60,6 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(
         for (k0, v0), (k1, v1) in zip(caches[0].layers, cache.layers):
             k1.copy_(k0)
             v1.copy_(v0)
-    picked: dict[str, list[torch.Tensor]] = {"reference": [], "exact": [], "kernels": []}
-
-    def recording_pick(router: torch.nn.Module, name: str) -> Any:
-        pick = router.pick
-
-        def recorded(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            weights, experts = pick(logits)
-            picked[name].append(experts.sort(-1).values)
-            return weights, experts
-        return recorded
-
-    for name, stack in (("reference", reference), ("exact", exact)):
-        for layer in stack.layers:
-            layer.mlp.gate.pick = recording_pick(layer.mlp.gate, name)
-    route = small_batch_moe.route
-
-    def recorded_route(logits: torch.Tensor, top_k: int, *args: Any) -> Any:
-        out = route(logits, top_k, *args)
-        picked["kernels"].append(out[0][:, :top_k].long().sort(-1).values)
-        return out
-
-    monkeypatch.setattr(small_batch_moe, "route", recorded_route)
-    kept = torch.ones(rows, dtype=torch.bool, device="cuda")
     slots = torch.randperm(32, device="cuda")[:rows]
     starts = torch.randint(0, 600, (rows,), device="cuda")
     for step in range(3):
@@ -95,24 +70,18 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(
         assert all(small_batch_moe.applies(layer, x, batch) for layer in kernels.layers)
         outs = []
         for stack, cache, dtype in zip((reference, kernels, exact), caches, (torch.bfloat16,) * 2 + (torch.float32,)):
-            rope = reference.rotary(positions, dtype)
-            outs.append(stack(x.to(dtype), None, cache.layers, batch, rope=rope)[0].float())
+            outs.append(stack(x.to(dtype), None, cache.layers, batch, rope=reference.rotary(positions, dtype))[0].float())
         expected, got, truth = outs
-        for layer in range(spec.num_layers):
-            ours = picked["kernels"][-spec.num_layers + layer]
-            kept &= (ours == picked["reference"][-spec.num_layers + layer]).all(-1)
-            kept &= (ours == picked["exact"][-spec.num_layers + layer]).all(-1)
-        assert int(kept.sum()) >= max(1, rows * 3 // 4)
         largest = truth.abs().max().item()
-        ours_off = (got - truth)[kept].abs().max().item()
-        theirs_off = (expected - truth)[kept].abs().max().item()
-        print(f"step {step}: rows kept {int(kept.sum())}/{rows}, off the fp32 layers by at most: kernels "
-              f"{ours_off:.4f}, the layers' bf16 decode {theirs_off:.4f} (largest value {largest:.3f})")
-        assert ours_off <= 2 * theirs_off + 1e-2 * largest
-        kept_slots = slots[kept]
-        for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
-            assert (k0[kept_slots].float() - k1[kept_slots].float()).abs().max().item() < 0.1
-            assert (v0[kept_slots].float() - v1[kept_slots].float()).abs().max().item() < 0.1
+        ours_off, theirs_off = (got - truth).abs().max().item(), (expected - truth).abs().max().item()
+        keys_off = [max((ours[i].float() - exact_layer[i].float())[slots].abs().max().item()
+                        for ours, exact_layer in zip(cache.layers, caches[2].layers) for i in (0, 1))
+                    for cache in caches[:2]]
+        print(f"step {step}: off the fp32 layers by at most: kernels {ours_off:.4f}, the layers' bf16 decode "
+              f"{theirs_off:.4f} (largest value {largest:.3f}); keys and values: kernels {keys_off[1]:.4f}, the layers' "
+              f"bf16 decode {keys_off[0]:.4f}")
+        assert ours_off <= min(max(2 * theirs_off, 3e-2 * largest), 0.1 * largest)
+        assert keys_off[1] <= min(max(2 * keys_off[0], 0.05), 0.5)
         starts = starts + 1
 
     graph = torch.cuda.CUDAGraph()

@@ -56,6 +56,15 @@ for dtype, rows_are_slots, shared, heads, dim in ((torch.float32, True, 64, 4, 3
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
         starts = starts + 1
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}"] = worst
+# steps the kernels leave to the layers' own code: two tokens a row, a prefill from position 0, 65 rows
+layer = fused.layers[0]
+two_tokens = AttentionBatch.from_tensors(slots, starts, 2, int(starts.max()) + 2)
+prefill = AttentionBatch.prefill(slots, 4)
+many = AttentionBatch.from_tensors(torch.zeros(65, dtype=torch.long), torch.zeros(65, dtype=torch.long), 1, 1)
+results["fallbacks"] = [small_batch_moe.applies(layer, torch.zeros(3, 2, 64, dtype=dtype), two_tokens),
+                        small_batch_moe.applies(layer, torch.zeros(3, 4, 64, dtype=dtype), prefill),
+                        small_batch_moe.applies(layer, torch.zeros(65, 1, 64, dtype=dtype), many),
+                        small_batch_moe.applies(layer, torch.zeros(64, 1, 64, dtype=dtype), many)]
 print(json.dumps(results))
 """
 
@@ -67,8 +76,10 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     in others, with 2 and 8 query heads per KV head, heads of 32 and of 8 (padded to 16 for the tile products). The kernels' outputs and the keys and values they write equal the
     eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
     every layer of every step: the second layer's input norm reads the sums of squares the first layer's combine
-    left."""
+    left. Steps of two tokens a row, prefills and steps of more than 64 rows keep the layers' own code."""
     results = run_interpreted(CHECK)
+    # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels
+    assert results.pop("fallbacks") == [False, False, False, True]
     assert len(results) == 4
     for case, worst in results.items():
         assert worst["used"] == 6, case  # 2 layers x 3 steps ran the kernels

@@ -29,6 +29,7 @@ import torch
 
 from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.moe_kernels import WIDE_CONFIG
 from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, rows_matmul_keeping_squares
 
 try:
@@ -41,7 +42,7 @@ except ImportError:  # a CPU-only install: the layers run their own code
 
 MAX_ROWS = 64  # rows of a decode step the kernels take: every expert's tokens in one tile
 KEY_BLOCK = 64  # keys per attention block
-EXPERT_CONFIG = (64, 128, 3, 4)  # BLOCK_N, BLOCK_K, num_stages, num_warps of the expert GEMMs (as `moe_kernels`)
+EXPERT_CONFIG = WIDE_CONFIG  # BLOCK_N, BLOCK_K, num_stages, num_warps of both expert GEMMs, at every batch
 COMBINE_BLOCK_N = 64
 
 

@@ -20,8 +20,10 @@ from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 torch.manual_seed(0)
 results = {}
 CACHE = 150
-for dtype, rows_are_slots, shared, heads, dim in ((torch.float32, True, 64, 4, 32), (torch.float32, False, 0, 16, 32),
-                                                  (torch.bfloat16, False, 64, 4, 32), (torch.float32, False, 64, 4, 8)):
+CASES = ((torch.float32, True, 64, 4, 32, 1), (torch.float32, True, 64, 4, 32, 128), (torch.float32, False, 0, 16, 32, 128),
+         (torch.bfloat16, False, 64, 4, 32, 128), (torch.float32, False, 64, 4, 8, 1), (torch.float32, False, 64, 4, 8, 128))
+for dtype, rows_are_slots, shared, heads, dim, programs in CASES:
+    small_batch_moe.ATTENTION_PROGRAMS = programs  # 1: one program per (row, KV head); 128: keys split 3 ways
     spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=heads, num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-6,
                        rope_theta=10000.0, mrope_section=None, intermediate_size=96, num_experts=8, top_k=3,
                        moe_intermediate_size=32, norm_topk_prob=True, shared_expert_intermediate_size=shared)
@@ -55,7 +57,9 @@ for dtype, rows_are_slots, shared, heads, dim in ((torch.float32, True, 64, 4, 3
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
         starts = starts + 1
-    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}"] = worst
+    worst["splits"] = small_batch_moe.attention_splits(rows, 2, 3)
+    results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}-"
+            f"{programs} programs"] = worst
 # steps the kernels leave to the layers' own code: two tokens a row, a prefill from position 0, 65 rows
 layer = fused.layers[0]
 two_tokens = AttentionBatch.from_tensors(slots, starts, 2, int(starts.max()) + 2)
@@ -73,19 +77,62 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     """A two-layer MoE stack (8 experts, 3 picked per token, with and without a shared expert folded in as two more
     picks) over a 150-position cache holding stale keys: three rows decode three steps from positions 5, 63 and 130
     (so a row's keys span one to three blocks of 64, and its new key lands at a block's edge), in the first slots or
-    in others, with 2 and 8 query heads per KV head, heads of 32 and of 8 (padded to 16 for the tile products). The kernels' outputs and the keys and values they write equal the
-    eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
+    in others, with 2 and 8 query heads per KV head, heads of 32 and of 8 (padded to 16 for the tile products), the
+    attention in one program per (row, KV head) and with its key blocks split over three (some with no block of a
+    row's; the last to finish merging). The kernels' outputs and the keys and values they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
     every layer of every step: the second layer's input norm reads the sums of squares the first layer's combine
     left. Steps of two tokens a row, prefills and steps of more than 64 rows keep the layers' own code."""
     results = run_interpreted(CHECK)
     # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels
     assert results.pop("fallbacks") == [False, False, False, True]
-    assert len(results) == 4
+    assert len(results) == 6
     for case, worst in results.items():
         assert worst["used"] == 6, case  # 2 layers x 3 steps ran the kernels
+        assert worst["splits"] == (1 if case.endswith("-1 programs") else 3), case
         bf16 = "bfloat16" in case
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
+
+
+ROUTE_CHECK = r"""
+import json, torch
+from omni_ray.layers import small_batch_moe
+
+torch.manual_seed(0)
+results = {}
+for rows, experts, top_k, shared, norm in ((1, 128, 8, 0, True), (5, 128, 6, 2, False), (32, 128, 6, 2, True),
+                                           (20, 12, 3, 0, True)):
+    logits = (torch.randn(rows, experts + (1 if shared else 0)) * 3).to(torch.bfloat16)
+    logits[0, 1] = logits[0, 2] = 40.0  # a tie at the top: the lower id comes first
+    picks, weights, hit_list, hits = small_batch_moe.route(logits, top_k, norm, experts, shared)
+    probs = torch.softmax(logits[:, :experts].float(), -1)
+    top, chosen = (part[:, :top_k] for part in torch.sort(probs, dim=-1, descending=True, stable=True))  # ties: lower id
+    if norm:
+        top = top / top.sum(-1, keepdim=True)
+    picked = set(chosen.flatten().tolist()) | {experts + part for part in range(shared)}
+    results[f"{rows} rows, {experts} experts, top {top_k}, {shared} shared parts"] = {
+        "picks": picks[:, :top_k].tolist() == chosen.tolist(),
+        "weights": ((weights[:, :top_k] - top) / top).abs().max().item(),  # relative
+        "shared picks": picks[:, top_k:].tolist() == [[experts + p for p in range(shared)]] * rows,
+        "shared weights": ((weights[:, top_k:] - torch.sigmoid(logits[:, experts:].float())).abs()
+                           / torch.sigmoid(logits[:, experts:].float())).max().item() if shared else 0.0,
+        "hit list": hit_list[: int(hits)].tolist() == sorted(picked),
+    }
+print(json.dumps(results))
+"""
+
+
+def test_routing_kernel_picks_weights_and_lists_the_hit_experts() -> None:
+    """`route` under Triton's interpreter, against softmax + top-k by torch: each row's top-k experts in order (a tie
+    to the lower id), their weights (renormalised or not), the shared expert's parts with their sigmoid gate, and the
+    list of every expert some row picked, in increasing order and nothing else, at 1, 5, 20 and 32 rows (padding rows
+    of the 16- and 32-row tiles pick nothing)."""
+    results = run_interpreted(ROUTE_CHECK)
+    assert len(results) == 4
+    for case, found in results.items():
+        assert found["picks"] and found["shared picks"] and found["hit list"], (case, found)
+        # rounded to bf16 (the logits' dtype) as the eager layer rounds them: within one bf16 step (2**-7 relative)
+        assert found["weights"] <= 2**-7 and found["shared weights"] <= 2**-7, (case, found)
 
 
 def _bf16_pointers(*names: str) -> dict[str, str]:
@@ -96,7 +143,7 @@ def _i32(*names: str) -> dict[str, str]:
     return {name: "i32" for name in names}
 
 
-@pytest.mark.parametrize("kernel_name", ["attention", "route", "gate_up", "down", "combine"])
+@pytest.mark.parametrize("kernel_name", ["attention", "split attention", "route", "gate_up", "down", "combine"])
 def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), each kernel in the form the
     Talker's layers launch it at 32 rows: what the interpreter lets pass and a GPU would refuse fails here."""
@@ -104,20 +151,21 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
 
     types: dict[str, str]
     constants: dict[str, Any]
-    if kernel_name == "attention":
+    if kernel_name.endswith("attention"):
         kernel = kernels._decode_attention_kernel
         types = _bf16_pointers("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
                                "v_cache_ptr", "out_ptr")
-        types |= {"slots_ptr": "*i64", "index_ptr": "*i64", "eps": "fp32", "scale": "fp32"}
+        types |= {"slots_ptr": "*i64", "index_ptr": "*i64", "eps": "fp32", "scale": "fp32", "partial_ptr": "*fp32",
+                  "arrivals_ptr": "*i32"}
         types |= _i32("qkv_stride", "rope_stride", "slot_stride", "position_stride", "out_stride")
         constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "D_PAD": 128, "GROUP_ROWS": 16, "KEYS": 576, "KEY_BLOCK": 64,
-                     "ROWS_ARE_SLOTS": True, "FP32_DOT": False, "PRECISION": "tf32"}
+                     "SPLITS": 4 if kernel_name == "split attention" else 1, "ROWS_ARE_SLOTS": True, "FP32_DOT": False,
+                     "PRECISION": "tf32"}
     elif kernel_name == "route":
         kernel = kernels._route_kernel
         types = {"logits_ptr": "*bf16", "picks_ptr": "*i32", "weights_ptr": "*fp32", "hit_list_ptr": "*i32",
                  "hits_ptr": "*i32"} | _i32("logits_stride", "M", "num_experts")
-        constants = {"TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROWS": 32, "EXPERTS": 128, "PICKS": 8,
-                     "BINS": 256}
+        constants = {"TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROWS": 32, "EXPERTS": 128, "PICKS": 8}
     elif kernel_name in ("gate_up", "down"):
         kernel = kernels._picked_expert_kernel
         gated = kernel_name == "gate_up"

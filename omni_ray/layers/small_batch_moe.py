@@ -7,7 +7,8 @@ GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is ei
 
 1. input RMSNorm + the fused q/k/v projection (`small_batch.rows_matmul`);
 2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys in blocks (online softmax),
-   one program per (row, KV head), its query heads as the rows of one tile;
+   a few programs per (row, KV head) when rows are few (the key blocks dealt out among them, the last to finish
+   merging their partial results), its query heads as the rows of one tile;
 3. the output projection + the residual, leaving the partial sums of its rows' squares;
 4. post-attention RMSNorm + the router's GEMM (and the shared expert's gate column, when folded);
 5. routing: softmax, top-k, renormalisation, the shared expert's sigmoid gate, and the list of picked experts, in one
@@ -29,7 +30,7 @@ import torch
 
 from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
-from omni_ray.layers.moe_kernels import WIDE_CONFIG
+from omni_ray.layers.moe_kernels import WIDE_CONFIG, ExpertMatmulConfig
 from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, rows_matmul_keeping_squares
 
 try:
@@ -42,6 +43,7 @@ except ImportError:  # a CPU-only install: the layers run their own code
 
 MAX_ROWS = 64  # rows of a decode step the kernels take: every expert's tokens in one tile
 KEY_BLOCK = 64  # keys per attention block
+ATTENTION_PROGRAMS = 128  # the split attention's target: about one program per SM (132 on an H200)
 EXPERT_CONFIG = WIDE_CONFIG  # BLOCK_N, BLOCK_K, num_stages, num_warps of both expert GEMMs, at every batch
 COMBINE_BLOCK_N = 64
 
@@ -72,18 +74,23 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(  # no annotations in jit functions: Triton reads them as its own types
         qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, eps, cos_ptr, sin_ptr, rope_stride, k_cache_ptr, v_cache_ptr,
-        slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, scale,
+        slot_stride, position_stride, slots_ptr, index_ptr, out_ptr, out_stride, scale, partial_ptr, arrivals_ptr,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        KEYS: tl.constexpr, KEY_BLOCK: tl.constexpr, ROWS_ARE_SLOTS: tl.constexpr, FP32_DOT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        KEYS: tl.constexpr, KEY_BLOCK: tl.constexpr, SPLITS: tl.constexpr, ROWS_ARE_SLOTS: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Row b's new token for KV head g: its key and value into the cache at its position, then the head's query
         heads (rows of one [GROUP_ROWS, D_PAD] tile; D_PAD >= 16 for the tile products) attend over the slot's
         positions up to it, KEY_BLOCK keys at a time with an online softmax (KEYS: a multiple of KEY_BLOCK past every
-        row's position). The new key and value are taken from registers where their block is read."""
+        row's position). The new key and value are taken from registers where their block is read.
+
+        With SPLITS > 1 the blocks are dealt out over SPLITS programs (program_id(2): blocks s, s + SPLITS, ...), each
+        leaving its running max, sum and unnormalised output in `partial_ptr`; the last of them to arrive (counted in
+        `arrivals_ptr`, which it sets back to zero) merges the partials in split order and writes the output."""
         GROUP: tl.constexpr = HEADS // KV_HEADS
         b = tl.program_id(0)
         g = tl.program_id(1)
+        split = tl.program_id(2)
         d = tl.arange(0, D_PAD)
         d_ok = d < D
         j = tl.arange(0, GROUP_ROWS)
@@ -97,16 +104,17 @@ if triton is not None:
         key = tl.sum(tl.where(first, key.to(tl.float32), 0.0), axis=0).to(cache_dtype)
         value = tl.load(base + (HEADS + KV_HEADS + g) * D + d, mask=d_ok, other=0.0).to(cache_dtype)
         at = slot * slot_stride + written * position_stride + g * D + d
-        tl.store(k_cache_ptr + at, key, mask=d_ok)
-        tl.store(v_cache_ptr + at, value, mask=d_ok)
+        tl.store(k_cache_ptr + at, key, mask=d_ok & (split == 0))  # a split whose block holds it reads registers
+        tl.store(v_cache_ptr + at, value, mask=d_ok & (split == 0))
         head_ok = (j < GROUP)[:, None]
         query = _norm_rope_rows(base + (g * GROUP + j)[:, None] * D, head_ok, q_norm_ptr, eps, cos_at, sin_at, D,
                                 D_PAD).to(cache_dtype)
         best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_ROWS], dtype=tl.float32)
         acc = tl.zeros([GROUP_ROWS, D_PAD], dtype=tl.float32)
-        for start in range(0, KEYS, KEY_BLOCK):
-            if start <= written:
+        for first_block in range(0, KEYS // KEY_BLOCK, SPLITS):  # static bounds: the same loop in every program
+            start = (first_block + split) * KEY_BLOCK
+            if start <= written:  # (past KEYS too: written < KEYS)
                 positions = start + tl.arange(0, KEY_BLOCK)
                 visible = positions <= written
                 cache_at = slot * slot_stride + positions[:, None] * position_stride + g * D + d[None, :]
@@ -128,15 +136,39 @@ if triton is not None:
                     p, v = p.to(tl.float32), v.to(tl.float32)
                 acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
                 best = new_best
-        out = acc / total[:, None]
-        tl.store(out_ptr + b * out_stride + (g * GROUP + j)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_ok & d_ok[None, :])
+        out_at = out_ptr + b * out_stride + (g * GROUP + j)[:, None] * D + d[None, :]
+        if SPLITS == 1:
+            tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok & d_ok[None, :])
+        else:
+            # per (row, KV head, split): GROUP_ROWS maxima, GROUP_ROWS sums, then [GROUP_ROWS, D_PAD] outputs
+            PART: tl.constexpr = GROUP_ROWS * (D_PAD + 2)
+            home = partial_ptr + (b * KV_HEADS + g) * SPLITS * PART
+            mine = home + split * PART
+            tl.store(mine + j, best)
+            tl.store(mine + GROUP_ROWS + j, total)
+            tl.store(mine + 2 * GROUP_ROWS + j[:, None] * D_PAD + d[None, :], acc)
+            tl.debug_barrier()  # every thread's partials are out before the arrival is counted
+            if tl.atomic_add(arrivals_ptr + b * KV_HEADS + g, 1) == SPLITS - 1:
+                best = tl.load(home + j, cache_modifier=".cg")  # split 0 always holds block 0: a finite max
+                total = tl.load(home + GROUP_ROWS + j, cache_modifier=".cg")
+                acc = tl.load(home + 2 * GROUP_ROWS + j[:, None] * D_PAD + d[None, :], cache_modifier=".cg")
+                for other in tl.static_range(1, SPLITS):
+                    theirs = home + other * PART
+                    their_best = tl.load(theirs + j, cache_modifier=".cg")  # -inf where they had no block
+                    new_best = tl.maximum(best, their_best)
+                    fade, their_fade = tl.exp(best - new_best), tl.exp(their_best - new_best)
+                    total = total * fade + tl.load(theirs + GROUP_ROWS + j, cache_modifier=".cg") * their_fade
+                    their_acc = tl.load(theirs + 2 * GROUP_ROWS + j[:, None] * D_PAD + d[None, :], cache_modifier=".cg")
+                    acc = acc * fade[:, None] + their_acc * their_fade[:, None]
+                    best = new_best
+                tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok & d_ok[None, :])
+                tl.store(arrivals_ptr + b * KV_HEADS + g, 0)
 
     @triton.jit
     def _route_kernel(
         logits_ptr, logits_stride, picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, M, num_experts,
         TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROWS: tl.constexpr,
-        EXPERTS: tl.constexpr, PICKS: tl.constexpr, BINS: tl.constexpr,
+        EXPERTS: tl.constexpr, PICKS: tl.constexpr,
     ):
         """Router logits [M, experts (+ the shared expert's gate)] → each row's TOP_K experts by softmax probability
         (ties to the lower id), their weights (renormalised with NORM_TOP_K, rounded to the logits' dtype), then
@@ -175,11 +207,15 @@ if triton is not None:
         stored = row_ok[:, None] & (slots < WIDTH)[None, :]
         tl.store(picks_ptr + rows[:, None] * WIDTH + slots[None, :], picks, mask=stored)
         tl.store(weights_ptr + rows[:, None] * WIDTH + slots[None, :], weights, mask=stored)
-        bins = tl.arange(0, BINS)
-        counted = tl.histogram(tl.reshape(tl.where(stored, picks, BINS - 1), [ROWS * PICKS]), BINS)
-        hit = (counted > 0) & (bins < num_experts + SHARED_PARTS)
-        tl.store(hit_list_ptr + tl.cumsum(hit.to(tl.int32), axis=0) - 1, bins, mask=hit)
-        tl.store(hits_ptr, tl.sum(hit.to(tl.int32), axis=0))
+        # an expert is hit where some real row's top-k left it at -1 (experts past num_experts are -1 from the start)
+        taken = (left < 0.0) & row_ok[:, None] & (experts < num_experts)[None, :]
+        hit = tl.max(taken.to(tl.int32), axis=0)
+        count = tl.sum(hit, axis=0)
+        tl.store(hit_list_ptr + tl.cumsum(hit, axis=0) - 1, experts, mask=hit > 0)
+        if SHARED_PARTS > 0:  # every row picks every part of the shared expert
+            parts = tl.arange(0, PICKS)
+            tl.store(hit_list_ptr + count + parts, num_experts + parts, mask=parts < SHARED_PARTS)
+        tl.store(hits_ptr, count + SHARED_PARTS)
 
     @triton.jit
     def _picked_expert_kernel(
@@ -245,28 +281,55 @@ def _precision(weight: torch.Tensor) -> str:
     return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
+def attention_splits(rows: int, kv_heads: int, key_blocks: int) -> int:
+    """How many programs share a (row, KV head)'s key blocks: enough for about ATTENTION_PROGRAMS programs in all,
+    at least one block each."""
+    return max(1, min(key_blocks, ATTENTION_PROGRAMS // (rows * kv_heads)))
+
+
+# the split attention's arrival counters, kept at zero: one set per (device, stream), so that launches on two streams
+# (engine lanes; their graphs are captured on streams of their own) never count into the same counters
+_arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _arrivals:
+        _arrivals[key] = torch.zeros(MAX_ROWS * 64, dtype=torch.int32, device=device)
+    return _arrivals[key]
+
+
 def decode_attention(
     qkv: torch.Tensor, attn: "torch.nn.Module", cos: torch.Tensor, sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, warps: int = 4,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, warps: int = 4, splits: int | None = None,
+    key_block: int = KEY_BLOCK,
 ) -> torch.Tensor:
     """`Attention.forward` after its q/k/v projection for a decode step (one token per row) over any number of keys:
     qkv [rows, (H + 2G) * D] → attention output [rows, H * D], the new keys and values written into `kv_cache`.
-    One kernel."""
+    One kernel; `splits` programs per (row, KV head) share the key blocks (default: `attention_splits`)."""
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     rows = qkv.shape[0]
     k_cache, v_cache = kv_cache
     cos, sin = cos.reshape(rows, dim), sin.reshape(rows, dim)
     out = torch.empty(rows, heads * dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    keys = triton.cdiv(batch.kv_len, key_block) * key_block
+    splits = splits or attention_splits(rows, kv_heads, keys // key_block)
+    group_rows, dim_pad = max(16, triton.next_power_of_2(heads // kv_heads)), max(16, dim)
+    partial, arrivals = out, out  # unused with one split
+    if splits > 1:
+        partial = torch.empty(rows * kv_heads * splits * group_rows * (dim_pad + 2), dtype=torch.float32,
+                              device=qkv.device)
+        arrivals = _arrival_counters(qkv.device)
+        assert rows * kv_heads <= arrivals.numel()
     with _on_device(qkv):
-        _decode_attention_kernel[(rows, kv_heads)](
+        _decode_attention_kernel[(rows, kv_heads, splits)](
             qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
             cos.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), batch.slots,
-            batch.write_index.reshape(-1), out, out.stride(0), dim**-0.5, HEADS=heads, KV_HEADS=kv_heads, D=dim,
-            D_PAD=max(16, dim), GROUP_ROWS=max(16, triton.next_power_of_2(heads // kv_heads)),
-            KEYS=triton.cdiv(batch.kv_len, KEY_BLOCK) * KEY_BLOCK, KEY_BLOCK=KEY_BLOCK,
-            ROWS_ARE_SLOTS=batch.rows_are_slots, FP32_DOT=interpreting(), PRECISION=_precision(k_cache),
-            num_warps=warps,
+            batch.write_index.reshape(-1), out, out.stride(0), dim**-0.5, partial, arrivals, HEADS=heads,
+            KV_HEADS=kv_heads, D=dim, D_PAD=dim_pad, GROUP_ROWS=group_rows, KEYS=keys, KEY_BLOCK=key_block,
+            SPLITS=splits, ROWS_ARE_SLOTS=batch.rows_are_slots, FP32_DOT=interpreting(),
+            PRECISION=_precision(k_cache), num_warps=warps,
         )
     return out
 
@@ -287,8 +350,7 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
         _route_kernel[(1,)](
             logits, logits.stride(0), picks, weights, hit_list, hits, rows, num_experts,
             TOP_K=top_k, SHARED_PARTS=shared_parts, NORM_TOP_K=norm_top_k, ROWS=max(16, triton.next_power_of_2(rows)),
-            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width),
-            BINS=triton.next_power_of_2(total + 1), num_warps=4,
+            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width), num_warps=4,
         )
     return picks, weights, hit_list, hits
 
@@ -296,18 +358,18 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
 def picked_expert_matmul(
     x: torch.Tensor, weight: torch.Tensor, picks: torch.Tensor, hit_list: torch.Tensor, hits: torch.Tensor,
     gated: bool, per_pick: bool, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    squares: torch.Tensor | None = None,
+    squares: torch.Tensor | None = None, config: ExpertMatmulConfig = EXPERT_CONFIG,
 ) -> torch.Tensor:
     """Each picked expert's GEMM over its tokens' rows: x [M, K] (or [M * width, K] with `per_pick`: one row per
     pick) @ weight[e].T, weight [E, N, K] (or [E, 2N, K], `gated`: SiLU(gate) * up) → [M * width, N], row
     token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
-    grid covers as many experts as can be picked."""
+    grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps."""
     tokens, width = picks.shape
     experts, out_width, depth = weight.shape
     n = out_width // 2 if gated else out_width
     assert x.stride(1) == 1 and weight.stride(2) == 1
     out = torch.empty(tokens * width, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps = EXPERT_CONFIG
+    block_n, block_k, stages, warps = config
     with _on_device(x):
         _picked_expert_kernel[(min(tokens * width, experts), triton.cdiv(n, block_n))](
             x, x.stride(0), squares if squares is not None else x, 0 if squares is None else squares.shape[0],

@@ -1,0 +1,233 @@
+"""The eight-kernel MoE layer's decode step (`layers/small_batch_moe.py`) on a GPU, each kernel replayed from a CUDA
+graph at full-size Qwen3-Omni-30B Thinker and Talker shapes (random bf16 weights): the attention kernel per key split
+and key block, the routing kernel, each expert GEMM per launch config, and the whole layer against its bytes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from benchmarks.draw_bench import replay_ms
+from omni_ray.bench import FULL_CONFIG, run_meta, write_results
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers import small_batch_moe
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from omni_ray.layers.moe_kernels import ExpertMatmulConfig
+from omni_ray.layers.small_batch import rows_matmul
+
+COPIES = 4  # a graph calls each kernel once per layer copy, each reading its own weights and cache, as a pass does
+KEYS = {"thinker": 256, "talker": 512}  # the key range (a power-of-two bucket) of workload W's decode steps
+SPLITS = (1, 2, 4, 8, 16)
+KEY_BLOCKS = (64, 128)
+EXPERT_CONFIGS: list[ExpertMatmulConfig] = [(64, 128, 3, 4), (32, 128, 3, 4), (16, 128, 3, 4), (32, 256, 3, 4),
+                                            (64, 64, 4, 4), (128, 64, 3, 8)]  # [BLOCK_N, BLOCK_K, stages, warps]
+BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth
+
+
+@dataclasses.dataclass
+class Step:
+    """One decode step's inputs for every layer copy of a stage."""
+
+    stack: DecoderStack
+    cache: SlotKVCache
+    batch: AttentionBatch
+    x: torch.Tensor  # [rows, 1, hidden]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def stage_stack(config: Any, stage: str) -> DecoderStack:
+    """COPIES full-size MoE layers of the stage, random bf16 weights (random routers), the eight kernels on."""
+    text = config.thinker_config.text_config if stage == "thinker" else config.talker_config.text_config
+    spec = dataclasses.replace(DecoderSpec.from_hf(text, always_moe=stage == "talker"), num_layers=COPIES)
+    torch.manual_seed(0)
+    stack = DecoderStack(spec).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.03) + (1.0 if p.dim() == 1 else 0.0))
+    assert stack.use_moe_layer_kernels()
+    return stack
+
+
+def step_inputs(stack: DecoderStack, rows: int, keys: int) -> Step:
+    """`rows` rows (slots 0..rows-1), each at a random position in the upper half of a `keys`-position range."""
+    spec = stack.spec
+    cache = SlotKVCache(COPIES, rows, keys, spec.num_kv_heads, spec.head_dim, torch.bfloat16, "cuda")
+    for k, v in cache.layers:
+        k.normal_()
+        v.normal_()
+    slots = torch.arange(rows, device="cuda")
+    starts = torch.randint(keys // 2, keys - 1, (rows,), device="cuda")
+    batch = AttentionBatch.from_tensors(slots, starts, 1, keys, rows_are_slots=True)
+    positions = starts[:, None]
+    positions = positions.unsqueeze(0).expand(3, -1, -1) if spec.mrope_section else positions
+    cos, sin = stack.rotary(positions, torch.bfloat16)
+    x = torch.randn(rows, 1, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    return Step(stack, cache, batch, x, cos, sin)
+
+
+def per_call_us(calls: list[Callable[[], torch.Tensor]]) -> float:
+    """µs per call of a graph that makes every call once, one after the other."""
+    return 1000 * replay_ms(lambda: [call() for call in calls][-1], 50)[0] / len(calls)
+
+
+def attention_row(step: Step, rows: int, keys: int) -> dict[str, Any]:
+    """The attention kernel per (splits, key block), µs per call; `default`: the splits `decode_attention` picks."""
+    layers = step.stack.layers
+    attn = layers[0].self_attn
+    qkvs = [torch.randn(rows, attn.qkv.shape[0], device="cuda", dtype=torch.bfloat16) for _ in layers]
+    row: dict[str, Any] = {"rows": rows, "keys": keys,
+                           "default": small_batch_moe.attention_splits(rows, attn.num_kv_heads, keys // 64)}
+    for key_block in KEY_BLOCKS:
+        for splits in SPLITS:
+            if splits <= keys // key_block:
+                row[f"{splits} x {key_block}"] = per_call_us([
+                    lambda i=i, splits=splits, key_block=key_block: small_batch_moe.decode_attention(
+                        qkvs[i], layers[i].self_attn, step.cos, step.sin, step.cache.layers[i], step.batch,
+                        splits=splits, key_block=key_block) for i in range(len(layers))])
+    return row
+
+
+def router_logits(step: Step) -> list[torch.Tensor]:
+    """Each layer copy's router logits for the step's rows (its post-attention norm and router GEMM)."""
+    out = []
+    for layer in step.stack.layers:
+        moe, norm = layer.mlp, layer.post_attention_layernorm
+        router = moe.router_and_shared_gate if moe.router_and_shared_gate is not None else moe.gate.weight
+        out.append(rows_matmul(step.x[:, 0], router, norm.weight, norm.variance_epsilon))
+    return out
+
+
+def route_row(step: Step, rows: int) -> dict[str, Any]:
+    """The routing kernel, µs per call (with a shared expert: also without its gate column and parts)."""
+    moe = step.stack.layers[0].mlp
+    experts, top_k = moe.gate.weight.shape[0], moe.gate.top_k
+    logits = router_logits(step)
+    row: dict[str, Any] = {"rows": rows, "route": per_call_us([
+        lambda lg=lg: small_batch_moe.route(lg, top_k, moe.gate.norm_topk_prob, experts, moe.shared_parts)[0]
+        for lg in logits])}
+    if moe.shared_parts:
+        plain = [lg[:, :experts].contiguous() for lg in logits]
+        row["route, no shared expert"] = per_call_us([
+            lambda lg=lg: small_batch_moe.route(lg, top_k, moe.gate.norm_topk_prob, experts, 0)[0] for lg in plain])
+    return row
+
+
+def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
+    """Both expert GEMMs per launch config, µs per call, and the picked experts' bytes at 4.3 TB/s."""
+    layers = step.stack.layers
+    moe = layers[0].mlp
+    norm = layers[0].post_attention_layernorm
+    flat = step.x[:, 0]
+    squares = flat.float().pow(2).reshape(rows, -1, 64).sum(-1).T.contiguous()
+    routes = [small_batch_moe.route(lg, moe.gate.top_k, moe.gate.norm_topk_prob, moe.gate.weight.shape[0],
+                                    moe.shared_parts) for lg in router_logits(step)]
+    weights = [layer.mlp.experts.stacked or (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)
+               for layer in layers]
+    hits = sum(int(hit_count) for _, _, _, hit_count in routes) / len(routes)
+    hidden = [small_batch_moe.picked_expert_matmul(flat, w[0], p, hl, h, gated=True, per_pick=False,
+                                                   norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
+              for w, (p, _, hl, h) in zip(weights, routes)]
+    out = []
+    for name, gated in (("gate_up (norm, SiLU*up)", True), ("down", False)):
+        expert_bytes = weights[0][0 if gated else 1][0].numel() * 2
+        row: dict[str, Any] = {"rows": rows, "gemm": name, "experts hit": hits,
+                               "floor": hits * expert_bytes / BANDWIDTH * 1e6}
+        for config in EXPERT_CONFIGS:
+            def call(i: int, config: ExpertMatmulConfig = config, gated: bool = gated) -> torch.Tensor:
+                picks, _, hit_list, hit_count = routes[i]
+                if gated:
+                    return small_batch_moe.picked_expert_matmul(
+                        flat, weights[i][0], picks, hit_list, hit_count, gated=True, per_pick=False,
+                        norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares, config=config)
+                return small_batch_moe.picked_expert_matmul(hidden[i], weights[i][1], picks, hit_list, hit_count,
+                                                            gated=False, per_pick=True, config=config)
+            try:
+                row[str(list(config))] = per_call_us([lambda i=i: call(i) for i in range(len(layers))])
+            except Exception as exc:  # e.g. more shared memory than the GPU has
+                row[str(list(config))] = None
+                print(f"{name} rows={rows} {config}: {type(exc).__name__}")
+        out.append(row)
+    return out
+
+
+def layer_row(step: Step, rows: int) -> dict[str, Any]:
+    """A whole layer's decode step (eight kernels), µs per layer, against the bytes it must read at 4.3 TB/s: its
+    attention and router weights, the picked experts' weights and each row's keys and values."""
+    layers = step.stack.layers
+    moe = layers[0].mlp
+    dense = sum(p.numel() * 2 for name, p in layers[0].named_parameters() if "experts" not in name)
+    gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
+    per_expert = (gate_up[0].numel() + down[0].numel()) * 2
+    hits = sum(int(route[3]) for route in (
+        small_batch_moe.route(lg, moe.gate.top_k, moe.gate.norm_topk_prob, moe.gate.weight.shape[0], moe.shared_parts)
+        for lg in router_logits(step))) / len(layers)
+    written = step.batch.write_index.reshape(-1).float().mean().item()
+    spec = step.stack.spec
+    kv_bytes = rows * written * spec.num_kv_heads * spec.head_dim * 2 * 2
+    floor = (dense + hits * per_expert + kv_bytes) / BANDWIDTH * 1e6
+    us = per_call_us([lambda i=i: small_batch_moe.decoder_layer(
+        layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch)[0] for i in range(len(layers))])
+    return {"rows": rows, "layer": us, "floor": floor, "experts hit": hits}
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> list[str]:
+    """A markdown table of `rows` (every key of the first row a column; None as –)."""
+    if not rows:
+        return []
+    names = list(dict.fromkeys(key for row in rows for key in row))
+
+    def cell(value: Any) -> str:
+        return "–" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    return ["", f"## {title}", "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names),
+            *("| " + " | ".join(cell(row.get(name)) for name in names) + " |" for row in rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--stages", default="thinker,talker")
+    parser.add_argument("--sections", default="layer,attention,route,experts")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
+    sections = set(args.sections.split(","))
+    document: dict[str, Any] = {}
+    lines: list[str] = []
+    for stage in args.stages.split(","):
+        stack = stage_stack(config, stage)
+        found: dict[str, list[dict[str, Any]]] = {"layer": [], "attention": [], "route": [], "experts": []}
+        for rows in (int(r) for r in args.rows.split(",")):
+            step = step_inputs(stack, rows, KEYS[stage])
+            if "layer" in sections:
+                found["layer"].append(layer_row(step, rows))
+            if "attention" in sections:
+                found["attention"].append(attention_row(step, rows, KEYS[stage]))
+            if "route" in sections:
+                found["route"].append(route_row(step, rows))
+            if "experts" in sections:
+                found["experts"] += expert_rows(step, rows)
+        document[stage] = found
+        lines += table(f"{stage}: a whole layer's step, µs per layer (floor: its bytes at 4.3 TB/s)", found["layer"])
+        lines += table(f"{stage}: the attention kernel, µs per call, by splits x key block", found["attention"])
+        lines += table(f"{stage}: the routing kernel, µs per call", found["route"])
+        lines += table(f"{stage}: each expert GEMM, µs per call, by launch config [BLOCK_N, BLOCK_K, stages, warps] "
+                       f"(floor: the picked experts' bytes at 4.3 TB/s)", found["experts"])
+        del stack
+        torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name()
+    meta = run_meta("benchmarks.moe_layer_bench", argv, gpu=gpu)
+    head = [f"# The eight-kernel MoE layer's decode-step kernels, replayed from CUDA graphs ({COPIES} layer copies "
+            f"per graph): {gpu}, {meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}"]
+    write_results(args.out, "moe_layer_kernels", {"meta": meta, **document}, "\n".join(head + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,8 +24,8 @@ COPIES = 4  # a graph calls each kernel once per layer copy, each reading its ow
 KEYS = {"thinker": 256, "talker": 512}  # the key range (a power-of-two bucket) of workload W's decode steps
 SPLITS = (1, 2, 4, 8, 16)
 KEY_BLOCKS = (64, 128)
-EXPERT_CONFIGS: list[ExpertMatmulConfig] = [(64, 128, 3, 4), (32, 128, 3, 4), (16, 128, 3, 4), (32, 256, 3, 4),
-                                            (64, 64, 4, 4), (128, 64, 3, 8)]  # [BLOCK_N, BLOCK_K, stages, warps]
+EXPERT_CONFIGS: list[ExpertMatmulConfig] = [(64, 128, 3, 4), (32, 256, 3, 4), (64, 64, 4, 4), (32, 256, 4, 4),
+                                            (16, 256, 3, 4), (32, 512, 2, 4), (64, 256, 3, 8), (64, 64, 5, 4)]
 BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth
 
 
@@ -71,9 +71,16 @@ def step_inputs(stack: DecoderStack, rows: int, keys: int) -> Step:
     return Step(stack, cache, batch, x, cos, sin)
 
 
-def per_call_us(calls: list[Callable[[], torch.Tensor]]) -> float:
-    """µs per call of a graph that makes every call once, one after the other."""
-    return 1000 * replay_ms(lambda: [call() for call in calls][-1], 50)[0] / len(calls)
+def per_call_us(calls: list[Callable[..., torch.Tensor]], step: Step | None = None) -> float:
+    """µs per call of a graph that makes every call once, one after the other. With `step`: call i gets row i of one
+    step's zeroed split-attention counters (one memset a replay, as `DecoderStack.forward` makes one a step)."""
+    def run() -> torch.Tensor:
+        if step is None:
+            return [call() for call in calls][-1]
+        arrivals = small_batch_moe.new_arrivals(step.x, len(calls), step.stack.spec.num_kv_heads)
+        return [call(arrivals[i]) for i, call in enumerate(calls)][-1]
+
+    return 1000 * replay_ms(run, 50)[0] / len(calls)
 
 
 def attention_row(step: Step, rows: int, keys: int) -> dict[str, Any]:
@@ -81,15 +88,16 @@ def attention_row(step: Step, rows: int, keys: int) -> dict[str, Any]:
     layers = step.stack.layers
     attn = layers[0].self_attn
     qkvs = [torch.randn(rows, attn.qkv.shape[0], device="cuda", dtype=torch.bfloat16) for _ in layers]
-    row: dict[str, Any] = {"rows": rows, "keys": keys,
-                           "default": small_batch_moe.attention_splits(rows, attn.num_kv_heads, keys // 64)}
+    key_block = small_batch_moe.attention_key_block(keys)
+    chosen = small_batch_moe.attention_splits(rows, attn.num_kv_heads, keys // key_block)
+    row: dict[str, Any] = {"rows": rows, "keys": keys, "default": f"{chosen} x {key_block}"}
     for key_block in KEY_BLOCKS:
         for splits in SPLITS:
             if splits <= keys // key_block:
                 row[f"{splits} x {key_block}"] = per_call_us([
-                    lambda i=i, splits=splits, key_block=key_block: small_batch_moe.decode_attention(
-                        qkvs[i], layers[i].self_attn, step.cos, step.sin, step.cache.layers[i], step.batch,
-                        splits=splits, key_block=key_block) for i in range(len(layers))])
+                    lambda arrivals, i=i, splits=splits, key_block=key_block: small_batch_moe.decode_attention(
+                        qkvs[i], layers[i].self_attn, step.cos, step.sin, step.cache.layers[i], step.batch, arrivals,
+                        splits=splits, key_block=key_block) for i in range(len(layers))], step)
     return row
 
 
@@ -103,18 +111,28 @@ def router_logits(step: Step) -> list[torch.Tensor]:
     return out
 
 
+ROUTE_WARPS = (1, 2, 4, 8)
+
+
 def route_row(step: Step, rows: int) -> dict[str, Any]:
-    """The routing kernel, µs per call (with a shared expert: also without its gate column and parts)."""
+    """The routing kernel, µs per call, per num_warps; with a shared expert (logits one column wider, rows not
+    16-byte aligned) also on logits in rows padded to a multiple of 8, and without its gate column and parts."""
     moe = step.stack.layers[0].mlp
     experts, top_k = moe.gate.weight.shape[0], moe.gate.top_k
     logits = router_logits(step)
-    row: dict[str, Any] = {"rows": rows, "route": per_call_us([
-        lambda lg=lg: small_batch_moe.route(lg, top_k, moe.gate.norm_topk_prob, experts, moe.shared_parts)[0]
-        for lg in logits])}
+    variants = {"": (logits, moe.shared_parts)}
     if moe.shared_parts:
-        plain = [lg[:, :experts].contiguous() for lg in logits]
-        row["route, no shared expert"] = per_call_us([
-            lambda lg=lg: small_batch_moe.route(lg, top_k, moe.gate.norm_topk_prob, experts, 0)[0] for lg in plain])
+        padded = [torch.zeros(rows, -(-lg.shape[1] // 8) * 8, dtype=lg.dtype, device=lg.device) for lg in logits]
+        for pad, lg in zip(padded, logits):
+            pad[:, : lg.shape[1]] = lg
+        variants[", aligned rows"] = ([pad[:, : lg.shape[1]] for pad, lg in zip(padded, logits)], moe.shared_parts)
+        variants[", no shared expert"] = ([lg[:, :experts].contiguous() for lg in logits], 0)
+    row: dict[str, Any] = {"rows": rows}
+    for name, (inputs, shared) in variants.items():
+        for warps in ROUTE_WARPS:
+            row[f"{warps} warps{name}"] = per_call_us([
+                lambda lg=lg, warps=warps: small_batch_moe.route(lg, top_k, moe.gate.norm_topk_prob, experts, shared,
+                                                                 warps)[0] for lg in inputs])
     return row
 
 
@@ -137,7 +155,8 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
     for name, gated in (("gate_up (norm, SiLU*up)", True), ("down", False)):
         expert_bytes = weights[0][0 if gated else 1][0].numel() * 2
         row: dict[str, Any] = {"rows": rows, "gemm": name, "experts hit": hits,
-                               "floor": hits * expert_bytes / BANDWIDTH * 1e6}
+                               "floor": hits * expert_bytes / BANDWIDTH * 1e6,
+                               "default": str(list(small_batch_moe.picked_expert_config(gated, rows)))}
         for config in EXPERT_CONFIGS:
             def call(i: int, config: ExpertMatmulConfig = config, gated: bool = gated) -> torch.Tensor:
                 picks, _, hit_list, hit_count = routes[i]
@@ -171,8 +190,9 @@ def layer_row(step: Step, rows: int) -> dict[str, Any]:
     spec = step.stack.spec
     kv_bytes = rows * written * spec.num_kv_heads * spec.head_dim * 2 * 2
     floor = (dense + hits * per_expert + kv_bytes) / BANDWIDTH * 1e6
-    us = per_call_us([lambda i=i: small_batch_moe.decoder_layer(
-        layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch)[0] for i in range(len(layers))])
+    us = per_call_us([lambda arrivals, i=i: small_batch_moe.decoder_layer(
+        layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch, None, arrivals)[0]
+        for i in range(len(layers))], step)
     return {"rows": rows, "layer": us, "floor": floor, "experts hit": hits}
 
 

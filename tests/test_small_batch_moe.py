@@ -20,10 +20,12 @@ from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 torch.manual_seed(0)
 results = {}
 CACHE = 150
-CASES = ((torch.float32, True, 64, 4, 32, 1), (torch.float32, True, 64, 4, 32, 128), (torch.float32, False, 0, 16, 32, 128),
-         (torch.bfloat16, False, 64, 4, 32, 128), (torch.float32, False, 64, 4, 8, 1), (torch.float32, False, 64, 4, 8, 128))
-for dtype, rows_are_slots, shared, heads, dim, programs in CASES:
-    small_batch_moe.ATTENTION_PROGRAMS = programs  # 1: one program per (row, KV head); 128: keys split 3 ways
+# the attention's programs in all (1: one per (row, KV head); 256: the key blocks split over 2 or 3) and key block
+CASES = ((torch.float32, True, 64, 4, 32, 1, 128), (torch.float32, True, 64, 4, 32, 256, 64),
+         (torch.float32, False, 0, 16, 32, 256, 128), (torch.bfloat16, False, 64, 4, 32, 256, 64),
+         (torch.float32, False, 64, 4, 8, 1, 64), (torch.float32, False, 64, 4, 8, 256, 128))
+for dtype, rows_are_slots, shared, heads, dim, programs, key_block in CASES:
+    small_batch_moe.ATTENTION_PROGRAMS, small_batch_moe.KEY_BLOCK = programs, key_block
     spec = DecoderSpec(num_layers=2, hidden_size=64, num_heads=heads, num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-6,
                        rope_theta=10000.0, mrope_section=None, intermediate_size=96, num_experts=8, top_k=3,
                        moe_intermediate_size=32, norm_topk_prob=True, shared_expert_intermediate_size=shared)
@@ -57,9 +59,9 @@ for dtype, rows_are_slots, shared, heads, dim, programs in CASES:
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
         starts = starts + 1
-    worst["splits"] = small_batch_moe.attention_splits(rows, 2, 3)
+    worst["splits"] = small_batch_moe.attention_splits(rows, 2, -(-batch.kv_len // key_block))
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}-"
-            f"{programs} programs"] = worst
+            f"{programs} programs-blocks of {key_block}"] = worst
 # steps the kernels leave to the layers' own code: two tokens a row, a prefill from position 0, 65 rows
 layer = fused.layers[0]
 two_tokens = AttentionBatch.from_tensors(slots, starts, 2, int(starts.max()) + 2)
@@ -78,17 +80,18 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     picks) over a 150-position cache holding stale keys: three rows decode three steps from positions 5, 63 and 130
     (so a row's keys span one to three blocks of 64, and its new key lands at a block's edge), in the first slots or
     in others, with 2 and 8 query heads per KV head, heads of 32 and of 8 (padded to 16 for the tile products), the
-    attention in one program per (row, KV head) and with its key blocks split over three (some with no block of a
-    row's; the last to finish merging). The kernels' outputs and the keys and values they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to its rounding, for
-    every layer of every step: the second layer's input norm reads the sums of squares the first layer's combine
-    left. Steps of two tokens a row, prefills and steps of more than 64 rows keep the layers' own code."""
+    attention in one program per (row, KV head) and with its key blocks (of 64 or 128) split over two or three
+    programs (some with no block of a row's; the last to finish merging). The kernels' outputs and the keys and values
+    they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to
+    its rounding, for every layer of every step: the second layer's input norm reads the sums of squares the first
+    layer's combine left. Steps of two tokens a row, prefills and steps of more than 64 rows keep the layers' own code."""
     results = run_interpreted(CHECK)
     # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels
     assert results.pop("fallbacks") == [False, False, False, True]
     assert len(results) == 6
     for case, worst in results.items():
         assert worst["used"] == 6, case  # 2 layers x 3 steps ran the kernels
-        assert worst["splits"] == (1 if case.endswith("-1 programs") else 3), case
+        assert worst["splits"] == (1 if "-1 programs" in case else 3 if case.endswith("of 64") else 2), case
         bf16 = "bfloat16" in case
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
@@ -158,7 +161,7 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
         types |= {"slots_ptr": "*i64", "index_ptr": "*i64", "eps": "fp32", "scale": "fp32", "partial_ptr": "*fp32",
                   "arrivals_ptr": "*i32"}
         types |= _i32("qkv_stride", "rope_stride", "slot_stride", "position_stride", "out_stride")
-        constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "D_PAD": 128, "GROUP_ROWS": 16, "KEYS": 576, "KEY_BLOCK": 64,
+        constants = {"HEADS": 16, "KV_HEADS": 2, "D": 128, "D_PAD": 128, "GROUP_ROWS": 16, "KEYS": 512, "KEY_BLOCK": 128,
                      "SPLITS": 4 if kernel_name == "split attention" else 1, "ROWS_ARE_SLOTS": True, "FP32_DOT": False,
                      "PRECISION": "tf32"}
     elif kernel_name == "route":
@@ -173,7 +176,7 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
         types |= {"squares_ptr": "*fp32", "picks_ptr": "*i32", "hit_list_ptr": "*i32", "hits_ptr": "*i32",
                   "eps": "fp32"} | _i32("x_stride", "squares_count", "w_expert_stride", "w_row_stride", "out_stride",
                                         "M", "N")
-        block_n, block_k, _, _ = kernels.EXPERT_CONFIG
+        block_n, block_k, _, _ = kernels.picked_expert_config(gated, 32)
         constants = {"K": 1024 if gated else 384, "WIDTH": 8, "PICKS": 8, "GATED": gated, "NORM": gated,
                      "SQUARES_IN": 64, "PER_PICK": not gated, "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k,
                      "FP32_DOT": False, "PRECISION": "tf32"}

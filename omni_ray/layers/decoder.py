@@ -199,11 +199,15 @@ class DecoderStack(nn.Module):
         if 0 in capture:
             captured[0] = x
         squares = None  # the kernels' partial sums of x's rows' squares, for the next layer's norm
+        arrivals = None  # the MoE layer kernels' split-attention counters, one memset for the whole step
         for i, layer in enumerate(self.layers):
             if self.small_batch_kernels and small_batch.applies(layer, x, batch):
                 x, squares = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
             elif self.moe_layer_kernels and small_batch_moe.applies(layer, x, batch):
-                x, squares = small_batch_moe.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
+                if arrivals is None:
+                    arrivals = small_batch_moe.new_arrivals(x, len(self.layers), layer.self_attn.num_kv_heads)
+                x, squares = small_batch_moe.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares,
+                                                           arrivals[i])
             else:
                 x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:

@@ -42,9 +42,11 @@ except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
 MAX_ROWS = 64  # rows of a decode step the kernels take: every expert's tokens in one tile
-KEY_BLOCK = 64  # keys per attention block
-ATTENTION_PROGRAMS = 128  # the split attention's target: about one program per SM (132 on an H200)
-EXPERT_CONFIG = WIDE_CONFIG  # BLOCK_N, BLOCK_K, num_stages, num_warps of both expert GEMMs, at every batch
+KEY_BLOCK = 128  # keys per attention block (64 where a step's keys all fit in 64): on an H200, 1 x 128 keys took
+ATTENTION_PROGRAMS = 256  # 8.4 and 11.9 us where 1 x 64 took 10.7 and 15.8 (Thinker, 1 and 32 rows); the split
+# attention aims at this many programs in all: 256 beat 128 at 32 rows (11.6 against 11.9 us; Talker 11.5 against 12.9)
+FEW_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (32, 256, 3, 4)  # BLOCK_N, BLOCK_K, num_stages, num_warps
+MANY_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (64, 64, 4, 4)
 COMBINE_BLOCK_N = 64
 
 
@@ -86,7 +88,7 @@ if triton is not None:
 
         With SPLITS > 1 the blocks are dealt out over SPLITS programs (program_id(2): blocks s, s + SPLITS, ...), each
         leaving its running max, sum and unnormalised output in `partial_ptr`; the last of them to arrive (counted in
-        `arrivals_ptr`, which it sets back to zero) merges the partials in split order and writes the output."""
+        `arrivals_ptr`, zeros of this launch's own) merges the partials in split order and writes the output."""
         GROUP: tl.constexpr = HEADS // KV_HEADS
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -162,7 +164,6 @@ if triton is not None:
                     acc = acc * fade[:, None] + their_acc * their_fade[:, None]
                     best = new_best
                 tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok & d_ok[None, :])
-                tl.store(arrivals_ptr + b * KV_HEADS + g, 0)
 
     @triton.jit
     def _route_kernel(
@@ -281,47 +282,61 @@ def _precision(weight: torch.Tensor) -> str:
     return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
+def picked_expert_config(gated: bool, tokens: int) -> ExpertMatmulConfig:
+    """The expert GEMMs' launch config: measured on an H200 (`benchmarks/moe_layer_bench.py`), gate/up at under 8
+    rows took 17.3 us in 32 x 256 tiles against 24.7 in 64 x 128 (Thinker, 1 row; Talker 7.9 against 11.8), and over
+    16 rows 184 in 64 x 64 against 198 (32 rows; Talker 49 against 59); down was fastest or near it in 64 x 128."""
+    if gated and tokens < 8:
+        return FEW_ROWS_GATE_UP_CONFIG
+    if gated and tokens > 16:
+        return MANY_ROWS_GATE_UP_CONFIG
+    return WIDE_CONFIG
+
+
+def attention_key_block(kv_len: int) -> int:
+    return 64 if kv_len <= 64 else KEY_BLOCK
+
+
 def attention_splits(rows: int, kv_heads: int, key_blocks: int) -> int:
     """How many programs share a (row, KV head)'s key blocks: enough for about ATTENTION_PROGRAMS programs in all,
     at least one block each."""
     return max(1, min(key_blocks, ATTENTION_PROGRAMS // (rows * kv_heads)))
 
 
-# the split attention's arrival counters, kept at zero: one set per (device, stream), so that launches on two streams
-# (engine lanes; their graphs are captured on streams of their own) never count into the same counters
-_arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _arrivals:
-        _arrivals[key] = torch.zeros(MAX_ROWS * 64, dtype=torch.int32, device=device)
-    return _arrivals[key]
+def new_arrivals(x: torch.Tensor, layers: int, kv_heads: int) -> torch.Tensor:
+    """Zeroed arrival counters for a step's split attention, one row per layer: [layers, rows * kv_heads] int32.
+    Each launch must get counters of its own (a step allocates them once for all its layers, so a CUDA graph replays
+    one memset a step): two launches counting into the same ones, such as two engine lanes' steps at once on their
+    own streams, would each see the other's programs arrive."""
+    return torch.zeros(layers, x.shape[0] * kv_heads, dtype=torch.int32, device=x.device)
 
 
 def decode_attention(
     qkv: torch.Tensor, attn: "torch.nn.Module", cos: torch.Tensor, sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, warps: int = 4, splits: int | None = None,
-    key_block: int = KEY_BLOCK,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, arrivals: torch.Tensor | None = None,
+    warps: int = 4, splits: int | None = None, key_block: int | None = None,
 ) -> torch.Tensor:
     """`Attention.forward` after its q/k/v projection for a decode step (one token per row) over any number of keys:
     qkv [rows, (H + 2G) * D] → attention output [rows, H * D], the new keys and values written into `kv_cache`.
-    One kernel; `splits` programs per (row, KV head) share the key blocks (default: `attention_splits`)."""
+    One kernel; `splits` programs per (row, KV head) share the key blocks (default: `attention_splits`), counting
+    their arrivals in `arrivals` (zeros, used by this launch alone; default: its own, one memset more)."""
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     rows = qkv.shape[0]
     k_cache, v_cache = kv_cache
     cos, sin = cos.reshape(rows, dim), sin.reshape(rows, dim)
     out = torch.empty(rows, heads * dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    key_block = key_block or attention_key_block(batch.kv_len)
     keys = triton.cdiv(batch.kv_len, key_block) * key_block
     splits = splits or attention_splits(rows, kv_heads, keys // key_block)
     group_rows, dim_pad = max(16, triton.next_power_of_2(heads // kv_heads)), max(16, dim)
-    partial, arrivals = out, out  # unused with one split
+    partial = out  # unused with one split
     if splits > 1:
         partial = torch.empty(rows * kv_heads * splits * group_rows * (dim_pad + 2), dtype=torch.float32,
                               device=qkv.device)
-        arrivals = _arrival_counters(qkv.device)
-        assert rows * kv_heads <= arrivals.numel()
+        arrivals = new_arrivals(qkv, 1, kv_heads)[0] if arrivals is None else arrivals
+        assert arrivals.numel() >= rows * kv_heads and arrivals.dtype == torch.int32
+    arrivals = out if arrivals is None else arrivals
     with _on_device(qkv):
         _decode_attention_kernel[(rows, kv_heads, splits)](
             qkv, qkv.stride(0), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin,
@@ -334,7 +349,7 @@ def decode_attention(
     return out
 
 
-def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int
+def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int, warps: int = 4
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits [M, num_experts (+1: the shared expert's gate, with shared_parts)] → picks [M, top_k +
     shared_parts] int32, their weights (fp32 holding the logits' dtype's values), the picked experts' ids in
@@ -350,7 +365,7 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
         _route_kernel[(1,)](
             logits, logits.stride(0), picks, weights, hit_list, hits, rows, num_experts,
             TOP_K=top_k, SHARED_PARTS=shared_parts, NORM_TOP_K=norm_top_k, ROWS=max(16, triton.next_power_of_2(rows)),
-            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width), num_warps=4,
+            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width), num_warps=warps,
         )
     return picks, weights, hit_list, hits
 
@@ -358,18 +373,19 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
 def picked_expert_matmul(
     x: torch.Tensor, weight: torch.Tensor, picks: torch.Tensor, hit_list: torch.Tensor, hits: torch.Tensor,
     gated: bool, per_pick: bool, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    squares: torch.Tensor | None = None, config: ExpertMatmulConfig = EXPERT_CONFIG,
+    squares: torch.Tensor | None = None, config: ExpertMatmulConfig | None = None,
 ) -> torch.Tensor:
     """Each picked expert's GEMM over its tokens' rows: x [M, K] (or [M * width, K] with `per_pick`: one row per
     pick) @ weight[e].T, weight [E, N, K] (or [E, 2N, K], `gated`: SiLU(gate) * up) → [M * width, N], row
     token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
-    grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps."""
+    grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps (default:
+    `picked_expert_config`)."""
     tokens, width = picks.shape
     experts, out_width, depth = weight.shape
     n = out_width // 2 if gated else out_width
     assert x.stride(1) == 1 and weight.stride(2) == 1
     out = torch.empty(tokens * width, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps = config
+    block_n, block_k, stages, warps = config or picked_expert_config(gated, tokens)
     with _on_device(x):
         _picked_expert_kernel[(min(tokens * width, experts), triton.cdiv(n, block_n))](
             x, x.stride(0), squares if squares is not None else x, 0 if squares is None else squares.shape[0],
@@ -418,16 +434,18 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` for an MoE layer's decode step in eight kernels (see the module's docstring). x [B, 1,
     h]; `squares`: the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the
-    layer's output and the same sums of it, for the next layer's input norm."""
+    layer's output and the same sums of it, for the next layer's input norm. `arrivals`: zeroed counters of this
+    layer's own for a split attention (`new_arrivals`)."""
     rows, _, width = x.shape
     attn, moe = layer.self_attn, layer.mlp
     flat = x.reshape(rows, width)
     norm = layer.input_layernorm
     qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
-    attended = decode_attention(qkv, attn, cos, sin, kv_cache, batch)
+    attended = decode_attention(qkv, attn, cos, sin, kv_cache, batch, arrivals)
     flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
     norm = layer.post_attention_layernorm
     router = moe.router_and_shared_gate if moe.router_and_shared_gate is not None else moe.gate.weight

@@ -42,9 +42,12 @@ except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
 MAX_ROWS = 64  # rows of a decode step the kernels take: every expert's tokens in one tile
-KEY_BLOCK = 128  # keys per attention block (64 where a step's keys all fit in 64): on an H200, 1 x 128 keys took
-ATTENTION_PROGRAMS = 256  # 8.4 and 11.9 us where 1 x 64 took 10.7 and 15.8 (Thinker, 1 and 32 rows); the split
-# attention aims at this many programs in all: 256 beat 128 at 32 rows (11.6 against 11.9 us; Talker 11.5 against 12.9)
+# Keys per attention block (64 where a step's keys all fit in 64). On an H200 one program over blocks of 128 took 8.4
+# and 11.9 us where blocks of 64 took 10.7 and 15.8 (Thinker, 1 and 32 rows, 256 keys).
+KEY_BLOCK = 128
+# The programs the split attention aims at in all: 256 beat 128 at 32 rows (Thinker 11.6 against 11.9 us, Talker 11.5
+# against 12.9).
+ATTENTION_PROGRAMS = 256
 FEW_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (32, 256, 3, 4)  # BLOCK_N, BLOCK_K, num_stages, num_warps
 MANY_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (64, 64, 4, 4)
 COMBINE_BLOCK_N = 64
@@ -294,6 +297,7 @@ def picked_expert_config(gated: bool, tokens: int) -> ExpertMatmulConfig:
 
 
 def attention_key_block(kv_len: int) -> int:
+    """The attention's keys per block for a step over `kv_len` positions."""
     return 64 if kv_len <= 64 else KEY_BLOCK
 
 

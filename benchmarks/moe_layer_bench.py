@@ -111,6 +111,13 @@ def router_logits(step: Step) -> list[torch.Tensor]:
     return out
 
 
+def step_routes(step: Step) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each layer copy's routing of the step's rows (`small_batch_moe.route` on `router_logits`)."""
+    moe = step.stack.layers[0].mlp
+    return [small_batch_moe.route(lg, moe.gate.top_k, moe.gate.norm_topk_prob, moe.gate.weight.shape[0],
+                                  moe.shared_parts) for lg in router_logits(step)]
+
+
 ROUTE_WARPS = (1, 2, 4, 8)
 
 
@@ -139,12 +146,10 @@ def route_row(step: Step, rows: int) -> dict[str, Any]:
 def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
     """Both expert GEMMs per launch config, µs per call, and the picked experts' bytes at 4.3 TB/s."""
     layers = step.stack.layers
-    moe = layers[0].mlp
     norm = layers[0].post_attention_layernorm
     flat = step.x[:, 0]
     squares = flat.float().pow(2).reshape(rows, -1, 64).sum(-1).T.contiguous()
-    routes = [small_batch_moe.route(lg, moe.gate.top_k, moe.gate.norm_topk_prob, moe.gate.weight.shape[0],
-                                    moe.shared_parts) for lg in router_logits(step)]
+    routes = step_routes(step)
     weights = [layer.mlp.experts.stacked or (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)
                for layer in layers]
     hits = sum(int(hit_count) for _, _, _, hit_count in routes) / len(routes)
@@ -183,9 +188,7 @@ def layer_row(step: Step, rows: int) -> dict[str, Any]:
     dense = sum(p.numel() * 2 for name, p in layers[0].named_parameters() if "experts" not in name)
     gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
     per_expert = (gate_up[0].numel() + down[0].numel()) * 2
-    hits = sum(int(route[3]) for route in (
-        small_batch_moe.route(lg, moe.gate.top_k, moe.gate.norm_topk_prob, moe.gate.weight.shape[0], moe.shared_parts)
-        for lg in router_logits(step))) / len(layers)
+    hits = sum(int(hit_count) for _, _, _, hit_count in step_routes(step)) / len(layers)
     written = step.batch.write_index.reshape(-1).float().mean().item()
     spec = step.stack.spec
     kv_bytes = rows * written * spec.num_kv_heads * spec.head_dim * 2 * 2
@@ -197,7 +200,7 @@ def layer_row(step: Step, rows: int) -> dict[str, Any]:
 
 
 def table(title: str, rows: list[dict[str, Any]]) -> list[str]:
-    """A markdown table of `rows` (every key of the first row a column; None as –)."""
+    """A markdown table of `rows` (every key of any row a column; None or missing as –)."""
     if not rows:
         return []
     names = list(dict.fromkeys(key for row in rows for key in row))

@@ -8,7 +8,8 @@
 # prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
 # moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the
-# whole layer against its bytes), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
+# whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
+# SET_ncu_TAG: its arguments), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
@@ -79,6 +80,18 @@ for step in "${@:-tests engine vocoder e2e}"; do
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
       persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
+      ncu) # hardware counters of the served decode kernels (benchmarks/kernel_counters.py), each launch measured alone
+           # with caches flushed; Nsight Compute leaves the clocks alone (METHOD.md), and its report comes back too
+           mkdir -p "$OUT/results/$tag"
+           NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+           # shellcheck disable=SC2086
+           run_step "$tag" "$NCU" --clock-control none --profile-from-start off --cache-control all \
+             --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+             --section MemoryWorkloadAnalysis --section SchedulerStats --export "$OUT/results/$tag/counters" --force-overwrite \
+             python -m benchmarks.kernel_counters ${!extra_var:-}
+           [ "${DRY_RUN:-0}" = 1 ] || "$NCU" --import "$OUT/results/$tag/counters.ncu-rep" --page raw --csv --metrics \
+             gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block,sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum \
+             > "$OUT/results/$tag/counters.csv" 2>> "$OUT/logs/$tag.log" ;;
       # shellcheck disable=SC2086
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086

@@ -1,0 +1,80 @@
+"""The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
+its hardware counters: a code-predictor pass (five kernels a layer) and one eight-kernel MoE layer of the Talker and
+the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
+the names of the steps are printed between ncu's own lines, in launch order."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from benchmarks.moe_layer_bench import KEYS, Step as LayerInputs, stage_stack, step_inputs
+from benchmarks.small_batch_bench import decode_step_inputs
+from omni_ray.bench import FULL_CONFIG
+from omni_ray.layers import small_batch_moe
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+Step = Callable[[], object]
+
+
+def code_predictor_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[tuple[str, Step]]:
+    """One pass of the code predictor's layers (one new token per row over a 17-position cache), per row count."""
+    cfg = config.talker_config.code_predictor_config
+    torch.manual_seed(0)
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    assert stack.use_small_batch_kernels()
+    steps: list[tuple[str, Step]] = []
+    for count in rows:
+        cache, batch, x, rope = decode_step_inputs(cfg, stack, count, len(stack.layers))
+        steps.append((f"code predictor pass, {count} rows",
+                      lambda cache=cache, batch=batch, x=x, rope=rope: stack(x, None, cache.layers, batch, rope=rope,
+                                                                             normed=False)))
+    return steps
+
+
+def moe_layer_steps(config: Qwen3OmniMoeConfig, stage: str, rows: list[int]) -> list[tuple[str, Step]]:
+    """One MoE layer's decode step of the stage (random routers, keys in workload W's range), per row count."""
+    stack = stage_stack(config, stage)
+    layer = stack.layers[0]
+    steps: list[tuple[str, Step]] = []
+    for count in rows:
+        step = step_inputs(stack, count, KEYS[stage])
+
+        def run(step: LayerInputs = step) -> object:
+            arrivals = small_batch_moe.new_arrivals(step.x, 1, stack.spec.num_kv_heads)
+            return small_batch_moe.decoder_layer(layer, step.x, step.cos, step.sin, step.cache.layers[0], step.batch,
+                                                 None, arrivals[0])
+
+        steps.append((f"{stage} MoE layer, {count} rows", run))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,32")
+    parser.add_argument("--stages", default="code_predictor,talker,thinker")
+    args = parser.parse_args(argv)
+    config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
+    rows = [int(r) for r in args.rows.split(",")]
+    steps: list[tuple[str, Step]] = []
+    for stage in args.stages.split(","):
+        steps += code_predictor_passes(config, rows) if stage == "code_predictor" else moe_layer_steps(config, stage, rows)
+    with torch.no_grad():
+        for _, step in steps:  # compiled and warm before any range
+            step()
+            step()
+        torch.cuda.synchronize()
+        for name, step in steps:
+            print(f"== step: {name}", flush=True)
+            torch.cuda.profiler.start()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -122,19 +122,15 @@ ROUTE_WARPS = (1, 2, 4, 8)
 
 
 def route_row(step: Step, rows: int) -> dict[str, Any]:
-    """The routing kernel, µs per call, per num_warps; with a shared expert (logits one column wider, rows not
-    16-byte aligned) also on logits in rows padded to a multiple of 8, and without its gate column and parts."""
+    """The routing kernel, µs per call, per num_warps (`default`: `route_warps`'s pick); with a shared expert also
+    without its gate column and parts (logits of the routed experts only)."""
     moe = step.stack.layers[0].mlp
     experts, top_k = moe.gate.weight.shape[0], moe.gate.top_k
     logits = router_logits(step)
     variants = {"": (logits, moe.shared_parts)}
     if moe.shared_parts:
-        padded = [torch.zeros(rows, -(-lg.shape[1] // 8) * 8, dtype=lg.dtype, device=lg.device) for lg in logits]
-        for pad, lg in zip(padded, logits):
-            pad[:, : lg.shape[1]] = lg
-        variants[", aligned rows"] = ([pad[:, : lg.shape[1]] for pad, lg in zip(padded, logits)], moe.shared_parts)
         variants[", no shared expert"] = ([lg[:, :experts].contiguous() for lg in logits], 0)
-    row: dict[str, Any] = {"rows": rows}
+    row: dict[str, Any] = {"rows": rows, "default": small_batch_moe.route_warps(rows)}
     for name, (inputs, shared) in variants.items():
         for warps in ROUTE_WARPS:
             row[f"{warps} warps{name}"] = per_call_us([

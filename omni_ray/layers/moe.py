@@ -10,6 +10,9 @@ from omni_ray.layers import moe_kernels
 from omni_ray.layers.basic import GatedMLP
 
 
+# The router-and-shared-gate weight's rows (its logits' width) padded to a multiple of this with zero rows: a row
+# stride of 16 elements lets Triton specialise the routing kernel (`small_batch_moe.route`)
+ROUTER_ROWS_MULTIPLE = 16
 # Decode-sized batches group their (token, expert) pairs by comparison counts: one fusable reduction over pairs x
 # pairs instead of a sort (a radix sort took 26 us for 256 pairs on an H200, and a one-hot cumsum 15-18 us, once per
 # MoE layer). The work grows with the square of the pairs: past this many (a prefill), a sort.
@@ -230,7 +233,7 @@ class SparseMoE(nn.Module):
 
     def fold_shared_expert(self) -> bool:
         """For the expert kernels' decode batches: the shared expert as `shared_parts` more experts that every token
-        picks, each weighted by the shared expert's sigmoid gate, and that gate as one more router column; its own
+        picks, each weighted by the shared expert's sigmoid gate, and that gate as one more router column (zero rows after it up to a multiple of 16); its own
         GEMMs, SiLU and gate (five kernels a layer) go. False (nothing changes) without a shared expert, or one whose
         inner size is not a multiple of the experts'."""
         shared = self.shared_expert
@@ -241,7 +244,10 @@ class SparseMoE(nn.Module):
             return False
         self.shared_parts = self.experts.append_dense_expert(
             shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-        self.router_and_shared_gate = torch.cat([self.gate.weight, self.shared_expert_gate.weight]).detach()
+        gates = [self.gate.weight, self.shared_expert_gate.weight]
+        padding = -sum(g.shape[0] for g in gates) % ROUTER_ROWS_MULTIPLE
+        gates.append(self.gate.weight.new_zeros(padding, self.gate.weight.shape[1]))
+        self.router_and_shared_gate = torch.cat(gates).detach()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,9 +266,10 @@ class SparseMoE(nn.Module):
         parts in the expert kernels (see `fold_shared_expert`)."""
         assert self.router_and_shared_gate is not None
         logits = F.linear(flat, self.router_and_shared_gate)
-        weights, experts = self.gate.pick(logits[:, :-1])
+        routed = self.gate.weight.shape[0]
+        weights, experts = self.gate.pick(logits[:, :routed])
         first = self.experts.gate_up_proj.shape[0]
         shared_ids = torch.arange(first, first + self.shared_parts, device=flat.device).expand(flat.shape[0], -1)
-        shared_weights = torch.sigmoid(logits[:, -1:]).to(weights.dtype).expand(-1, self.shared_parts)
+        shared_weights = torch.sigmoid(logits[:, routed:routed + 1]).to(weights.dtype).expand(-1, self.shared_parts)
         experts, weights = torch.cat([experts, shared_ids], 1), torch.cat([weights, shared_weights], 1)
         return self.experts.with_kernels(flat, experts, weights)

@@ -13,11 +13,12 @@ softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per fra
 
 Every GEMM holds up to 32 rows in one tile and splits the output columns over programs, so each weight is read once
 per pass (per 32 rows); the narrow, deep ones also split their depth, the last program of a column block to finish
-adding the others' partial sums in a fixed order. A norm needs each row's sum of squares before the GEMM can
-start: the GEMMs that add a residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
-of the next layer) adds up, instead of every one of its programs passing over the rows first (as the first layer's
-q/k/v GEMM does). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us on an
-H200. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
+adding the others' partial sums in a fixed order. A norm-fused GEMM multiplies x times the norm's scale and scales
+each row of the products by its inverse RMS at the end, so nothing holds the weights' loads back: the GEMMs that add
+a residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
+of the next layer) adds up after its loop, instead of passing over the rows (as the first layer's q/k/v GEMM still
+does, after its loop). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us
+on an H200. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
 the eager layer to bf16 rounding, not bit for bit.
 """
 
@@ -43,15 +44,13 @@ ROW_TILE = 32  # rows per GEMM program: 64 rows in one tile took 13-16 us where 
 if triton is not None:
 
     @triton.jit
-    def _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
-                              squares_out_ptr, M, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                              SQUARES_OUT: tl.constexpr):
-        """SiLU(gate) * up (GATED), + the residual, rounded into out; SQUARES_OUT: the partial sums of the rounded
-        block's squares, as the next norm would sum them, at row program_id(0) of [column blocks, M]."""
+    def _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual, squares_out_ptr, M,
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES_OUT: tl.constexpr):
+        """SiLU(gate) * up (GATED), + the residual tile, rounded into out; SQUARES_OUT: the partial sums of the
+        rounded block's squares, as the next norm would sum them, at row program_id(0) of [column blocks, M]."""
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if RESIDUAL:
-            residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask, other=0.0)
             acc += residual.to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=out_mask)
@@ -84,20 +83,18 @@ if triton is not None:
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
-        if NORM:  # RMSNorm of each row: its inverse RMS first, then the rows are scaled as they stream in
-            if SQUARES_IN > 0:  # summed by the kernel that wrote x
-                parts = tl.arange(0, SQUARES_IN)
-                partial = tl.load(squares_in_ptr + parts[:, None] * M + rows[None, :],
-                                  mask=(parts < squares_in_count)[:, None] & row_ok[None, :], other=0.0)
-                squares = tl.sum(partial, axis=0)
-            else:
-                squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    k_ok = (k0 + ks) < K
-                    x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + ks)[None, :],
-                                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                    squares += tl.sum(x * x, axis=1)
-            inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        # Nothing the weights' loads wait for: the residual tile and the norm's partial sums are asked for first and
+        # used after the loop (summing the partial sums across warps before it held the weights back by a round
+        # trip and two barriers). The norm scales each row by its inverse RMS after the products, not before.
+        residual = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if RESIDUAL:
+            residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=out_mask,
+                               other=0.0).to(tl.float32)
+        if SQUARES_IN > 0:  # summed by the kernel that wrote x
+            parts = tl.arange(0, SQUARES_IN)
+            partial = tl.load(squares_in_ptr + parts[:, None] * M + rows[None, :],
+                              mask=(parts < squares_in_count)[:, None] & row_ok[None, :], other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         STRETCH: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K  # depth per program
@@ -108,7 +105,7 @@ if triton is not None:
             x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
                 scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                x = x.to(tl.float32) * inverse_rms[:, None] * scale[None, :]
+                x = x.to(tl.float32) * scale[None, :]
             x = x.to(w_ptr.dtype.element_ty)
             w = tl.load(w_ptr + cols[:, None] * w_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if FP32_DOT:
@@ -120,10 +117,23 @@ if triton is not None:
                 if FP32_DOT:
                     up = up.to(tl.float32)
                 acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-        out_mask = row_ok[:, None] & col_ok[None, :]
+        if NORM:  # RMSNorm of each row: (x * r * scale) @ w.T = r * ((x * scale) @ w.T), r its inverse RMS
+            if SQUARES_IN > 0:
+                squares = tl.sum(partial, axis=0)
+            else:
+                squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = (k0 + ks) < K
+                    x = tl.load(x_ptr + rows[:, None] * x_stride + (k0 + ks)[None, :],
+                                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    squares += tl.sum(x * x, axis=1)
+            inverse_rms = 1.0 / tl.sqrt(squares / K + eps)
+            acc *= inverse_rms[:, None]
+            if GATED:
+                acc_up *= inverse_rms[:, None]
         if SPLIT_K == 1:
-            _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
-                                  squares_out_ptr, M, GATED, RESIDUAL, SQUARES_OUT)
+            _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual, squares_out_ptr,
+                                  M, GATED, RESIDUAL, SQUARES_OUT)
         else:
             PARTS: tl.constexpr = 2 if GATED else 1
             block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -142,7 +152,7 @@ if triton is not None:
                     if GATED:
                         acc_up += tl.load(partial_ptr + (split * PARTS + 1) * M * N + at, mask=out_mask, other=0.0,
                                           cache_modifier=".cg")
-                _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, res_ptr, res_stride,
+                _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual,
                                       squares_out_ptr, M, GATED, RESIDUAL, SQUARES_OUT)
                 tl.atomic_xchg(arrivals_ptr + block, 0)  # zero again for the next launch
 

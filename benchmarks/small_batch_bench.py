@@ -24,6 +24,8 @@ from omni_ray.layers.moe import Experts
 CONFIGS: list[small_batch.MatmulConfig] = [
     (16, 256, 3, 4, 1), (32, 256, 3, 4, 1), (16, 128, 4, 4, 1), (16, 256, 2, 4, 2), (32, 256, 2, 4, 2),
     (16, 256, 2, 4, 4), (16, 128, 3, 4, 4), (32, 128, 3, 4, 4), (16, 128, 2, 4, 8), (16, 256, 3, 8, 4),
+    (16, 256, 3, 8, 1), (32, 256, 3, 8, 1), (16, 256, 4, 4, 1), (32, 256, 4, 4, 1), (16, 512, 2, 4, 1),
+    (32, 512, 2, 8, 1), (16, 128, 3, 8, 4), (16, 256, 2, 8, 2),
 ]
 WEIGHT_BYTES_IN_FLIGHT = 256 * 2**20  # each GEMM cycles through copies of its weight: more than L2 (50 MB) holds
 

@@ -355,9 +355,9 @@ def decode_attention(
 
 
 def route_warps(rows: int) -> int:
-    """The routing kernel's num_warps: one warp for one or two rows (2.7-2.9 us a call where four took 8.2-8.3 on an
-    H200), four for more (3.8-4.9 us at 8 and 32 rows with 16-aligned logits rows, where one took 6.7-20.8)."""
-    return 1 if rows <= 2 else 4
+    """The routing kernel's num_warps: one warp for one row (3.2-3.5 us a call where four took 3.7-4.5 on an H200),
+    four for more (3.8-6.3 us at 2 to 32 rows, where one took 6.7-27.8; `moe_layer_bench`, session 25)."""
+    return 1 if rows == 1 else 4
 
 
 def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int,

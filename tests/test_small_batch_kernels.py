@@ -63,6 +63,16 @@ for dtype, rows_are_slots in ((torch.float32, True), (torch.float32, False), (to
     head, hidden = (torch.randn(50, 64) * 0.2).to(dtype), torch.randn(rows, 2, 64).to(dtype)
     expected = eager.head_logits(hidden, head).float()
     worst["head"] = (fused.head_logits(hidden, head).float() - expected).abs().max().item() / expected.abs().max().item()
+    # one program per query head (the default) against one per KV head's pair of query heads: the same numbers
+    attn = fused.layers[0].self_attn
+    qkv = torch.randn(rows * length, attn.qkv.shape[0]).to(dtype)
+    attended = []
+    for query_heads in (1, 2):
+        cache = copy.deepcopy(caches[1])
+        attended += [small_batch.small_attention(qkv, attn, cos, sin, cache.layers[0], batch, rows,
+                                                 query_heads=query_heads).float(), cache.layers[0][0].float()]
+    worst["per query head"] = max((attended[0] - attended[2]).abs().max().item(),
+                                  (attended[1] - attended[3]).abs().max().item())
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}"] = worst
 print(json.dumps(results))
 """
@@ -73,7 +83,8 @@ def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> N
     three more write one each, rows in the first slots or in others. The kernels' outputs and the keys and values
     they write equal the eager layers' (fp32: to float rounding; bf16: to its rounding), for every layer of every step
     (the second layer's input norm reads the sums of squares the first layer's kernels left). So do the last
-    position's logits, the final norm fused into the head's GEMM."""
+    position's logits, the final norm fused into the head's GEMM. The attention kernel with a program per query
+    head (the default) gives the same outputs and cache as with a program per KV head's pair of query heads."""
     results = run_interpreted(CHECK)
     assert set(results) == {"torch.float32-rows are slots", "torch.float32-slots", "torch.bfloat16-rows are slots"}
     for case, worst in results.items():
@@ -82,6 +93,7 @@ def test_fused_layers_equal_the_eager_layers_under_the_triton_interpreter() -> N
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
         assert worst["head"] < (3e-2 if bf16 else 1e-5), (case, worst)
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
+        assert worst["per query head"] == 0.0, (case, worst)
 
 
 # Each GEMM form against torch on 40 rows (two row tiles), fp32.
@@ -98,10 +110,11 @@ normed = F.rms_norm(x, (64,), norm, eps=1e-6)
 expected_out = residual + x @ weight.T
 gate, up = (normed @ gate_up.T).chunk(2, dim=-1)
 sums, renormed = expected_out.pow(2).sum(-1), F.rms_norm(expected_out, (48,), norm[:48], eps=1e-6)
+regate, reup = (renormed @ gate_up[:, :48].T).chunk(2, dim=-1)
 results = {}
 # the default launch, and the depth split in three stretches of 32 (the last past the depth: all masked)
 for name, config in (("whole depth", None), ("split depth", (16, 16, 1, 4, 3))):
-    out, squares = rows_matmul_keeping_squares(x, weight[:, :64], residual, config)
+    out, squares, scaled = rows_matmul_keeping_squares(x, weight[:, :64], residual, config, next_norm=norm[:48])
     results[name] = {
         "plain": (rows_matmul(x, weight, config=config) - x @ weight.T).abs().max().item(),
         "norm": (rows_matmul(x, weight, norm, config=config) - normed @ weight.T).abs().max().item(),
@@ -110,6 +123,12 @@ for name, config in (("whole depth", None), ("split depth", (16, 16, 1, 4, 3))):
         "squares": (squares.sum(0) - sums).abs().max().item() / sums.max().item(),
         "norm from squares": (rows_matmul(out, weight[:, :48], norm[:48], squares=squares, config=config)
                               - renormed @ weight[:, :48].T).abs().max().item(),
+        "scaled output": (scaled - expected_out * norm[:48]).abs().max().item(),
+        "norm from squares, prescaled": (rows_matmul(scaled, weight[:, :48], norm[:48], squares=squares, config=config,
+                                                     prescaled=True) - renormed @ weight[:, :48].T).abs().max().item(),
+        "gated from squares, prescaled": (rows_matmul(scaled, gate_up[:, :48], norm[:48], gated=True, squares=squares,
+                                                      config=config, prescaled=True) - F.silu(regate) * reup
+                                          ).abs().max().item(),
         "partials": list(squares.shape),
     }
 results["arrival counters left at zero"] = all(
@@ -121,7 +140,8 @@ print(json.dumps(results))
 def test_each_gemm_form_equals_torch_over_two_row_tiles_under_the_triton_interpreter() -> None:
     """40 rows (two tiles of 32): the plain product, the RMSNorm prologue (its own pass over the rows, or the partial
     sums of squares a residual GEMM left), SiLU(gate) * up, and the residual with the partial sums of its output's
-    squares, one per column block of 16. Each over the whole depth in one program, and split over three programs
+    squares, one per column block of 16, and its output times the next norm's scale, which the norm-fused GEMMs
+    take as their input (`prescaled`). Each over the whole depth in one program, and split over three programs
     whose last to arrive adds their sums up (leaving its arrival counters at zero for the next launch)."""
     results = run_interpreted(GEMMS)
     assert results.pop("arrival counters left at zero") is True
@@ -213,11 +233,12 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         scalars = {name: "i32" for name in ("qkv_stride", "rope_stride", "slot_stride", "position_stride",
                                             "out_stride", "kv_len")} | {"eps": "fp32", "scale": "fp32"}
         constants = {"T": int(variant[-1]), "HEADS": 16, "KV_HEADS": 8, "D": 128, "KEYS": 32,
-                     "ROWS_ARE_SLOTS": variant == "attention-1"}
+                     "QUERY_HEADS": 2 if variant == "attention-2" else 1, "ROWS_ARE_SLOTS": variant == "attention-1"}
     else:
         kernel = small_batch._rows_matmul_kernel
         element = "*fp32" if variant == "fp32" else "*bf16"
-        pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")}
+        pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr", "scaled_out_ptr",
+                                               "out_norm_ptr")}
         pointers |= {"squares_in_ptr": "*fp32", "squares_out_ptr": "*fp32", "partial_ptr": "*fp32",
                      "arrivals_ptr": "*i32"}
         scalars = {name: "i32" for name in ("x_stride", "w_stride", "out_stride", "res_stride", "M", "N",
@@ -227,8 +248,10 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         residual = variant.startswith("residual")
         split = 4 if variant.endswith("-split") else 1
         variant = variant.removesuffix("-split")
-        constants = {"K": 1024, "NORM": not residual, "GATED": variant.startswith("gated"), "RESIDUAL": residual,
-                     "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
+        from_squares = variant.endswith("from-squares")
+        constants = {"K": 1024, "NORM": not residual, "PRESCALED": from_squares, "GATED": variant.startswith("gated"),
+                     "RESIDUAL": residual, "SQUARES_IN": 64 if from_squares else 0, "SQUARES_OUT": residual,
+                     "SCALED_OUT": residual,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
                      "PRECISION": "ieee" if variant == "fp32" else "tf32"}
     compile_for_h200(kernel, {**pointers, **scalars}, constants)

@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     steps: list[tuple[str, Step]] = []
     for stage in args.stages.split(","):
-        steps += code_predictor_passes(config, rows) if stage == "code_predictor" else moe_layer_steps(config, stage, rows)
+        if stage == "code_predictor":
+            steps += code_predictor_passes(config, rows)
+        else:
+            steps += moe_layer_steps(config, stage, rows)
     with torch.no_grad():
         for _, step in steps:  # compiled and warm before any range
             step()

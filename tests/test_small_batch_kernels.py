@@ -110,11 +110,10 @@ normed = F.rms_norm(x, (64,), norm, eps=1e-6)
 expected_out = residual + x @ weight.T
 gate, up = (normed @ gate_up.T).chunk(2, dim=-1)
 sums, renormed = expected_out.pow(2).sum(-1), F.rms_norm(expected_out, (48,), norm[:48], eps=1e-6)
-regate, reup = (renormed @ gate_up[:, :48].T).chunk(2, dim=-1)
 results = {}
 # the default launch, and the depth split in three stretches of 32 (the last past the depth: all masked)
 for name, config in (("whole depth", None), ("split depth", (16, 16, 1, 4, 3))):
-    out, squares, scaled = rows_matmul_keeping_squares(x, weight[:, :64], residual, config, next_norm=norm[:48])
+    out, squares = rows_matmul_keeping_squares(x, weight[:, :64], residual, config)
     results[name] = {
         "plain": (rows_matmul(x, weight, config=config) - x @ weight.T).abs().max().item(),
         "norm": (rows_matmul(x, weight, norm, config=config) - normed @ weight.T).abs().max().item(),
@@ -123,12 +122,6 @@ for name, config in (("whole depth", None), ("split depth", (16, 16, 1, 4, 3))):
         "squares": (squares.sum(0) - sums).abs().max().item() / sums.max().item(),
         "norm from squares": (rows_matmul(out, weight[:, :48], norm[:48], squares=squares, config=config)
                               - renormed @ weight[:, :48].T).abs().max().item(),
-        "scaled output": (scaled - expected_out * norm[:48]).abs().max().item(),
-        "norm from squares, prescaled": (rows_matmul(scaled, weight[:, :48], norm[:48], squares=squares, config=config,
-                                                     prescaled=True) - renormed @ weight[:, :48].T).abs().max().item(),
-        "gated from squares, prescaled": (rows_matmul(scaled, gate_up[:, :48], norm[:48], gated=True, squares=squares,
-                                                      config=config, prescaled=True) - F.silu(regate) * reup
-                                          ).abs().max().item(),
         "partials": list(squares.shape),
     }
 results["arrival counters left at zero"] = all(
@@ -140,8 +133,7 @@ print(json.dumps(results))
 def test_each_gemm_form_equals_torch_over_two_row_tiles_under_the_triton_interpreter() -> None:
     """40 rows (two tiles of 32): the plain product, the RMSNorm prologue (its own pass over the rows, or the partial
     sums of squares a residual GEMM left), SiLU(gate) * up, and the residual with the partial sums of its output's
-    squares, one per column block of 16, and its output times the next norm's scale, which the norm-fused GEMMs
-    take as their input (`prescaled`). Each over the whole depth in one program, and split over three programs
+    squares, one per column block of 16. Each over the whole depth in one program, and split over three programs
     whose last to arrive adds their sums up (leaving its arrival counters at zero for the next launch)."""
     results = run_interpreted(GEMMS)
     assert results.pop("arrival counters left at zero") is True
@@ -237,8 +229,7 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
     else:
         kernel = small_batch._rows_matmul_kernel
         element = "*fp32" if variant == "fp32" else "*bf16"
-        pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr", "scaled_out_ptr",
-                                               "out_norm_ptr")}
+        pointers = {name: element for name in ("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")}
         pointers |= {"squares_in_ptr": "*fp32", "squares_out_ptr": "*fp32", "partial_ptr": "*fp32",
                      "arrivals_ptr": "*i32"}
         scalars = {name: "i32" for name in ("x_stride", "w_stride", "out_stride", "res_stride", "M", "N",
@@ -248,10 +239,8 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         residual = variant.startswith("residual")
         split = 4 if variant.endswith("-split") else 1
         variant = variant.removesuffix("-split")
-        from_squares = variant.endswith("from-squares")
-        constants = {"K": 1024, "NORM": not residual, "PRESCALED": from_squares, "GATED": variant.startswith("gated"),
-                     "RESIDUAL": residual, "SQUARES_IN": 64 if from_squares else 0, "SQUARES_OUT": residual,
-                     "SCALED_OUT": residual,
+        constants = {"K": 1024, "NORM": not residual, "GATED": variant.startswith("gated"), "RESIDUAL": residual,
+                     "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
                      "PRECISION": "ieee" if variant == "fp32" else "tf32"}
     compile_for_h200(kernel, {**pointers, **scalars}, constants)

@@ -178,7 +178,6 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
                                         "M", "N")
         block_n, block_k, _, _ = kernels.picked_expert_config(gated, 32)
         constants = {"K": 1024 if gated else 384, "WIDTH": 8, "PICKS": 8, "GATED": gated, "NORM": gated,
-                     "PRESCALED": gated,
                      "SQUARES_IN": 64, "PER_PICK": not gated, "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k,
                      "FP32_DOT": False, "PRECISION": "tf32"}
     else:

@@ -199,21 +199,17 @@ class DecoderStack(nn.Module):
         if 0 in capture:
             captured[0] = x
         squares = None  # the kernels' partial sums of x's rows' squares, for the next layer's norm
-        scaled = None  # x times the next layer's input norm scale, where a dense layer's kernels left it
         arrivals = None  # the MoE layer kernels' split-attention counters, one memset for the whole step
         for i, layer in enumerate(self.layers):
             if self.small_batch_kernels and small_batch.applies(layer, x, batch):
-                following = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
-                x, squares, scaled = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares,
-                                                               scaled, following)
+                x, squares = small_batch.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares)
             elif self.moe_layer_kernels and small_batch_moe.applies(layer, x, batch):
                 if arrivals is None:
                     arrivals = small_batch_moe.new_arrivals(x, len(self.layers), layer.self_attn.num_kv_heads)
                 x, squares = small_batch_moe.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares,
                                                            arrivals[i])
-                scaled = None
             else:
-                x, squares, scaled = layer(x, cos, sin, kv_caches[i], batch), None, None
+                x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:
                 captured[i + 1] = x
         if normed:

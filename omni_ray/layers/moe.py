@@ -233,9 +233,9 @@ class SparseMoE(nn.Module):
 
     def fold_shared_expert(self) -> bool:
         """For the expert kernels' decode batches: the shared expert as `shared_parts` more experts that every token
-        picks, each weighted by the shared expert's sigmoid gate, and that gate as one more router column (zero rows after it up to a multiple of 16); its own
-        GEMMs, SiLU and gate (five kernels a layer) go. False (nothing changes) without a shared expert, or one whose
-        inner size is not a multiple of the experts'."""
+        picks, each weighted by the shared expert's sigmoid gate, and that gate as one more router column (then zero
+        rows up to a multiple of `ROUTER_ROWS_MULTIPLE`); its own GEMMs, SiLU and gate (five kernels a layer) go.
+        False (nothing changes) without a shared expert, or one whose inner size is not a multiple of the experts'."""
         shared = self.shared_expert
         if self.router_and_shared_gate is not None:
             return True

@@ -41,11 +41,11 @@ if triton is not None:
     @triton.jit
     def expert_tile(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, rows, row_ok, w_base, w_row_stride, cols, col_ok, N, squares, eps, norm_ptr,
-        K: tl.constexpr, NORM: tl.constexpr, PRESCALED: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """x[rows] (RMS-normed with NORM: norm_ptr's weights, each row's sum of squares the column sums of
-        `squares` [P, BLOCK_M]; PRESCALED: x already holds the rows times those weights) @ w_base[cols].T in fp32 [BLOCK_M, BLOCK_N]; GATED: w_base holds gate rows then up
+        `squares` [P, BLOCK_M]) @ w_base[cols].T in fp32 [BLOCK_M, BLOCK_N]; GATED: w_base holds gate rows then up
         rows (N each), and the tile is SiLU(gate) * up. Rows not row_ok are zeros. The rows' inverse RMS scales the
         products after the loop ((x * r * scale) @ w.T = r * ((x * scale) @ w.T)), so summing `squares` (loaded by
         the caller, across warps) does not hold the weights' loads back."""
@@ -57,7 +57,7 @@ if triton is not None:
             k_ok = kk < K
             x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            if NORM and not PRESCALED:
+            if NORM:
                 scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * scale[None, :]).to(w_base.dtype.element_ty)
             w = tl.load(w_base + cols[:, None] * w_row_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
@@ -105,8 +105,8 @@ if triton is not None:
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
             acc = expert_tile(x_ptr, x_stride, rows, pair_ok, w_ptr + expert * w_expert_stride, w_row_stride, cols,
-                              col_ok, N, tl.zeros([1, BLOCK_M], dtype=tl.float32), 0.0, x_ptr, K, False, False,
-                              GATED, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, PRECISION)
+                              col_ok, N, tl.zeros([1, BLOCK_M], dtype=tl.float32), 0.0, x_ptr, K, False, GATED,
+                              BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, PRECISION)
             tl.store(out_ptr + pairs[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=pair_ok[:, None] & col_ok[None, :])
 

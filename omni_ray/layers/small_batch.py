@@ -6,20 +6,20 @@ softmax over the keys, SwiGLU, residuals): about 1,500 kernels of 2-8 us per fra
 
 1. input RMSNorm + the fused q/k/v projection;
 2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys, one program per (row, query
-   head);
+   head) up to 16 rows, else per (row, KV head);
 3. the output projection + the residual;
 4. post-attention RMSNorm + the fused gate/up projection + SiLU(gate) * up;
 5. the down projection + the residual.
 
 Every GEMM holds up to 32 rows in one tile and splits the output columns over programs, so each weight is read once
 per pass (per 32 rows); the narrow, deep ones also split their depth, the last program of a column block to finish
-adding the others' partial sums in a fixed order. A norm-fused GEMM scales each row of its products by the row's
-inverse RMS at the end, so nothing holds the weights' loads back, and it takes its input already multiplied by the
-norm's scale: the GEMMs that add a residual (3, 5) write that beside their output, with each program's partial sums
-of its output's squares, which the next norm-fused GEMM (4, and 1 of the next layer) adds up after its loop (a
-pass's first layer scales its x tiles and sums their squares itself). Summed inside the GEMM's own loop instead, the
-projection took 10-14 us instead of 6-11 us on an H200. Sums run in fp32 and each kernel rounds once, where eager
-rounds after every op: outputs agree with the eager layer to bf16 rounding, not bit for bit.
+adding the others' partial sums in a fixed order. A norm-fused GEMM multiplies x times the norm's scale and scales
+each row of the products by its inverse RMS at the end, so nothing holds the weights' loads back: the GEMMs that add
+a residual (3, 5) leave each program's partial sums of its output's squares, which the next norm-fused GEMM (4, and 1
+of the next layer) adds up after its loop, instead of passing over the rows (as the first layer's q/k/v GEMM still
+does, after its loop). Summed inside the GEMM's own loop instead, the projection took 10-14 us instead of 6-11 us
+on an H200. Sums run in fp32 and each kernel rounds once, where eager rounds after every op: outputs agree with
+the eager layer to bf16 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -45,11 +45,9 @@ if triton is not None:
 
     @triton.jit
     def _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual, squares_out_ptr, M,
-                              N, scaled_out_ptr, out_norm_ptr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                              SQUARES_OUT: tl.constexpr, SCALED_OUT: tl.constexpr):
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES_OUT: tl.constexpr):
         """SiLU(gate) * up (GATED), + the residual tile, rounded into out; SQUARES_OUT: the partial sums of the
-        rounded block's squares, as the next norm would sum them, at row program_id(0) of [column blocks, M];
-        SCALED_OUT: also the rounded block times out_norm_ptr's scale, rounded, into scaled_out (laid out as out)."""
+        rounded block's squares, as the next norm would sum them, at row program_id(0) of [column blocks, M]."""
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if RESIDUAL:
@@ -60,27 +58,20 @@ if triton is not None:
             rounded = tl.where(out_mask, out.to(tl.float32), 0.0)
             tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1),
                      mask=rows < M)
-        if SCALED_OUT:
-            scale = tl.load(out_norm_ptr + cols, mask=cols < N, other=0.0)
-            scaled = (out.to(tl.float32) * scale.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
-            tl.store(scaled_out_ptr + rows[:, None] * out_stride + cols[None, :], scaled, mask=out_mask)
 
     @triton.jit
     def _rows_matmul_kernel(  # no annotations in jit functions: Triton reads them as its own types
         x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
-        squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr, scaled_out_ptr, out_norm_ptr,
-        K: tl.constexpr, NORM: tl.constexpr, PRESCALED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-        SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr, SCALED_OUT: tl.constexpr,
+        squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr,
+        K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """out[rows, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of rows and output columns.
         SQUARES_IN (a power of two >= squares_in_count, or 0): the RMSNorm reads each row's sum of squares as
         squares_in_count partial sums [count, M] instead of summing x's squares; SQUARES_OUT: the program writes the
-        partial sums of its output block's squares as row pid of [programs, M]. PRESCALED (with NORM and
-        SQUARES_IN): x already holds the rows times the norm's scale, so its tiles go to the products as they are
-        loaded; SCALED_OUT: the epilogue also writes its output times out_norm_ptr's scale (the next norm's) into
-        scaled_out_ptr, for a PRESCALED GEMM after it. SPLIT_K > 1: program_id(2) takes
+        partial sums of its output block's squares as row pid of [programs, M]. SPLIT_K > 1: program_id(2) takes
         one of SPLIT_K stretches of the depth and stores its fp32 sums in partial_ptr [SPLIT_K, 1 or 2, M, N]; the
         block's last program to arrive (counted in arrivals_ptr, one int32 per block, left at zero) adds the
         stretches up in their order (the same sums whichever arrives last) and runs the epilogue. (K is a constant:
@@ -112,7 +103,7 @@ if triton is not None:
             kk = k_start + k0 + ks
             k_ok = (kk < K) & (k0 + ks < STRETCH)
             x = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM and not PRESCALED:
+            if NORM:
                 scale = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
                 x = x.to(tl.float32) * scale[None, :]
             x = x.to(w_ptr.dtype.element_ty)
@@ -142,7 +133,7 @@ if triton is not None:
                 acc_up *= inverse_rms[:, None]
         if SPLIT_K == 1:
             _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual, squares_out_ptr,
-                                  M, N, scaled_out_ptr, out_norm_ptr, GATED, RESIDUAL, SQUARES_OUT, SCALED_OUT)
+                                  M, GATED, RESIDUAL, SQUARES_OUT)
         else:
             PARTS: tl.constexpr = 2 if GATED else 1
             block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -162,8 +153,7 @@ if triton is not None:
                         acc_up += tl.load(partial_ptr + (split * PARTS + 1) * M * N + at, mask=out_mask, other=0.0,
                                           cache_modifier=".cg")
                 _rows_matmul_epilogue(acc, acc_up, rows, cols, out_mask, out_ptr, out_stride, residual,
-                                      squares_out_ptr, M, N, scaled_out_ptr, out_norm_ptr, GATED, RESIDUAL, SQUARES_OUT,
-                                      SCALED_OUT)
+                                      squares_out_ptr, M, GATED, RESIDUAL, SQUARES_OUT)
                 tl.atomic_xchg(arrivals_ptr + block, 0)  # zero again for the next launch
 
     @triton.jit
@@ -250,12 +240,10 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     streamed from memory (`benchmarks/small_batch_bench.py`, session 13): narrow column blocks, so that even a
     1,024-wide projection spreads over 64 programs; a narrow and deep one (the code predictor's o and down
     projections) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of 8.8
-    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head); with the weights'
-    loads issued first (session 25) four pipeline stages beat three for them (q/k/v 6.7 -> 6.1 us at 32 rows, gate/up
-    6.9 -> 6.6 at 1 row)."""
+    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head)."""
     if n <= 1024 and k >= 2048:
         return 16, 128, 3, 4, 4
-    return (16 if n <= 2048 else 32), 256, 4, 4, 1
+    return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -276,41 +264,34 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
 def rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: MatmulConfig | None = None,
-    squares: torch.Tensor | None = None, prescaled: bool = False,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight.T, weight [N, K] (or [2N, K], gate rows then up rows, with `gated`) → [M, N] in x's dtype.
     `norm_weight`: RMSNorm x first (that scale, `eps`), reading each row's sum of squares from `squares` (partial
-    sums [P, M], as `rows_matmul_keeping_squares` leaves them) when given; `prescaled` (with both): x already holds
-    the rows times `norm_weight`, as `rows_matmul_keeping_squares(..., next_norm=norm_weight)` leaves them (the
-    kernel then multiplies x's tiles as they arrive, with no elementwise pass over each); `gated`: SiLU(gate) * up; `residual` [M, N]: added to the result; `config`: another
-    launch than `matmul_config`'s. One kernel."""
-    assert not prescaled or (norm_weight is not None and squares is not None)
-    return _rows_matmul(x, weight, norm_weight, eps, gated, residual, config, squares, prescaled, False, None)[0]
+    sums [P, M], as `rows_matmul_keeping_squares` leaves them) when given; `gated`: SiLU(gate) * up; `residual`
+    [M, N]: added to the result; `config`: another launch than `matmul_config`'s. One kernel."""
+    return _rows_matmul(x, weight, norm_weight, eps, gated, residual, config, squares, keep_squares=False)[0]
 
 
 def rows_matmul_keeping_squares(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: MatmulConfig | None = None,
-    next_norm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`rows_matmul` with a residual, also returning the partial sums of its output rows' squares [P, M] (one row
     per program: no atomics, so the sums are the same in every run), which the next norm-fused GEMM reads instead of
-    a pass over the rows, and with `next_norm` (that norm's scale) the output times it, rounded (else None), for a
-    `prescaled` GEMM after it."""
-    out, squares, scaled = _rows_matmul(x, weight, None, 0.0, False, residual, config, None, False, True, next_norm)
+    a pass over the rows."""
+    out, squares = _rows_matmul(x, weight, None, 0.0, False, residual, config, None, keep_squares=True)
     assert squares is not None
-    return out, squares, scaled
+    return out, squares
 
 
 def _rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gated: bool,
-    residual: torch.Tensor | None, config: MatmulConfig | None, squares: torch.Tensor | None, prescaled: bool,
-    keep_squares: bool, next_norm: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    residual: torch.Tensor | None, config: MatmulConfig | None, squares: torch.Tensor | None, keep_squares: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    scaled = torch.empty_like(out) if next_norm is not None else None
     block_n, block_k, stages, warps, split = config or matmul_config(n, k)
     block_m = min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
@@ -329,28 +310,29 @@ def _rows_matmul(
             res, res.stride(0),
             norm_weight if norm_weight is not None else weight, eps, rows, n,
             squares if squares is not None else out, 0 if squares is None else squares.shape[0],
-            kept if kept is not None else out, partial, arrivals, scaled if scaled is not None else out,
-            next_norm if next_norm is not None else weight,
-            K=k, NORM=norm_weight is not None, PRESCALED=prescaled, GATED=gated, RESIDUAL=residual is not None,
+            kept if kept is not None else out, partial, arrivals,
+            K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
-            SCALED_OUT=next_norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-            FP32_DOT=interpreting(), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps,
-            num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, FP32_DOT=interpreting(),
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
-    return out, kept, scaled
+    return out, kept
 
 
 def small_attention(
     qkv: torch.Tensor, attn: "torch.nn.Module", cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, rows: int, warps: int = 2,
-    query_heads: int = 1,
+    query_heads: int | None = None,
 ) -> torch.Tensor:
     """`Attention.forward` after its q/k/v projection, for `rows` rows of `batch.num_tokens` tokens: qkv [rows*T,
     (H + 2G) * D] → attention output [rows*T, H * D], the new keys and values written into `kv_cache`. One kernel
     (`warps`: its launch's num_warps; two were the fastest of 1-8 at 1-64 rows on an H200), one program per row and
-    `query_heads` query heads: a program's work is one chain of dependent steps (about 1,700 instructions a warp for
-    two query heads at one row, 7.3 us, on an H200 under Nsight Compute), so fewer heads per program shorten it."""
+    `query_heads` query heads (default: one up to 16 rows, else a KV head's all). A program's work is one chain of
+    dependent steps (about 1,700 instructions a warp with two query heads at one row on an H200, under Nsight
+    Compute), so fewer heads a program shorten it: the code predictor's attention with one a program took 4.4 / 4.8
+    / 5.9 us at 1 / 8 / 32 rows where two took 5.4 / 5.3 / 5.8 (session 25)."""
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    query_heads = query_heads or (1 if rows <= 16 else heads // kv_heads)
     assert (heads // kv_heads) % query_heads == 0
     k_cache, v_cache = kv_cache
     tokens = batch.num_tokens
@@ -388,24 +370,18 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
-    scaled: torch.Tensor | None = None, next_norm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` for a dense layer in five kernels (see the module's docstring). x [B, T, h]; `squares`:
-    the partial sums of x's rows' squares when the previous layer's kernels left them, and `scaled`: x's rows times
-    this layer's input norm scale, when they left that too. Returns the layer's output, the same sums of it, and
-    with `next_norm` (the scale of the norm after the layer) the output times it [B*T, h] (else None)."""
+    the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the layer's output and
+    the same sums of it, for the next layer's input norm."""
     rows, tokens, width = x.shape
     attn, mlp = layer.self_attn, layer.mlp
     flat = x.reshape(rows * tokens, width)
     norm = layer.input_layernorm
-    if scaled is not None:
-        qkv = rows_matmul(scaled, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares, prescaled=True)
-    else:
-        qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
+    qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
     attended = small_attention(qkv, attn, cos, sin, kv_cache, batch, rows)
+    flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
     norm = layer.post_attention_layernorm
-    flat, squares, scaled = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat, next_norm=norm.weight)
-    hidden = rows_matmul(scaled, mlp.gate_up, norm.weight, norm.variance_epsilon, gated=True, squares=squares,
-                         prescaled=True)
-    flat, squares, scaled = rows_matmul_keeping_squares(hidden, mlp.down_proj.weight, flat, next_norm=next_norm)
-    return flat.reshape(rows, tokens, width), squares, scaled
+    hidden = rows_matmul(flat, mlp.gate_up, norm.weight, norm.variance_epsilon, gated=True, squares=squares)
+    flat, squares = rows_matmul_keeping_squares(hidden, mlp.down_proj.weight, flat)
+    return flat.reshape(rows, tokens, width), squares

@@ -9,8 +9,7 @@ GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is ei
 2. q/k per-head RMSNorm + rotary + the KV-cache write + attention over the slot's keys in blocks (online softmax),
    a few programs per (row, KV head) when rows are few (the key blocks dealt out among them, the last to finish
    merging their partial results), its query heads as the rows of one tile;
-3. the output projection + the residual, leaving the partial sums of its rows' squares and its rows times the
-   post-attention norm's scale (which 4 and 6 take as their input, applying each row's inverse RMS after their loops);
+3. the output projection + the residual, leaving the partial sums of its rows' squares;
 4. post-attention RMSNorm + the router's GEMM (and the shared expert's gate column, when folded);
 5. routing: softmax, top-k, renormalisation, the shared expert's sigmoid gate, and the list of picked experts, in one
    program;
@@ -227,7 +226,7 @@ if triton is not None:
         x_ptr, x_stride, squares_ptr, squares_count, norm_ptr, eps, picks_ptr, hit_list_ptr, hits_ptr,
         w_ptr, w_expert_stride, w_row_stride, out_ptr, out_stride, M, N,
         K: tl.constexpr, WIDTH: tl.constexpr, PICKS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-        PRESCALED: tl.constexpr, SQUARES_IN: tl.constexpr, PER_PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SQUARES_IN: tl.constexpr, PER_PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """For the program_id(0)-th picked expert e (hit_list) and its column block: the rows of the tokens that
@@ -254,8 +253,8 @@ if triton is not None:
             rows = pair if PER_PICK else tokens
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = expert_tile(x_ptr, x_stride, rows, mine, w_ptr + expert * w_expert_stride, w_row_stride, cols,
-                              cols < N, N, squares, eps, norm_ptr, K, NORM, PRESCALED, GATED, BLOCK_M, BLOCK_N,
-                              BLOCK_K, FP32_DOT, PRECISION)
+                              cols < N, N, squares, eps, norm_ptr, K, NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+                              FP32_DOT, PRECISION)
             tl.store(out_ptr + pair[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mine[:, None] & (cols < N)[None, :])
 
@@ -388,12 +387,11 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
 def picked_expert_matmul(
     x: torch.Tensor, weight: torch.Tensor, picks: torch.Tensor, hit_list: torch.Tensor, hits: torch.Tensor,
     gated: bool, per_pick: bool, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    squares: torch.Tensor | None = None, config: ExpertMatmulConfig | None = None, prescaled: bool = False,
+    squares: torch.Tensor | None = None, config: ExpertMatmulConfig | None = None,
 ) -> torch.Tensor:
     """Each picked expert's GEMM over its tokens' rows: x [M, K] (or [M * width, K] with `per_pick`: one row per
     pick) @ weight[e].T, weight [E, N, K] (or [E, 2N, K], `gated`: SiLU(gate) * up) → [M * width, N], row
-    token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first (`prescaled`: x
-    already holds the rows times `norm_weight`, as `rows_matmul_keeping_squares` leaves them). One kernel; the
+    token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
     grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps (default:
     `picked_expert_config`)."""
     tokens, width = picks.shape
@@ -408,7 +406,7 @@ def picked_expert_matmul(
             norm_weight if norm_weight is not None else x, eps, picks, hit_list, hits,
             weight, weight.stride(0), weight.stride(1), out, out.stride(0), tokens, n,
             K=depth, WIDTH=width, PICKS=triton.next_power_of_2(width), GATED=gated, NORM=norm_weight is not None,
-            PRESCALED=prescaled,            SQUARES_IN=1 if squares is None else triton.next_power_of_2(squares.shape[0]), PER_PICK=per_pick,
+            SQUARES_IN=1 if squares is None else triton.next_power_of_2(squares.shape[0]), PER_PICK=per_pick,
             BLOCK_M=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
             FP32_DOT=interpreting(), PRECISION=_precision(weight), num_warps=warps, num_stages=stages,
         )
@@ -462,16 +460,16 @@ def decoder_layer(
     norm = layer.input_layernorm
     qkv = rows_matmul(flat, attn.qkv, norm.weight, norm.variance_epsilon, squares=squares)
     attended = decode_attention(qkv, attn, cos, sin, kv_cache, batch, arrivals)
+    flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
     norm = layer.post_attention_layernorm
-    flat, squares, scaled = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat, next_norm=norm.weight)
     router = moe.router_and_shared_gate if moe.router_and_shared_gate is not None else moe.gate.weight
-    logits = rows_matmul(scaled, router, norm.weight, norm.variance_epsilon, squares=squares, prescaled=True)
+    logits = rows_matmul(flat, router, norm.weight, norm.variance_epsilon, squares=squares)
     num_experts = moe.gate.weight.shape[0]
     picks, weights, hit_list, hits = route(logits, moe.gate.top_k, moe.gate.norm_topk_prob, num_experts,
                                            moe.shared_parts)
     gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
-    hidden = picked_expert_matmul(scaled, gate_up, picks, hit_list, hits, gated=True, per_pick=False,
-                                  norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares, prescaled=True)
+    hidden = picked_expert_matmul(flat, gate_up, picks, hit_list, hits, gated=True, per_pick=False,
+                                  norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
     y = picked_expert_matmul(hidden, down, picks, hit_list, hits, gated=False, per_pick=True)
     out, squares = combine(y, weights, flat)
     return out.reshape(rows, 1, width), squares

@@ -13,12 +13,13 @@ read theirs).
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from benchmarks.draw_bench import replay_ms
+from benchmarks.moe_layer_bench import table
+from benchmarks.small_batch_bench import WEIGHT_BYTES_IN_FLIGHT
 from omni_ray.bench import run_meta, write_results
 from omni_ray.layers import small_batch
 
@@ -34,7 +35,6 @@ SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down
 LAUNCHES = [(4, 256, 2), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
             (4, 1024, 4)]  # BLOCK_N, BLOCK_K, num_warps
 MAX_ROWS = 8
-WEIGHT_BYTES_IN_FLIGHT = 256 * 2**20
 
 
 if triton is not None:
@@ -68,7 +68,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, warp
     n = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == depth and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
+    with small_batch._on_device(x):
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0), rows, n,
             K=depth, ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
@@ -110,14 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     found = [row for name, (n, k) in SHAPES.items() for row in shape_rows(name, n, k, rows)]
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.gemv_probe", argv, gpu=gpu)
-    names = ["rows_matmul"] + [f"{n} x {k}, {w} warps" for n, k, w in LAUNCHES]
-    lines = [f"# The code predictor's GEMMs as plain products at few rows: `rows_matmul` (tensor-core tiles) against a "
-             f"GEMV form per launch [BLOCK_N x BLOCK_K, warps], µs per call from a CUDA graph (floor: the weight's "
-             f"bytes at 4.3 TB/s): {gpu}, {meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
-             "| GEMM | rows | floor | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
-    for row in found:
-        cells = " | ".join("–" if row[n] is None else f"{row[n]:.1f}" for n in names)
-        lines.append(f"| {row['gemm']} | {row['rows']} | {row['floor']:.1f} | {cells} |")
+    lines = [f"# The code predictor's GEMMs as plain products at few rows: {gpu}, {meta['date']}, commit "
+             f"{meta['commit']}", f"# command: {meta['command']}"]
+    lines += table("`rows_matmul` (tensor-core tiles) against a GEMV form per launch [BLOCK_N x BLOCK_K, warps], µs "
+                   "per call from a CUDA graph (floor: the weight's bytes at 4.3 TB/s)", found)
     write_results(args.out, "gemv_probe", {"meta": meta, "rows": found}, "\n".join(lines) + "\n")
     return 0
 

@@ -162,7 +162,7 @@ def shape_rows(name: str, n: int, k: int, rows: list[int]) -> list[dict[str, Any
             timed_launch(row, f"GEMV {block_n} x {block_k}, {warps} warps",
                          lambda x_, w_: gemv(x_, w_, block_n, block_k, warps), weights, x, expected)
         for block_n, block_k, stages, split in SWAPPED_LAUNCHES:
-            if split > 1 and n > 2048:  # the wide ones have programs enough
+            if split > 2 and n > 2048:  # the wide ones have programs enough
                 continue
             timed_launch(row, f"swapped {block_n} x {block_k}, {stages} stages, split {split}",
                          lambda x_, w_: swapped(x_, w_, block_n, block_k, stages, split), weights, x, expected)

@@ -9,7 +9,8 @@
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
 # moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the
 # whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
-# SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs at 1-8 rows as plain FMA products against rows_matmul),
+# SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
+# tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
 # persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
@@ -81,7 +82,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
       persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
-      gemv) run_step gemv python -m benchmarks.gemv_probe --out "$OUT/results/gemv" ;;
+      # shellcheck disable=SC2086
+      gemv) run_step "$tag" python -m benchmarks.gemv_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       ncu) # hardware counters of the served decode kernels (benchmarks/kernel_counters.py), each launch measured alone
            # with caches flushed; Nsight Compute leaves the clocks alone (METHOD.md), and its report comes back too
            mkdir -p "$OUT/results/$tag"

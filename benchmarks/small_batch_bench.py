@@ -21,12 +21,11 @@ from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.moe import Experts
 
-Launch = small_batch.MatmulConfig
-CONFIGS: list[small_batch.MatmulConfig] = [  # the fastest of session 25's sweep, then swapped products (wgmma)
-    Launch(16, 256, 3, 4, 1), Launch(32, 256, 3, 4, 1), Launch(16, 128, 3, 4, 4), Launch(32, 128, 3, 4, 4),
-    Launch(16, 256, 4, 4, 1), Launch(32, 256, 4, 4, 1), Launch(64, 128, 3, 4, 1, True), Launch(64, 256, 3, 4, 1, True),
-    Launch(128, 128, 3, 4, 1, True), Launch(64, 128, 4, 4, 1, True), Launch(64, 128, 3, 4, 2, True),
-    Launch(64, 128, 3, 4, 4, True), Launch(64, 64, 4, 4, 4, True),
+CONFIGS: list[small_batch.MatmulConfig] = [
+    (16, 256, 3, 4, 1), (32, 256, 3, 4, 1), (16, 128, 4, 4, 1), (16, 256, 2, 4, 2), (32, 256, 2, 4, 2),
+    (16, 256, 2, 4, 4), (16, 128, 3, 4, 4), (32, 128, 3, 4, 4), (16, 128, 2, 4, 8), (16, 256, 3, 8, 4),
+    (16, 256, 3, 8, 1), (32, 256, 3, 8, 1), (16, 256, 4, 4, 1), (32, 256, 4, 4, 1), (16, 512, 2, 4, 1),
+    (32, 512, 2, 8, 1), (16, 128, 3, 8, 4), (16, 256, 2, 8, 2),
 ]
 WEIGHT_BYTES_IN_FLIGHT = 256 * 2**20  # each GEMM cycles through copies of its weight: more than L2 (50 MB) holds
 

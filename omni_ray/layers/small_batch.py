@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from typing import NamedTuple
 
 import torch
 
@@ -67,7 +66,7 @@ if triton is not None:
         K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        SWAPPED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """out[rows, cols] = epilogue(prologue(x) @ w[cols].T) for this program's block of rows and output columns.
         SQUARES_IN (a power of two >= squares_in_count, or 0): the RMSNorm reads each row's sum of squares as
@@ -76,9 +75,7 @@ if triton is not None:
         one of SPLIT_K stretches of the depth and stores its fp32 sums in partial_ptr [SPLIT_K, 1 or 2, M, N]; the
         block's last program to arrive (counted in arrivals_ptr, one int32 per block, left at zero) adds the
         stretches up in their order (the same sums whichever arrives last) and runs the epilogue. (K is a constant:
-        a loop bound that is an argument fails under the interpreter with NumPy 2. SWAPPED: the products run as
-        w @ x.T, the weight's columns as the MMA's M (64 or more: Hopper's warpgroup MMA) and the rows as its N, and
-        are transposed back after the loop. FP32_DOT: the tiles are
+        a loop bound that is an argument fails under the interpreter with NumPy 2. FP32_DOT: the tiles are
         multiplied as fp32, exact for half-precision values, for the interpreter, which multiplies bf16 tiles' raw
         bits. PRECISION: "ieee" for fp32 weights, which tensor cores would otherwise take as tf32.)"""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,12 +95,8 @@ if triton is not None:
             parts = tl.arange(0, SQUARES_IN)
             partial = tl.load(squares_in_ptr + parts[:, None] * M + rows[None, :],
                               mask=(parts < squares_in_count)[:, None] & row_ok[None, :], other=0.0)
-        if SWAPPED:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         STRETCH: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K  # depth per program
         k_start = tl.program_id(2) * STRETCH
         for k0 in range(0, STRETCH, BLOCK_K):
@@ -117,22 +110,13 @@ if triton is not None:
             w = tl.load(w_ptr + cols[:, None] * w_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if FP32_DOT:
                 x, w = x.to(tl.float32), w.to(tl.float32)
-            if SWAPPED:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if GATED:  # the up rows sit N rows below the gate rows
                 up = tl.load(w_ptr + (cols + N)[:, None] * w_stride + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
                              other=0.0)
                 if FP32_DOT:
                     up = up.to(tl.float32)
-                if SWAPPED:
-                    acc_up = tl.dot(up, tl.trans(x), acc_up, input_precision=PRECISION)
-                else:
-                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-        if SWAPPED:  # back to [rows, columns]
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
+                acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
         if NORM:  # RMSNorm of each row: (x * r * scale) @ w.T = r * ((x * scale) @ w.T), r its inverse RMS
             if SQUARES_IN > 0:
                 squares = tl.sum(partial, axis=0)
@@ -248,17 +232,7 @@ def _on_device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
     return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
 
 
-class MatmulConfig(NamedTuple):
-    """A launch of `rows_matmul`: column block, depth block, pipeline stages, warps, depth split, and whether the
-    products run swapped (w @ x.T: the weight's columns as the MMA's M, for Hopper's warpgroup MMA; block_n >= 64)."""
-
-    block_n: int
-    block_k: int
-    stages: int
-    warps: int
-    split: int
-    swapped: bool = False
-
+MatmulConfig = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT_K
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
@@ -268,8 +242,8 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     projections) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of 8.8
     for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head)."""
     if n <= 1024 and k >= 2048:
-        return MatmulConfig(16, 128, 3, 4, 4)
-    return MatmulConfig(16 if n <= 2048 else 32, 256, 3, 4, 1)
+        return 16, 128, 3, 4, 4
+    return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -318,7 +292,7 @@ def _rows_matmul(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps, split, swapped = MatmulConfig(*config) if config else matmul_config(n, k)
+    block_n, block_k, stages, warps, split = config or matmul_config(n, k)
     block_m = min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
     kept = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if keep_squares else None
@@ -339,7 +313,7 @@ def _rows_matmul(
             kept if kept is not None else out, partial, arrivals,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAPPED=swapped, FP32_DOT=interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, FP32_DOT=interpreting(),
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out, kept

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,12 +25,30 @@ class StageResources(_Strict):
     )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    mps_active_thread_percentage: int | None = Field(
+        default=None, ge=1, le=100,
+        description="under the CUDA MPS daemon (stages sharing a GPU): the share of the GPU's SMs this stage's "
+        "kernels may occupy at once (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its replica processes), so that one "
+        "stage's wide kernels leave SMs free for another's; unset: all of them",
+    )
 
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "StageResources":
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ValueError("a cuda device needs num_gpus > 0")
+        if self.mps_active_thread_percentage is not None and not self.device.startswith("cuda"):
+            raise ValueError("mps_active_thread_percentage needs a cuda device")
         return self
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray actor options for a replica of the stage: CPUs, GPUs, custom resources, and its MPS share."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.custom_resources:
+            options["resources"] = self.custom_resources
+        if self.mps_active_thread_percentage is not None:  # read when the process creates its CUDA context
+            options["runtime_env"] = {"env_vars": {
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(self.mps_active_thread_percentage)}}
+        return options
 
 
 GIL_SWITCH_DESCRIPTION = (

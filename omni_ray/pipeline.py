@@ -21,9 +21,7 @@ STAGE_CLASSES = {"encoder": EncoderStage, "thinker": ThinkerStage, "talker": Tal
 
 
 def _actor(cls: type, stage: StageConfig) -> Any:
-    res = stage.resources
-    return ray.remote(cls).options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom_resources or None,
-                                   max_concurrency=1000)
+    return ray.remote(cls).options(**stage.resources.actor_options(), max_concurrency=1000)
 
 
 class Pipeline:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import EngineSettings, PipelineConfig
-from omni_ray.serve.app import STAGE_CLASSES, app_from_serve_config
+from omni_ray.serve.app import STAGE_CLASSES, app_from_serve_config, stage_deployment_options
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -65,6 +65,8 @@ def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:
         {"stages": {"thinker": {"engine": {"lanes": 2}}}},  # lanes are the Talker's
         # inductor's autotuning crashed the Talker's grouped MoE GEMM on an H200: the option is gone
         {"stages": {"thinker": {"engine": {"compile_mode": "max-autotune-no-cudagraphs"}}}},
+        {"stages": {"thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_active_thread_percentage": 0}}}},
+        {"stages": {"thinker": {"resources": {"mps_active_thread_percentage": 50}}}},  # a CPU stage has no SMs
     ],
 )
 def test_invalid_layouts_are_rejected(data: dict) -> None:
@@ -77,3 +79,15 @@ def test_steps_launch_ahead_on_cuda_devices_unless_set() -> None:
     assert unset.launches_ahead("cuda") and unset.launches_ahead("cuda:1") and not unset.launches_ahead("cpu")
     assert not EngineSettings(launch_ahead=False).launches_ahead("cuda")
     assert EngineSettings(launch_ahead=True).launches_ahead("cpu")  # as the CPU parity test runs it
+
+
+def test_a_stages_mps_share_reaches_its_replica_processes_environment() -> None:
+    """`mps_active_thread_percentage` becomes CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the runtime environment of the
+    stage's Serve replicas; other stages' replicas get no runtime environment of their own."""
+    config = PipelineConfig.model_validate({"stages": {
+        "thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_active_thread_percentage": 60}},
+        "talker": {"resources": {"device": "cuda", "num_gpus": 0.15}}}})
+    thinker = stage_deployment_options("thinker", config.stages.thinker)["ray_actor_options"]
+    assert thinker == {"num_cpus": config.stages.thinker.resources.num_cpus, "num_gpus": 0.7,
+                       "runtime_env": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}}}
+    assert "runtime_env" not in stage_deployment_options("talker", config.stages.talker)["ray_actor_options"]

@@ -21,13 +21,11 @@ DEFAULT_MODEL_NAME = "qwen3-omni"
 def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
     """Defaults for a stage deployment, derived from the pipeline config; the Serve YAML's `deployments:`
     entries override any of them (replicas, autoscaling, queue limits)."""
-    res = stage.resources
     engine = getattr(stage, "engine", None)
     concurrent = engine.max_batch if engine is not None else 16
     return {
         "name": name,
-        "ray_actor_options": {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
-                              **({"resources": res.custom_resources} if res.custom_resources else {})},
+        "ray_actor_options": stage.resources.actor_options(),
         "max_ongoing_requests": 2 * concurrent,  # each request holds one stream; the engine queues the rest
         "max_queued_requests": 4 * concurrent,
         "num_replicas": 1,  # a YAML `autoscaling_config` (e.g. with LOAD_POLICY) replaces this

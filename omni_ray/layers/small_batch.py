@@ -240,12 +240,10 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     streamed from memory (`benchmarks/small_batch_bench.py`, session 13): narrow column blocks, so that even a
     1,024-wide projection spreads over 64 programs; a narrow and deep one (the code predictor's o and down
     projections) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of 8.8
-    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head); they keep four depth
-    blocks in flight, not three (sessions 25 and 26, two machines: as fast or faster, q/k/v from partial squares
-    6.1 instead of 6.7 us at 32 rows)."""
+    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head)."""
     if n <= 1024 and k >= 2048:
         return 16, 128, 3, 4, 4
-    return (16 if n <= 2048 else 32), 256, 4, 4, 1
+    return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -19,7 +19,8 @@
 # sampled by py-spy for 5 + 5 s of c=32: SPY_STAGE, default thinker; py-spy from .whl/py-spy.gz), baseline (transformers' generate()), divergence (where the
 # Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
 # log).
-# Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file), E2E_SET (extra
+# Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file: set it where the repository
+# is, since a copied work tree may carry a stale .git; unset, files name git's HEAD, with +changes if the tree differs), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG

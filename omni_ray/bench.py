@@ -34,10 +34,20 @@ GREEDY_TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 SERVED_THINKER = SamplingParams(temperature=0.7)  # what the load tests ask for (request i: seed i)
 
 
-def source_commit() -> str:
-    """The commit of the code that ran: $OMNI_RAY_COMMIT when set (a copied work tree may carry a stale .git)."""
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return os.environ.get("OMNI_RAY_COMMIT") or found or "unknown"
+def source_commit(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """The commit of the code that ran: $OMNI_RAY_COMMIT when set, else the HEAD of `root`'s git repository, marked
+    `+changes` when tracked files differ from it. (A work tree copied to another machine may carry a stale .git, whose
+    HEAD then names an older commit: on the GPU machine pass the commit in $OMNI_RAY_COMMIT.)"""
+    if os.environ.get("OMNI_RAY_COMMIT"):
+        return os.environ["OMNI_RAY_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    found = git("rev-parse", "--short", "HEAD")
+    if not found:
+        return "unknown"
+    return f"{found}+changes" if git("status", "--porcelain", "--untracked-files=no") else found
 
 
 def benchmark_prompt_ids(config: Any, length: int, variant: int = 0) -> list[int]:

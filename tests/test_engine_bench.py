@@ -61,3 +61,29 @@ def test_the_launch_clock_counts_syncs_and_says_where_they_were_asked_for(monkey
     assert (clock.launches, clock.syncs) == (2, 2)
     [(site, count)] = clock.sync_sites.items()
     assert count == 2 and site.startswith(__file__)  # no omni_ray frame asked for it: the warning's own place
+
+
+def test_results_name_the_commit_and_mark_a_work_tree_that_differs_from_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results files record $OMNI_RAY_COMMIT when set, else the repository's HEAD, with `+changes` when tracked files
+    differ from it: a work tree copied beside a stale .git does not pass for the older commit."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    monkeypatch.delenv("OMNI_RAY_COMMIT", raising=False)
+    assert bench.source_commit(tmp_path) == "unknown"  # no repository
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("three stages\n")
+    git("add", "kernel.py")
+    git("commit", "-q", "-m", "first")
+    head = git("rev-parse", "--short", "HEAD")
+    assert bench.source_commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert bench.source_commit(tmp_path) == head
+    (tmp_path / "kernel.py").write_text("four stages\n")
+    assert bench.source_commit(tmp_path) == f"{head}+changes"
+    monkeypatch.setenv("OMNI_RAY_COMMIT", "abc1234")
+    assert bench.source_commit(tmp_path) == "abc1234"

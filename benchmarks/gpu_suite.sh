@@ -6,7 +6,8 @@
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
 # prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
-# eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs),
+# eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs; with
+# --gemm-stages thinker,talker the GEMM configs of those stages' attention projections and routers),
 # moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the
 # whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
 # SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped

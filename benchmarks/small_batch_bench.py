@@ -19,29 +19,60 @@ from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers import moe_kernels, small_batch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.layers.moe import Experts
+from omni_ray.layers.moe import ROUTER_ROWS_MULTIPLE, Experts
+from omni_ray.layers.small_batch_moe import COMBINE_BLOCK_N
 
 CONFIGS: list[small_batch.MatmulConfig] = [
     (16, 256, 3, 4, 1), (32, 256, 3, 4, 1), (16, 128, 4, 4, 1), (16, 256, 2, 4, 2), (32, 256, 2, 4, 2),
     (16, 256, 2, 4, 4), (16, 128, 3, 4, 4), (32, 128, 3, 4, 4), (16, 128, 2, 4, 8), (16, 256, 3, 8, 4),
     (16, 256, 3, 8, 1), (32, 256, 3, 8, 1), (16, 256, 4, 4, 1), (32, 256, 4, 4, 1), (16, 512, 2, 4, 1),
-    (32, 512, 2, 8, 1), (16, 128, 3, 8, 4), (16, 256, 2, 8, 2),
+    (32, 512, 2, 8, 1), (16, 128, 3, 8, 4), (16, 256, 2, 8, 2), (16, 256, 3, 4, 2), (32, 256, 3, 4, 2),
+    (16, 128, 3, 4, 2), (32, 128, 3, 4, 2), (64, 256, 3, 4, 1), (64, 128, 3, 4, 2), (32, 128, 3, 4, 8),
 ]
 WEIGHT_BYTES_IN_FLIGHT = 256 * 2**20  # each GEMM cycles through copies of its weight: more than L2 (50 MB) holds
 
 
-def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
-    """Each projection of a layer (its prologue and epilogue as served) at each row count: cuBLAS `F.linear`
-    without them, and `rows_matmul` under each config (us per call). One graph replays a call per copy of the
-    weight, one after the other, as a pass runs its layers: every call streams its weight from memory, not from
-    L2, and the time between kernels is counted as it is in a pass."""
-    shapes = {"qkv (norm, own pass)": (4096, width, "norm"), "qkv (norm, partial squares)": (4096, width, "norm-squares"),
-              "o (residual, keeping squares)": (width, 2048, "residual"),
-              "gate_up (norm, partial squares, SiLU*up)": (inner, width, "gated"),
-              "down (residual, keeping squares)": (width, inner, "residual"),
-              "code head (final norm, own pass)": (2048, width, "norm")}
+GemmShape = tuple[int, int, str, int]  # output width, depth, prologue/epilogue kind, partial sums of squares read
+
+
+def gemm_shapes(config: Any, stages: list[str]) -> dict[str, GemmShape]:
+    """The served `rows_matmul` GEMMs of each stage's decode step, full size: the code predictor's five, and the
+    Thinker's and the Talker's attention projections and router (their experts are `moe_gemm_rows`'). A norm-fused
+    GEMM reads as many partial sums of squares as the kernel ahead of it leaves: 64-column blocks of the MoE
+    combine before q/k/v, the o projection's column blocks before the router. A shape swept once is not swept
+    again under another stage's name."""
+    shapes: dict[str, GemmShape] = {}
+    for stage in stages:
+        if stage == "code_predictor":
+            cfg = config.talker_config.code_predictor_config
+            width, inner = cfg.hidden_size, cfg.intermediate_size
+            shapes.update({"qkv (norm, own pass)": (4096, width, "norm", 0),
+                           "qkv (norm, partial squares)": (4096, width, "norm", width // 16),
+                           "o (residual, keeping squares)": (width, 2048, "residual", 0),
+                           "gate_up (norm, partial squares, SiLU*up)": (inner, width, "gated", width // 16),
+                           "down (residual, keeping squares)": (width, inner, "residual", 0),
+                           "code head (final norm, own pass)": (2048, width, "norm", 0)})
+            continue
+        text = (config.thinker_config if stage == "thinker" else config.talker_config).text_config
+        width, heads = text.hidden_size, text.num_attention_heads * text.head_dim
+        qkv = heads + 2 * text.num_key_value_heads * text.head_dim
+        o_blocks = -(-width // small_batch.matmul_config(width, heads)[0])
+        router = -(-(text.num_experts + (stage == "talker")) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE
+        for name, shape in {f"{stage} qkv (norm, partial squares)": (qkv, width, "norm", width // COMBINE_BLOCK_N),
+                            f"{stage} o (residual, keeping squares)": (width, heads, "residual", 0),
+                            f"{stage} router (norm, partial squares)": (router, width, "norm", o_blocks)}.items():
+            if not any(shape[:3] == seen[:3] for seen in shapes.values()):  # e.g. the Talker's o is the code
+                shapes[name] = shape                                          # predictor's when both are swept
+    return shapes
+
+
+def gemm_rows(shapes: dict[str, GemmShape], rows: list[int]) -> list[dict[str, Any]]:
+    """Each GEMM (its prologue and epilogue as served) at each row count: cuBLAS `F.linear` without them, and
+    `rows_matmul` under each config (us per call). One graph replays a call per copy of the weight, one after the
+    other, as a pass runs its layers: every call streams its weight from memory, not from L2, and the time between
+    kernels is counted as it is in a pass."""
     out = []
-    for name, (n, k, kind) in shapes.items():
+    for name, (n, k, kind, parts) in shapes.items():
         size = (2 * n if kind == "gated" else n, k)
         copies = max(2, WEIGHT_BYTES_IN_FLIGHT // (2 * size[0] * size[1]))
         weights = [torch.randn(size, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -49,18 +80,16 @@ def gemm_rows(width: int, inner: int, rows: list[int]) -> list[dict[str, Any]]:
         for count in rows:
             x = torch.randn(count, k, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(count, n, device="cuda", dtype=torch.bfloat16)
-            # the partial sums a residual GEMM leaves: one per 16 columns
-            squares = x.float().pow(2).reshape(count, k // 16, 16).sum(-1).T.contiguous()
+            squares = x.float().pow(2).reshape(count, parts, k // parts).sum(-1).T.contiguous() if parts else None
             row: dict[str, Any] = {"gemm": name, "rows": count, "default": list(small_batch.matmul_config(n, k)),
-                                   "weight copies": copies}
+                                   "weight copies": copies, "floor": 1e6 * 2 * size[0] * size[1] / 4.3e12}
             row["cuBLAS"] = 1000 * replay_ms(lambda: [F.linear(x, w) for w in weights][-1])[0] / copies
             for config in CONFIGS:
                 def call(weight: torch.Tensor, config: small_batch.MatmulConfig = config) -> torch.Tensor:
                     if kind == "residual":
                         return small_batch.rows_matmul_keeping_squares(x, weight, residual, config)[0]
-                    return small_batch.rows_matmul(
-                        x, weight, norm, gated=kind == "gated", config=config,
-                        squares=squares if kind in ("norm-squares", "gated") else None)
+                    return small_batch.rows_matmul(x, weight, norm, gated=kind == "gated", config=config,
+                                                   squares=squares)
                 try:
                     row[str(list(config))] = 1000 * replay_ms(lambda: [call(w) for w in weights][-1], 50)[0] / copies
                 except Exception as exc:  # e.g. more shared memory than the GPU has
@@ -214,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--sections", default="layers,stack,gemms,attention,moe",
                         help="which of layers, stack, gemms, attention, moe to measure")
+    parser.add_argument("--gemm-stages", default="code_predictor",
+                        help="whose GEMMs the gemms section sweeps: code_predictor, thinker, talker (comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
@@ -222,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     layers = layer_rows(cfg, rows) if "layers" in sections else []
     stack = stack_rows(cfg, rows) if "stack" in sections else []
-    gemms = gemm_rows(cfg.hidden_size, cfg.intermediate_size, rows) if "gemms" in sections else []
+    gemms = gemm_rows(gemm_shapes(config, args.gemm_stages.split(",")), rows) if "gemms" in sections else []
     attention = attention_rows(cfg, rows) if "attention" in sections else []
     moe, moe_gemms, moe_failure = [], [], None
     try:  # a failure of the MoE kernels is reported, not lost with the rest
@@ -250,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "## Each GEMM: cuBLAS alone, and `rows_matmul` with its prologue/epilogue per config "
               "[BLOCK_N, BLOCK_K, stages, warps, SPLIT_K], in a graph of calls on copies of the weight (from memory, "
               "not L2)", "",
-              "| GEMM | rows | default | cuBLAS | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
+              "| GEMM | rows | floor | default | cuBLAS | " + " | ".join(names) + " |",
+              "|---|---|---|---|---|" + "---|" * len(names)]
     for r in gemms:
         cells = " | ".join("–" if r[n] is None else f"{r[n]:.1f}" for n in names)
-        lines.append(f"| {r['gemm']} | {r['rows']} | {r['default']} | {r['cuBLAS']:.1f} | {cells} |")
+        lines.append(f"| {r['gemm']} | {r['rows']} | {r['floor']:.1f} | {r['default']} | {r['cuBLAS']:.1f} | {cells} |")
     lines += ["", "## One MoE block's experts (routing sort, both GEMMs, weighted sum), us per call", "",
               "| stage | tokens | grouped GEMMs | Triton expert kernels | relative difference |", "|---|---|---|---|---|"]
     lines += [f"| {r['stage']} | {r['tokens']} | {r['grouped GEMMs']:.1f} | {r['Triton expert kernels']:.1f} | "

@@ -237,12 +237,21 @@ MatmulConfig = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_stages, n
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
     """The launch of `rows_matmul` for an output width n and depth k, as measured on an H200 with each weight
-    streamed from memory (`benchmarks/small_batch_bench.py`, session 13): narrow column blocks, so that even a
-    1,024-wide projection spreads over 64 programs; a narrow and deep one (the code predictor's o and down
-    projections) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of 8.8
-    for down, at 1 row). Splitting the wider ones was slower (q/k/v, gate/up, the code head)."""
-    if n <= 1024 and k >= 2048:
-        return 16, 128, 3, 4, 4
+    streamed from memory (`benchmarks/small_batch_bench.py`). Narrow column blocks, so that even a 1,024-wide
+    projection spreads over 64 programs; a narrow and deep one (the code predictor's and the Talker's o, the code
+    predictor's down) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of
+    8.8 for down, at 1 row; session 13). Splitting the wider ones at a depth of 1,024 was slower (q/k/v, gate/up, the
+    code head). At a depth of 2,048 or more (session 27, the Thinker's, at 1 / 8 / 32 rows): its o (2,048 wide, 4,096
+    deep) in 32-column blocks split in four, 8.9 / 9.0 / 10.0 against 11.5 / 11.7 / 12.5 us; its router (128 wide)
+    in 32-column blocks split in eight, 4.8 / 4.7 / 5.2 against 6.1 / 6.1 / 6.3; its q/k/v (5,120 wide) in
+    64-column blocks, 9.3 / 10.1 / 11.7 against 10.5 / 11.0 / 12.5."""
+    if k >= 2048:
+        if n <= 256:
+            return 32, 128, 3, 4, 8
+        if n <= 2048:
+            return (16 if n <= 1024 else 32), 128, 3, 4, 4
+        if n >= 4096:
+            return 64, 256, 3, 4, 1
     return (16 if n <= 2048 else 32), 256, 3, 4, 1
 
 

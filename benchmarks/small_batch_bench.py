@@ -16,6 +16,7 @@ from transformers import Qwen3OmniMoeConfig
 from benchmarks.draw_bench import replay_ms
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.floors import H200_BANDWIDTH
 from omni_ray.layers import moe_kernels, small_batch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -57,7 +58,9 @@ def gemm_shapes(config: Any, stages: list[str]) -> dict[str, GemmShape]:
         width, heads = text.hidden_size, text.num_attention_heads * text.head_dim
         qkv = heads + 2 * text.num_key_value_heads * text.head_dim
         o_blocks = -(-width // small_batch.matmul_config(width, heads)[0])
-        router = -(-(text.num_experts + (stage == "talker")) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE
+        router = text.num_experts  # with a shared expert, folded: its gate column, then zero rows to a multiple
+        if getattr(text, "shared_expert_intermediate_size", 0):
+            router = -(-(router + 1) // ROUTER_ROWS_MULTIPLE) * ROUTER_ROWS_MULTIPLE
         for name, shape in {f"{stage} qkv (norm, partial squares)": (qkv, width, "norm", width // COMBINE_BLOCK_N),
                             f"{stage} o (residual, keeping squares)": (width, heads, "residual", 0),
                             f"{stage} router (norm, partial squares)": (router, width, "norm", o_blocks)}.items():
@@ -82,7 +85,7 @@ def gemm_rows(shapes: dict[str, GemmShape], rows: list[int]) -> list[dict[str, A
             residual = torch.randn(count, n, device="cuda", dtype=torch.bfloat16)
             squares = x.float().pow(2).reshape(count, parts, k // parts).sum(-1).T.contiguous() if parts else None
             row: dict[str, Any] = {"gemm": name, "rows": count, "default": list(small_batch.matmul_config(n, k)),
-                                   "weight copies": copies, "floor": 1e6 * 2 * size[0] * size[1] / 4.3e12}
+                                   "weight copies": copies, "floor": 1e6 * 2 * size[0] * size[1] / H200_BANDWIDTH}
             row["cuBLAS"] = 1000 * replay_ms(lambda: [F.linear(x, w) for w in weights][-1])[0] / copies
             for config in CONFIGS:
                 def call(weight: torch.Tensor, config: small_batch.MatmulConfig = config) -> torch.Tensor:
@@ -168,7 +171,7 @@ def stack_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
     stack.use_small_batch_kernels()
-    floor_us = sum(p.numel() * p.element_size() for p in stack.layers.parameters()) / 4.3e12 * 1e6
+    floor_us = sum(p.numel() * p.element_size() for p in stack.layers.parameters()) / H200_BANDWIDTH * 1e6
     out = []
     for count in rows:
         cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))

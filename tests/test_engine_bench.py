@@ -4,6 +4,7 @@ and its table gives each step's ratio to the bandwidth floor at that batch."""
 from __future__ import annotations
 
 import json
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -67,8 +68,6 @@ def test_results_name_the_commit_and_mark_a_work_tree_that_differs_from_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Results files record $OMNI_RAY_COMMIT when set, else the repository's HEAD, with `+changes` when tracked files
     differ from it: a work tree copied beside a stale .git does not pass for the older commit."""
-    import subprocess
-
     def git(*args: str) -> str:
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                               capture_output=True, text=True).stdout.strip()

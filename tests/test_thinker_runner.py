@@ -1,10 +1,12 @@
-"""The Thinker runner's batched draw: a request's tokens do not depend on what it is batched with, whatever the mix
-of greedy, penalized and filtered rows (one draw per step over a padded row bucket)."""
+"""The Thinker runner's batched draws: a request's tokens do not depend on what it is batched with, whatever the mix
+of greedy, sampled, penalized and filtered rows, and whether its step's draw runs inside the decode step (greedy and
+temperature-only batches) or apart from it (penalized or filtered ones, and prefills)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
@@ -17,12 +19,16 @@ REQUESTS = {
     "greedy": SamplingParams(temperature=0.0),
     "penalized": SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=11),
     "filtered": SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=12),
+    "sampled": SamplingParams(temperature=0.7, seed=13),
 }
+# Decodes that draw apart from the decode step (a penalized or a filtered row among them) and inside it (greedy and
+# temperature-only rows); with prefills spread over steps, the second mix's early decodes draw inside theirs too.
+MIXES = [["greedy", "penalized", "filtered"], ["greedy", "sampled", "filtered"], ["greedy", "sampled"]]
 
 
 def _replies(
     checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
-    prompt_lengths: tuple[int, ...] = (20, 20, 20), max_prefill_tokens: int = 8192,
+    prompt_lengths: tuple[int, ...] = (20, 20, 20, 20), max_prefill_tokens: int = 8192,
 ) -> dict[str, list[int]]:
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     text = config.thinker_config.text_config
@@ -38,25 +44,29 @@ def _replies(
     return {s.request_id: s.output_ids for s in seqs}
 
 
-def test_a_requests_tokens_do_not_depend_on_its_batch(tiny_checkpoint: Path) -> None:
-    together = _replies(tiny_checkpoint, list(REQUESTS))  # three rows: a bucket of four with a padding row
-    alone = {name: _replies(tiny_checkpoint, [name])[name] for name in REQUESTS}
+@pytest.mark.parametrize("names", MIXES[::2], ids="+".join)
+def test_a_requests_tokens_do_not_depend_on_its_batch(tiny_checkpoint: Path, names: list[str]) -> None:
+    together = _replies(tiny_checkpoint, names)  # two or three rows: a padded bucket of two or four
+    alone = {name: _replies(tiny_checkpoint, [name])[name] for name in names}
     assert together == alone
     assert all(len(tokens) == 10 for tokens in together.values())
-    assert len(set(together["penalized"])) > 1  # sampled, not stuck on one token
+    assert len(set(together[names[1]])) > 1  # sampled, not stuck on one token
 
 
 def test_a_prefill_without_bucket_padding_makes_the_same_tokens(tiny_checkpoint: Path) -> None:
     """Prompts of 20, 37 and 9 tokens prefilled as one batch at their bucket (4 rows x 64 positions) and at their own
     shape (3 rows x 48: `prefill_graph_tokens=0`) make the same replies."""
-    lengths = (20, 37, 9)
-    bucketed = _replies(tiny_checkpoint, list(REQUESTS), prompt_lengths=lengths)
-    assert _replies(tiny_checkpoint, list(REQUESTS), prefill_graph_tokens=0, prompt_lengths=lengths) == bucketed
+    lengths = (20, 37, 9, 30)
+    bucketed = _replies(tiny_checkpoint, MIXES[0], prompt_lengths=lengths)
+    assert _replies(tiny_checkpoint, MIXES[0], prefill_graph_tokens=0, prompt_lengths=lengths) == bucketed
 
 
-def test_prompts_past_the_prefill_budget_prefill_in_later_steps_with_the_same_tokens(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("names", MIXES[:2], ids="+".join)
+def test_prompts_past_the_prefill_budget_prefill_in_later_steps_with_the_same_tokens(
+    tiny_checkpoint: Path, names: list[str],
+) -> None:
     """Three admitted prompts and a budget of one prompt's bucket (32 positions): each later step prefills the next
-    prompt while the earlier ones decode (their slots in between held by prompts not yet prefilled). The replies
-    equal those of one prefill of all three."""
-    together = _replies(tiny_checkpoint, list(REQUESTS))
-    assert _replies(tiny_checkpoint, list(REQUESTS), max_prefill_tokens=32) == together
+    prompt while the earlier ones decode (their slots in between held by prompts not yet prefilled), so a step draws
+    twice, its prefill's row and its decode's rows. The replies equal those of one prefill of all three."""
+    together = _replies(tiny_checkpoint, names)
+    assert _replies(tiny_checkpoint, names, max_prefill_tokens=32) == together

@@ -9,6 +9,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from omni_ray.engine.host_inputs import upload
+
 log = logging.getLogger(__name__)
 
 StepFunction = Callable[..., dict[str, torch.Tensor]]
@@ -44,8 +46,8 @@ class GraphCache:
     """Runs `fn(**inputs)` for a shape key: replayed from a CUDA graph when enabled, eagerly otherwise.
 
     Inputs must have the key's exact shapes (callers pad to a bucket); they are copied into the graph's static
-    buffers. Outputs are the graph's own buffers, valid until the next `run` of any key (all graphs share one memory
-    pool), so callers consume or clone them first. `fn` must not sync with the host, and everything it writes must
+    buffers, from the device or from the host. Outputs are the graph's own buffers, valid until the next `run` of
+    any key (all graphs share one memory pool), so callers consume or clone them first. `fn` must not sync with the host, and everything it writes must
     be idempotent for the same inputs (capture runs it once eagerly, then replays it)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
@@ -68,9 +70,14 @@ class GraphCache:
         return key in self._graphs or key in self.uncapturable
 
     def run(self, key: Hashable, fn: StepFunction, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inputs may sit on the device or on the host: a replay copies host ones straight into the graph's buffers
+        (pinned first, so the host does not wait for the device's queued work)."""
+        entry = self._graphs.get(key) if self.enabled else None
+        on_host = {name: value for name, value in inputs.items() if value.is_cpu and self.device.type != "cpu"}
+        if entry is None and on_host:
+            inputs = inputs | upload(on_host, self.device)
         if not self.enabled or key in self.uncapturable:
             return fn(**inputs)
-        entry = self._graphs.get(key)
         if entry is None:
             try:
                 entry = self._capture(key, fn, inputs)
@@ -80,7 +87,8 @@ class GraphCache:
                 torch.cuda.synchronize(self.device)
                 return fn(**inputs)
         for name, buffer in entry.inputs.items():
-            buffer.copy_(inputs[name], non_blocking=True)
+            value = inputs[name]
+            buffer.copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
         entry.graph.replay()
         return entry.outputs
 

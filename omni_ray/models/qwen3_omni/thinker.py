@@ -14,10 +14,8 @@ from omni_ray.engine.fixed_shape import (
     capture_prefills,
     decode_forward,
     decode_positions,
-    dummy_decode_positions,
     last_positions,
     prefill_forward,
-    run_decode,
     run_prefill,
     warmup_shapes,
     within_prefill_budget,
@@ -25,7 +23,7 @@ from omni_ray.engine.fixed_shape import (
 from omni_ray.engine.host_inputs import Download, StepDone, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
-    DrawMode, NoiseSource, SamplingBatch, SamplingParams, draw_keys, mark_seen, sample_in_mode,
+    GREEDY, DrawMode, NoiseSource, SamplingBatch, SamplingParams, draw_keys, mark_seen, sample_in_mode,
 )
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.models.qwen3_omni.talker_inputs import talker_prefix_positions
@@ -89,13 +87,37 @@ class ThinkerStepOutput:
     talker_embed: torch.Tensor | None = None
 
 
+# The draw inside the decode graph: noise for the rows that sample, the argmax for greedy rows (`sample` takes it
+# for rows of temperature 0 in any mode), so one graph per decode bucket serves both of the API's usual modes.
+DECODE_DRAW = DrawMode(sampled=True)
+
+
+@dataclass
+class DrawnRows:
+    """One draw's tokens [n] and their layer-0 embeddings [n, h] on the device, and each drawn sequence's row in them."""
+
+    tokens: torch.Tensor
+    embeds: torch.Tensor
+    rows: list[int]
+
+    @staticmethod
+    def joined(parts: list["DrawnRows"]) -> "DrawnRows":
+        if len(parts) == 1:
+            return parts[0]
+        offsets = [0]
+        for part in parts[:-1]:
+            offsets.append(offsets[-1] + part.tokens.shape[0])
+        return DrawnRows(torch.cat([p.tokens for p in parts]), torch.cat([p.embeds for p in parts]),
+                         [offset + row for offset, part in zip(offsets, parts) for row in part.rows])
+
+
 @dataclass
 class PendingTokens:
-    """A launched Thinker step: its sampled rows (sequence, the token count it reaches), their tokens on the way to the
-    host and, for Talker-bound requests, their layer-0 embeddings on the device; `prefixes` are the prefilled
-    requests' Talker prefix states, `outputs` the teacher-forced ones, known at launch."""
+    """A launched Thinker step: its sampled rows (sequence, the token count it reaches, its row in `tokens`), their
+    tokens on the way to the host and, for Talker-bound requests, their layer-0 embeddings on the device; `prefixes`
+    are the prefilled requests' Talker prefix states, `outputs` the teacher-forced ones, known at launch."""
 
-    rows: list[tuple[ThinkerSequence, int]] = field(default_factory=list)
+    rows: list[tuple[ThinkerSequence, int, int]] = field(default_factory=list)
     done: StepDone | None = None  # after the step's last work
     tokens: Download | None = None
     embeds: torch.Tensor | None = None
@@ -104,9 +126,10 @@ class PendingTokens:
 
 
 class ThinkerRunner:
-    """Runs Thinker steps for a batch of sequences: prefill new ones, batched decode for the rest, then one batched
-    sampling call for every row. Prefill and decode run at bucketed fixed shapes (padding rows use the cache's
-    scratch slot), replayed from CUDA graphs on a GPU."""
+    """Runs Thinker steps for a batch of sequences: prefill new ones, batched decode for the rest, each followed by a
+    batched draw of its rows. Prefill and decode run at bucketed fixed shapes (padding rows use the cache's scratch
+    slot), replayed from CUDA graphs on a GPU; a decode step draws inside its own graph (one launch per step) unless
+    some row needs a penalty or filtering, which draw in a graph of their own."""
 
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
@@ -145,11 +168,10 @@ class ThinkerRunner:
         decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens,
                                         graph_tokens=self.prefill_graph_tokens)
         for rows, kv_len in decode:
-            positions = dummy_decode_positions(rows, self.cache, self.device)
-            run_decode(self.graphs, self._decode_forward, kv_len, {"ids": torch.zeros_like(positions), "positions": positions})
+            self._prepare_decode(rows, kv_len)
         capture_prefills(self.graphs, self.cache, prefill, self.model.lm_head.in_features,
                          self.model.lm_head.weight.dtype, self._prefill_forward)
-        for rows in all_buckets(max_batch):  # greedy, and sampling with temperature alone (the API's default)
+        for rows in all_buckets(max_batch):  # prefills' draws: greedy, and temperature alone (the API's default)
             for mode in (DrawMode(False), DrawMode(True)):
                 self._prepare_draw(rows, mode)
 
@@ -170,8 +192,8 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[ThinkerSequence]) -> PendingTokens:
-        """Queue one step on the device without waiting for it: prefill new sequences, decode the rest, one batched
-        draw for every sampled row. Each draw stays on the device as its sequence's next input, so the engine can
+        """Queue one step on the device without waiting for it: prefill new sequences, decode the rest, a batched
+        draw for the sampled rows of each. Each draw stays on the device as its sequence's next input, so the engine can
         launch the next step before it `collect`s this one. A stop token is learnt late; a row stepped after it is
         dropped when collected. Teacher-forced replies need no device work: their outputs are ready at once."""
         # Partition first: a sequence prefilled in this step must not also decode in it.
@@ -181,29 +203,31 @@ class ThinkerRunner:
         forced = [s for s in seqs if s.num_cached > 0 and s.forced_ids]
         decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
         pending = PendingTokens()
-        logits: list[torch.Tensor] = []
+        parts: list[DrawnRows] = []
+        sampled = [s for s in prefilling if not s.forced_ids]
         if prefilling:
             prefill_logits, pending.prefixes = self._prefill(prefilling)
-            logits.append(prefill_logits)
+            if sampled:
+                parts.append(self._draw(sampled, prefill_logits))
             for seq in prefilling:  # a forced reply's first token is known
                 if seq.forced_ids:
                     pending.outputs.append(self._forced_output(seq, pending.prefixes.get(seq.request_id)))
         pending.outputs += [self._forced_output(seq) for seq in forced]
         self._attach_talker_embeds(pending.outputs, {s.request_id for s in seqs if s.for_talker})
+        sampled += decoding
         if decoding:
-            logits.append(self._decode(decoding))
-        sampled = [s for s in prefilling if not s.forced_ids] + decoding
-        if sampled:
-            tokens, embeds = self._sample(sampled, logits)
+            parts.append(self._decode(decoding, keep_embeds=any(s.for_talker for s in decoding)))
+        if parts:
+            drawn = DrawnRows.joined(parts)
             if any(s.for_talker for s in sampled):
-                pending.embeds = embeds
-            pending.tokens = Download(tokens)
+                pending.embeds = drawn.embeds
+            pending.tokens = Download(drawn.tokens)  # queued before any later graph can write the draw's buffers
+            for seq, row in zip(sampled, drawn.rows):
+                seq.num_made += 1
+                pending.rows.append((seq, seq.num_made, row))
+                if seq.num_made >= seq.max_tokens:
+                    seq.finish_reason = "length"
         pending.done = StepDone(self.device)  # queued last: once it is reached, every tensor this step relays is made
-        for seq in sampled:
-            seq.num_made += 1
-            pending.rows.append((seq, seq.num_made))
-            if seq.num_made >= seq.max_tokens:
-                seq.finish_reason = "length"
         return pending
 
     def collect(self, pending: PendingTokens) -> list[ThinkerStepOutput]:
@@ -214,7 +238,9 @@ class ThinkerRunner:
         outputs = pending.outputs
         if pending.tokens is None:
             return outputs
-        for i, ((seq, made), token) in enumerate(zip(pending.rows, pending.tokens.result().tolist())):
+        tokens = pending.tokens.result().tolist()
+        for seq, made, row in pending.rows:
+            token = tokens[row]
             if seq.finish_reason == "stop" or (seq.slot < 0 and seq.finish_reason is None):
                 continue
             seq.output_ids.append(token)
@@ -224,7 +250,7 @@ class ThinkerRunner:
             out = ThinkerStepOutput(seq.request_id, token, seq.finish_reason if last else None,
                                     talker_prefix=pending.prefixes.get(seq.request_id))
             if seq.for_talker and not last and pending.embeds is not None:
-                out.talker_embed = pending.embeds[i]  # the Talker reads reply tokens 0..N-2
+                out.talker_embed = pending.embeds[row]  # the Talker reads reply tokens 0..N-2
             outputs.append(out)
         return outputs
 
@@ -313,37 +339,71 @@ class ThinkerRunner:
             "assistant_prefix": embeds[assistant_start : assistant_start + 3].clone(),
         }
 
-    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        hidden = decode_forward(self.model.model, self.cache, self.model.embed(ids[:, None]), positions, kv_len)
-        return {"logits": self.model.lm_head(hidden)}
+    def _decode_function(self, kv_len: int) -> Callable[..., dict[str, torch.Tensor]]:
+        def decode_and_draw(longs: torch.Tensor, table: torch.Tensor) -> dict[str, torch.Tensor]:
+            """A decode step over rows 0..R-1 and its draw (graph-capturable). longs [R, 4]: each row's position, the
+            slot its draw writes (the scratch slot for rows whose token is not drawn here) and its noise keys."""
+            positions, slots = longs[:, 0], longs[:, 1]
+            ids = self.next_ids[: positions.shape[0]]  # each slot's last draw
+            hidden = decode_forward(self.model.model, self.cache, self.model.embed(ids[:, None]), positions, kv_len)
+            logits = self.model.lm_head(hidden)
+            return {"logits": logits, **self._draw_function(DECODE_DRAW)(logits, slots, table, longs[:, 2:].contiguous())}
 
-    def _decode(self, seqs: list[ThinkerSequence]) -> torch.Tensor:
-        """Decode over the first slots of the cache (row r = slot r); returns the logits of `seqs` in order."""
+        return decode_and_draw
+
+    def _prepare_decode(self, rows: int, kv_len: int) -> None:
+        """Capture the decode graph of (rows, key range) from dummy rows: each writes its slot's last cache position,
+        which a sequence overwrites before reading it, and draws into the scratch slot."""
+        if not self.graphs.enabled or ("decode", rows, kv_len) in self.graphs:
+            return
+        longs = torch.zeros(rows, 4, dtype=torch.long, device=self.device)
+        longs[:, 0], longs[:, 1] = self.cache.max_len - 1, self.cache.scratch_slot
+        example = {"longs": longs, "table": SamplingBatch.table([], rows).to(self.device)}
+        self.graphs.prepare(("decode", rows, kv_len), self._decode_function(kv_len), example)
+
+    def _decode(self, seqs: list[ThinkerSequence], keep_embeds: bool) -> DrawnRows:
+        """Decode over the first slots of the cache (row r = slot r) and draw each sequence's next token, in one graph
+        when its draw mode is `DECODE_DRAW`'s (sampling with temperature, or greedy); a penalized or filtered batch
+        draws from the graph's logits in a graph of its own. `keep_embeds`: the embeddings outlive the step's graphs."""
         positions, kv_len = decode_positions([(s.slot, s.num_cached) for s in seqs], self.cache)
-        inputs = upload({"positions": positions, "rows": torch.tensor([s.slot for s in seqs], dtype=torch.long)}, self.device)
-        ids = self.next_ids[: positions.shape[0]]  # each slot's last draw, left on the device by `_sample`
-        out = run_decode(self.graphs, self._decode_forward, kv_len, {"ids": ids, "positions": inputs["positions"]})
+        rows = positions.shape[0]
+        params = [s.sampling for s in seqs]
+        in_graph = DrawMode.of(params) in (DrawMode(sampled=False), DECODE_DRAW)
+        slot_of_row = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long)
+        keys = torch.zeros(rows, 2, dtype=torch.long)
+        row_params = [GREEDY] * rows
+        if in_graph:
+            slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+            slot_of_row[slots] = slots
+            keys[slots] = draw_keys([s.noise for s in seqs])  # type: ignore[misc]
+            for seq in seqs:
+                row_params[seq.slot] = seq.sampling
+        host = {"longs": torch.cat([positions[:, None], slot_of_row[:, None], keys], 1),
+                "table": SamplingBatch.table(row_params)}
+        self._prepare_decode(rows, kv_len)
+        out = self.graphs.run(("decode", rows, kv_len), self._decode_function(kv_len), host)
         for seq in seqs:
             seq.num_cached += 1
-        return out["logits"][inputs["rows"]]
+        if in_graph:
+            embeds = out["embeds"].clone() if keep_embeds else out["embeds"]
+            return DrawnRows(out["tokens"], embeds, [s.slot for s in seqs])
+        logits = out["logits"][to_device(torch.tensor([s.slot for s in seqs], dtype=torch.long), self.device)]
+        return self._draw(seqs, logits)
 
-    def _sample(self, seqs: list[ThinkerSequence], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batched draw for every sampled row of the step (prefill and decode rows together), on the device with
-        no host sync, replayed from a CUDA graph per (row bucket, draw mode). Returns the tokens [n] and their
-        layer-0 embeddings [n, h] (what the Talker reads); each slot's history and next decode input are updated."""
+    def _draw(self, seqs: list[ThinkerSequence], logits: torch.Tensor) -> DrawnRows:
+        """One batched draw for `seqs` from their logits [n, V] (row i: seqs[i]), on the device with no host sync,
+        replayed from a CUDA graph per (row bucket, draw mode). Returns the tokens and their layer-0 embeddings (what
+        the Talker reads), copied out of the graph's buffers; each slot's history and next decode input are updated."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
         params = [s.sampling for s in seqs]
         host = {"slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count)),
                 "table": SamplingBatch.table(params, rows), "keys": draw_keys([s.noise for s in seqs], rows)}  # type: ignore[misc]
-        parts = list(logits)
         if rows > count:  # padding rows: greedy, in the scratch slot
-            parts.append(logits[0].new_zeros(rows - count, logits[0].shape[1]))
-        stacked = torch.cat(parts)
+            logits = torch.cat([logits, logits.new_zeros(rows - count, logits.shape[1])])
         mode = DrawMode.of(params)
         self._prepare_draw(rows, mode)
-        out = self.graphs.run(("draw", rows, mode), self._draw_function(mode),
-                              {"logits": stacked, **upload(host, self.device)})
-        return out["tokens"][:count].clone(), out["embeds"][:count].clone()
+        out = self.graphs.run(("draw", rows, mode), self._draw_function(mode), {"logits": logits, **host})
+        return DrawnRows(out["tokens"][:count].clone(), out["embeds"][:count].clone(), list(range(count)))
 
     def _draw_function(self, mode: DrawMode) -> Callable[..., dict[str, torch.Tensor]]:
         def draw(logits: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, keys: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -356,9 +356,9 @@ class ThinkerRunner:
         which a sequence overwrites before reading it, and draws into the scratch slot."""
         if not self.graphs.enabled or ("decode", rows, kv_len) in self.graphs:
             return
-        longs = torch.zeros(rows, 4, dtype=torch.long, device=self.device)
+        longs = torch.zeros(rows, 4, dtype=torch.long)
         longs[:, 0], longs[:, 1] = self.cache.max_len - 1, self.cache.scratch_slot
-        example = {"longs": longs, "table": SamplingBatch.table([], rows).to(self.device)}
+        example = {"longs": longs, "table": SamplingBatch.table([], rows)}  # host inputs: uploaded without a wait
         self.graphs.prepare(("decode", rows, kv_len), self._decode_function(kv_len), example)
 
     def _decode(self, seqs: list[ThinkerSequence], keep_embeds: bool) -> DrawnRows:
@@ -423,6 +423,6 @@ class ThinkerRunner:
         scratch = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
         example = {"logits": torch.zeros(rows, self.model.lm_head.out_features, dtype=self.model.lm_head.weight.dtype,
                                          device=self.device),
-                   "slots": scratch, "table": SamplingBatch.table([], rows).to(self.device),
+                   "slots": scratch, "table": SamplingBatch.table([], rows),
                    "keys": torch.zeros(rows, 2, dtype=torch.long, device=self.device)}
         self.graphs.prepare(("draw", rows, mode), self._draw_function(mode), example)

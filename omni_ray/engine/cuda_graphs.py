@@ -47,8 +47,9 @@ class GraphCache:
 
     Inputs must have the key's exact shapes (callers pad to a bucket); they are copied into the graph's static
     buffers, from the device or from the host. Outputs are the graph's own buffers, valid until the next `run` of
-    any key (all graphs share one memory pool), so callers consume or clone them first. `fn` must not sync with the host, and everything it writes must
-    be idempotent for the same inputs (capture runs it once eagerly, then replays it)."""
+    any key (all graphs share one memory pool), so callers consume or clone them first. `fn` must not sync with the
+    host, and everything it writes must be idempotent for the same inputs (capture runs it once eagerly, then
+    replays it)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.enabled = enabled and device.type == "cuda"

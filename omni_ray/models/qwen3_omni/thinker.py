@@ -102,6 +102,7 @@ class DrawnRows:
 
     @staticmethod
     def joined(parts: list["DrawnRows"]) -> "DrawnRows":
+        """The parts' rows one after the other (a step that prefills and decodes draws twice)."""
         if len(parts) == 1:
             return parts[0]
         offsets = [0]
@@ -347,7 +348,8 @@ class ThinkerRunner:
             ids = self.next_ids[: positions.shape[0]]  # each slot's last draw
             hidden = decode_forward(self.model.model, self.cache, self.model.embed(ids[:, None]), positions, kv_len)
             logits = self.model.lm_head(hidden)
-            return {"logits": logits, **self._draw_function(DECODE_DRAW)(logits, slots, table, longs[:, 2:].contiguous())}
+            drawn = self._draw_function(DECODE_DRAW)(logits, slots, table, longs[:, 2:].contiguous())
+            return {"logits": logits, **drawn}
 
         return decode_and_draw
 

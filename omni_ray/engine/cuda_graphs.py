@@ -88,8 +88,7 @@ class GraphCache:
                 torch.cuda.synchronize(self.device)
                 return fn(**inputs)
         for name, buffer in entry.inputs.items():
-            value = inputs[name]
-            buffer.copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
+            buffer.copy_(on_host[name].pin_memory() if name in on_host else inputs[name], non_blocking=True)
         entry.graph.replay()
         return entry.outputs
 

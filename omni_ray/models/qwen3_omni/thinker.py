@@ -374,8 +374,8 @@ class ThinkerRunner:
         slot_of_row = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long)
         keys = torch.zeros(rows, 2, dtype=torch.long)
         row_params = [GREEDY] * rows
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
         if in_graph:
-            slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
             slot_of_row[slots] = slots
             keys[slots] = draw_keys([s.noise for s in seqs])  # type: ignore[misc]
             for seq in seqs:
@@ -389,7 +389,7 @@ class ThinkerRunner:
         if in_graph:
             embeds = out["embeds"].clone() if keep_embeds else out["embeds"]
             return DrawnRows(out["tokens"], embeds, [s.slot for s in seqs])
-        logits = out["logits"][to_device(torch.tensor([s.slot for s in seqs], dtype=torch.long), self.device)]
+        logits = out["logits"][to_device(slots, self.device)]
         return self._draw(seqs, logits)
 
     def _draw(self, seqs: list[ThinkerSequence], logits: torch.Tensor) -> DrawnRows:

@@ -28,7 +28,10 @@ HERE = Path(__file__).resolve().parent
 PROMPT_FILE = HERE / "prompt_100_tokens.txt"
 URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
-HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds", "first_token": "omni_time_to_first_token_seconds", "first_frame": "omni_time_to_first_frame_seconds",
+HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds",
+              "prefill_launched": "omni_time_to_prefill_launch_seconds", "first_token": "omni_time_to_first_token_seconds",
+              "talker_first_text": "omni_time_to_talker_first_text_seconds",
+              "first_frame_launched": "omni_time_to_first_frame_launch_seconds", "first_frame": "omni_time_to_first_frame_seconds",
               "first_audio": "omni_time_to_first_audio_seconds",
               "first_audio_received": "omni_time_to_first_audio_received_seconds",
               "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
@@ -249,7 +252,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
              "p50; the rest of a step is its wait for the device.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
-             "server: streams open / first token / first frame / first audio / at ingress / handed on, mean (ms) | "
+             "server: streams open / prefill launched / first token / at the Talker / its step launched / first frame / "
+             "first audio / at ingress / handed on, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
@@ -270,7 +274,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
             f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
-            f"{num(srv.get('mean_streams_open_ms'))} / {num(srv.get('mean_first_token_ms'))} / {num(srv.get('mean_first_frame_ms'))} / {num(srv.get('mean_first_audio_ms'))} / "
+            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in (
+                "streams_open", "prefill_launched", "first_token", "talker_first_text", "first_frame_launched",
+                "first_frame", "first_audio")) + " / "
             f"{num(srv.get('mean_first_audio_received_ms'))} / {num(srv.get('mean_first_audio_sent_ms'))} | "
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')})"

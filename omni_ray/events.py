@@ -29,7 +29,9 @@ class Finished:
     audio_finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     t: float = 0.0
-    timing: dict[str, float] = field(default_factory=dict)  # submitted, first/last token, first frame, first audio (epoch s)
+    # when the reply reached each point (epoch s): submitted, streams_open, prefill_launched, first_token,
+    # talker_first_text, first_frame_launched, first_frame, first_audio, first_audio_received, last_token
+    timing: dict[str, float] = field(default_factory=dict)
     codes: torch.Tensor | None = None  # [num_code_groups, frames] when asked for with return_codes
     text: str = ""
 

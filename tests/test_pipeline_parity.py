@@ -101,6 +101,12 @@ def test_first_audio_leaves_before_the_thinker_finishes(pipeline: Any) -> None:
     assert timing["first_audio"] <= timing["first_audio_received"]  # made by the vocoder, then relayed to the caller
     # the Thinker starts first; the Talker's and vocoder's streams open while it works
     assert timing["submitted"] < timing["streams_open"] < timing["first_audio"]
+    # where the first audio's time went, in the order the reply passed each point (one host's clock). The first
+    # token reaches the Talker and the caller by different ways, so their order is not fixed. The Talker's first
+    # frame waits for that token's embedding (no early prefill here).
+    assert timing["submitted"] <= timing["prefill_launched"] <= timing["first_token"], timing
+    path = ("prefill_launched", "talker_first_text", "first_frame_launched", "first_frame", "first_audio")
+    assert [timing[a] <= timing[b] for a, b in zip(path, path[1:])] == [True] * (len(path) - 1), timing
     assert np.isfinite(reply.pcm).all() and reply.pcm.size == 30 * 1920 - 555
 
 

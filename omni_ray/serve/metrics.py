@@ -69,7 +69,16 @@ class ServiceMetrics:
         self.streams_open = Histogram("omni_time_to_streams_open_seconds",
                                       "time until every stage of the reply had opened its stream",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_launched = Histogram("omni_time_to_prefill_launch_seconds",
+                                          "time until the Thinker launched the step that prefills the prompt",
+                                          buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
+        self.talker_first_text = Histogram("omni_time_to_talker_first_text_seconds",
+                                           "time until the reply's first token reached the Talker",
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.first_frame_launched = Histogram("omni_time_to_first_frame_launch_seconds",
+                                              "time until the Talker launched the step that makes the first frame",
+                                              buckets=LATENCY_BUCKETS, registry=r)
         self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("omni_time_to_first_audio_seconds", "time to first audio chunk", buckets=LATENCY_BUCKETS, registry=r)
@@ -104,18 +113,13 @@ class ServiceMetrics:
         submitted = timing.get("submitted")
         if submitted is None:
             return
-        if "streams_open" in timing:
-            self.streams_open.observe(timing["streams_open"] - submitted)
-        if "first_token" in timing:
-            self.ttft.observe(timing["first_token"] - submitted)
-        if "first_frame" in timing:
-            self.ttff.observe(timing["first_frame"] - submitted)
-        if "first_audio" in timing:
-            self.ttfa.observe(timing["first_audio"] - submitted)
-        if "first_audio_received" in timing:
-            self.ttfa_received.observe(timing["first_audio_received"] - submitted)
-        if "first_audio_sent" in timing:
-            self.ttfa_sent.observe(timing["first_audio_sent"] - submitted)
+        for key, histogram in (("streams_open", self.streams_open), ("prefill_launched", self.prefill_launched),
+                               ("first_token", self.ttft), ("talker_first_text", self.talker_first_text),
+                               ("first_frame_launched", self.first_frame_launched), ("first_frame", self.ttff),
+                               ("first_audio", self.ttfa), ("first_audio_received", self.ttfa_received),
+                               ("first_audio_sent", self.ttfa_sent)):
+            if key in timing:
+                histogram.observe(timing[key] - submitted)
         if audio_seconds > 0:
             self.audio_seconds.inc(audio_seconds)
             self.rtf.observe((finished_at - submitted) / audio_seconds)

@@ -177,10 +177,11 @@ class Orchestrator:
                     raise StageError(f"{name}: {event['message']}")
                 if kind == "final":
                     done[name] = event
-                    if event.get("first_frame_t") is not None:
-                        timing["first_frame"] = event["first_frame_t"]
+                    timing.update({key: t for key, t in event.get("timing", {}).items() if t is not None})
                 elif kind == "token":
                     timing.setdefault("first_token", event["t"])
+                    if "prefill_launched" in event:
+                        timing.setdefault("prefill_launched", event["prefill_launched"])
                     timing["last_token"] = event["t"]
                     token_ids.append(event["token"])
                     delta = detokenizer.push(event["token"])

@@ -193,7 +193,10 @@ class ThinkerStage(StageBase):
         self.relay_to_consumers([item for out in outputs for item in self._talker_items(out)])
         events: list[tuple[str, dict[str, Any]]] = []
         for out in outputs:
-            events.append((out.request_id, {"type": "token", "token": out.token}))
+            token = {"type": "token", "token": out.token}
+            if out.prefill_launched is not None:  # a reply's first token
+                token["prefill_launched"] = out.prefill_launched
+            events.append((out.request_id, token))
             if out.finish_reason is not None:
                 events.append((out.request_id, {"type": "final", "finish_reason": out.finish_reason}))
         self.emit_all(events)
@@ -294,7 +297,7 @@ class TalkerStage(StageBase):
         if "user_states" in item.tensors:
             seq.prefix = item.tensors
         if "text_embed" in item.tensors:
-            seq.text_embeds.append(item.tensors["text_embed"])
+            seq.add_text(item.tensors["text_embed"])
         if item.kind == "end":
             seq.thinker_done = True
         self.engine.notify()
@@ -314,9 +317,11 @@ class TalkerStage(StageBase):
                 self._first_frame.setdefault(out.request_id, now)
             if out.finish_reason is not None:
                 seq = self._sequences.get(out.request_id)
-                frames = seq.frames if seq is not None else 0
-                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason, "frames": frames,
-                                           "first_frame_t": self._first_frame.pop(out.request_id, None)})
+                timing = {"first_frame": self._first_frame.pop(out.request_id, None)}
+                if seq is not None:
+                    timing.update(talker_first_text=seq.first_text_received, first_frame_launched=seq.first_frame_launched)
+                self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason,
+                                           "frames": seq.frames if seq is not None else 0, "timing": timing})
 
     def _vocoder_items(self, out: TalkerStepOutput) -> list[RelayItem]:
         """The step's frame (all code groups) and, when the request ended, the end marker."""

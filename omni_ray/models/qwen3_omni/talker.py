@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,9 @@ class TalkerSequence:
     finish_reason: str | None = None
     noise: NoiseSource | None = None  # group-0 draws
     mtp_noise: NoiseSource | None = None  # code-predictor draws
+    # where the first frame's time goes (epoch s): the first reply token's arrival, the launch of the step making it
+    first_text_received: float | None = None
+    first_frame_launched: float | None = None
 
     @property
     def mtp_sampling(self) -> SamplingParams:
@@ -100,8 +104,14 @@ class TalkerSequence:
             if out.talker_prefix is not None:
                 self.prefix = out.talker_prefix
             if out.talker_embed is not None:
-                self.text_embeds.append(out.talker_embed)
+                self.add_text(out.talker_embed)
         self.thinker_done = done
+
+    def add_text(self, embed: torch.Tensor) -> None:
+        """The next reply token's Thinker embedding arrived (the first one's arrival time is kept)."""
+        if self.first_text_received is None:
+            self.first_text_received = time.time()
+        self.text_embeds.append(embed)
 
     def frame_limit(self) -> int:
         if self.frames_per_text_token <= 0 or not self.thinker_done:
@@ -245,6 +255,7 @@ class TalkerRunner:
         next step before it `collect`s this one: the host builds step N+1 while the GPU runs step N. Only a codec
         EOS is learnt late; a row stepped after its EOS is dropped when collected."""
         pending = PendingFrames()
+        launched = time.time()
         for seq in seqs:
             if (seq.num_cached == 0 or seq.steps < 0) and not seq.text_embeds and seq.thinker_done:
                 seq.finish_reason = "stop"  # the Thinker finished after one token: nothing to speak
@@ -283,6 +294,8 @@ class TalkerRunner:
         self.frame_steps += 1
         for i, seq in enumerate(stepping):
             seq.feedback = feedback[i]
+            if seq.frames == 0:
+                seq.first_frame_launched = launched
             seq.frames += 1
             pending.rows.append((seq, seq.frames))
             if seq.frames >= seq.frame_limit() or seq.num_cached + 1 > self.cache.max_len:

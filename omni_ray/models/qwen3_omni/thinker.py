@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -72,6 +73,7 @@ class ThinkerSequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     noise: NoiseSource | None = None
+    prefill_launched: float | None = None  # when the step that prefilled it was launched (epoch s)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class ThinkerStepOutput:
     talker_prefix: dict[str, torch.Tensor] | None = None
     # layer-0 embedding of the step's new token, unless it ends the reply (the Talker reads reply tokens 0..N-2)
     talker_embed: torch.Tensor | None = None
+    prefill_launched: float | None = None  # on a reply's first token: when the step that prefilled it was launched
 
 
 # The draw inside the decode graph: noise for the rows that sample, the argmax for greedy rows (`sample` takes it
@@ -201,6 +204,9 @@ class ThinkerRunner:
         prefilling = within_prefill_budget(
             [s for s in seqs if s.num_cached == 0], lambda s: len(s.prompt_ids), self.cache, self.max_prefill_tokens
         )
+        launched = time.time()
+        for seq in prefilling:
+            seq.prefill_launched = launched
         forced = [s for s in seqs if s.num_cached > 0 and s.forced_ids]
         decoding = [s for s in seqs if s.num_cached > 0 and not s.forced_ids]
         pending = PendingTokens()
@@ -249,7 +255,8 @@ class ThinkerRunner:
                 seq.finish_reason = "stop"
             last = seq.finish_reason == "stop" or made >= seq.max_tokens
             out = ThinkerStepOutput(seq.request_id, token, seq.finish_reason if last else None,
-                                    talker_prefix=pending.prefixes.get(seq.request_id))
+                                    talker_prefix=pending.prefixes.get(seq.request_id),
+                                    prefill_launched=_on_first_token(seq))
             if seq.for_talker and not last and pending.embeds is not None:
                 out.talker_embed = pending.embeds[row]  # the Talker reads reply tokens 0..N-2
             outputs.append(out)
@@ -264,7 +271,8 @@ class ThinkerRunner:
         seq.output_ids.append(token)
         if len(seq.output_ids) == len(seq.forced_ids):  # type: ignore[arg-type]
             seq.finish_reason = "stop"
-        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_prefix=talker_prefix)
+        return ThinkerStepOutput(seq.request_id, token, seq.finish_reason, talker_prefix=talker_prefix,
+                                 prefill_launched=_on_first_token(seq))
 
     def _attach_talker_embeds(self, outputs: list[ThinkerStepOutput], speaking: set[str]) -> None:
         """Forced tokens' layer-0 embeddings for the Talker, relayed with the step that made them. A reply's last
@@ -428,3 +436,8 @@ class ThinkerRunner:
                    "slots": scratch, "table": SamplingBatch.table([], rows),
                    "keys": torch.zeros(rows, 2, dtype=torch.long, device=self.device)}
         self.graphs.prepare(("draw", rows, mode), self._draw_function(mode), example)
+
+
+def _on_first_token(seq: ThinkerSequence) -> float | None:
+    """When the sequence's prefill step was launched, on the output that carries its first token (else None)."""
+    return seq.prefill_launched if len(seq.output_ids) == 1 else None

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import EngineSettings, PipelineConfig
-from omni_ray.serve.app import STAGE_CLASSES, app_from_serve_config, stage_deployment_options
+from omni_ray.serve.app import GRPC_MAX_MESSAGE_BYTES, STAGE_CLASSES, app_from_serve_config, stage_deployment_options
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -83,11 +83,14 @@ def test_steps_launch_ahead_on_cuda_devices_unless_set() -> None:
 
 def test_a_stages_mps_share_reaches_its_replica_processes_environment() -> None:
     """`mps_active_thread_percentage` becomes CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the runtime environment of the
-    stage's Serve replicas; other stages' replicas get no runtime environment of their own."""
+    stage's Serve replicas, beside the gRPC message cap that every replica gets; other stages' replicas get the cap
+    alone."""
     config = PipelineConfig.model_validate({"stages": {
         "thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_active_thread_percentage": 60}},
         "talker": {"resources": {"device": "cuda", "num_gpus": 0.15}}}})
+    cap = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
     thinker = stage_deployment_options("thinker", config.stages.thinker)["ray_actor_options"]
     assert thinker == {"num_cpus": config.stages.thinker.resources.num_cpus, "num_gpus": 0.7,
-                       "runtime_env": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}}}
-    assert "runtime_env" not in stage_deployment_options("talker", config.stages.talker)["ray_actor_options"]
+                       "runtime_env": {"env_vars": {**cap, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}}}
+    talker = stage_deployment_options("talker", config.stages.talker)["ray_actor_options"]
+    assert talker["runtime_env"] == {"env_vars": cap}

@@ -18,6 +18,27 @@ LOAD_POLICY = "omni_ray.serve.autoscaling:stage_load_policy"
 DEFAULT_MODEL_NAME = "qwen3-omni"
 
 
+# Serve's gRPC transport between replicas (the stage streams, `stages/client.py`) refuses messages over 4 MiB by
+# default, in the process that receives them: a lagging ingress's batch of audio chunks may be larger.
+GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+# The ingress, which starts every stage stream and reads it, runs its code and its handles' router on its replica's
+# main event loop, as Serve's `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode does: no hop between event loops per request and
+# per streamed item. Stage replicas keep the default (their constructors load weights and compile for minutes, and
+# Serve runs a constructor on the user code's loop).
+INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def with_serve_env(actor_options: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`actor_options` with the environment every replica of the application needs (the gRPC message cap), and
+    `extra_env`."""
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES),
+                               **(extra_env or {}), **(runtime_env.get("env_vars") or {})}
+    return {**actor_options, "runtime_env": runtime_env}
+
+
 def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
     """Defaults for a stage deployment, derived from the pipeline config; the Serve YAML's `deployments:`
     entries override any of them (replicas, autoscaling, queue limits)."""
@@ -25,7 +46,7 @@ def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
     concurrent = engine.max_batch if engine is not None else 16
     return {
         "name": name,
-        "ray_actor_options": stage.resources.actor_options(),
+        "ray_actor_options": with_serve_env(stage.resources.actor_options()),
         "max_ongoing_requests": 2 * concurrent,  # each request holds one stream; the engine queues the rest
         "max_queued_requests": 4 * concurrent,
         "num_replicas": 1,  # a YAML `autoscaling_config` (e.g. with LOAD_POLICY) replaces this
@@ -53,7 +74,7 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         options.update(override)
         deployment = serve.deployment(cls).options(**options)
         bound[name] = deployment.bind(config.model, stage)
-    ingress_options = {"name": "ingress", "ray_actor_options": {"num_cpus": 0.2}, "max_ongoing_requests": 256,
+    ingress_options = {"name": "ingress", "ray_actor_options": with_serve_env({"num_cpus": 0.2}, INGRESS_ENV), "max_ongoing_requests": 256,
                        "max_queued_requests": 512, **(args.get("stage_options") or {}).get("ingress", {})}
     ingress = serve.deployment(OmniIngress).options(**ingress_options)
     return ingress.bind(

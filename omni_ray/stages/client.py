@@ -35,13 +35,21 @@ class ActorClient:
 
 
 class ServeClient:
-    """A Serve deployment running a stage; each call lands on one replica and stays there."""
+    """A Serve deployment running a stage; each call lands on one replica and stays there.
 
-    def __init__(self, handle: Any) -> None:
+    Streams go over Serve's gRPC transport between replicas (`_by_reference=False`, what Serve's own
+    `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode picks for every handle) rather than as Ray actor tasks with their results
+    in the object store: on this project's CPU machine (tiny model, `benchmarks/results/2026-12-03_cpu_serve_grpc_
+    streams_session29.md`) every stage's stream was open sooner. Its messages are capped by each process's
+    `RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`, which `serve/app.py` raises in every replica of the application.
+    Unary calls (the encoder's, whose audio clips may be tens of MB) stay Ray tasks."""
+
+    def __init__(self, handle: Any, grpc_streams: bool = True) -> None:
         self.handle = handle
+        self.stream_handle = handle.options(stream=True, _by_reference=not grpc_streams)
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
-        gen = getattr(self.handle.options(stream=True), method).remote(*args)
+        gen = getattr(self.stream_handle, method).remote(*args)
         try:
             async for batch in gen:
                 for event in batch:

@@ -22,19 +22,15 @@ from omni_ray.bench import run_meta, write_results
 from omni_ray.config import PipelineConfig
 from omni_ray.floors import rtf_floor
 from omni_ray.models.qwen3_omni.model_files import resolve_model
+from omni_ray.serve.metrics import TIME_TO
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
 PROMPT_FILE = HERE / "prompt_100_tokens.txt"
 URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
-HISTOGRAMS = {"streams_open": "omni_time_to_streams_open_seconds",
-              "prefill_launched": "omni_time_to_prefill_launch_seconds", "first_token": "omni_time_to_first_token_seconds",
-              "talker_first_text": "omni_time_to_talker_first_text_seconds",
-              "first_frame_launched": "omni_time_to_first_frame_launch_seconds", "first_frame": "omni_time_to_first_frame_seconds",
-              "first_audio": "omni_time_to_first_audio_seconds",
-              "first_audio_received": "omni_time_to_first_audio_received_seconds",
-              "first_audio_sent": "omni_time_to_first_audio_sent_seconds", "request_path": "omni_request_path_seconds"}
+HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
+              "request_path": "omni_request_path_seconds"}
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
           "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",

@@ -74,8 +74,9 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         options.update(override)
         deployment = serve.deployment(cls).options(**options)
         bound[name] = deployment.bind(config.model, stage)
-    ingress_options = {"name": "ingress", "ray_actor_options": with_serve_env({"num_cpus": 0.2}, INGRESS_ENV), "max_ongoing_requests": 256,
-                       "max_queued_requests": 512, **(args.get("stage_options") or {}).get("ingress", {})}
+    ingress_options = {"name": "ingress", "ray_actor_options": with_serve_env({"num_cpus": 0.2}, INGRESS_ENV),
+                       "max_ongoing_requests": 256, "max_queued_requests": 512,
+                       **(args.get("stage_options") or {}).get("ingress", {})}
     ingress = serve.deployment(OmniIngress).options(**ingress_options)
     return ingress.bind(
         bound["encoder"], bound["thinker"], bound["talker"], bound["vocoder"],

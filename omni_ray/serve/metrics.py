@@ -36,6 +36,20 @@ STAGE_GAUGES = {
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",
     "decode_windows": "streams' chunks the vocoder has decoded, in all its calls (cumulative; per call: the batch)",
 }
+# The points of a reply's way that the ingress times from submitting it: {timing key: (histogram name, help)}, in
+# the order a reply passes them
+TIME_TO = {
+    "streams_open": ("streams_open", "time until every stage of the reply had opened its stream"),
+    "prefill_launched": ("prefill_launch", "time until the Thinker launched the step that prefills the prompt"),
+    "first_token": ("first_token", "time to first text token"),
+    "talker_first_text": ("talker_first_text", "time until the reply's first token reached the Talker"),
+    "first_frame_launched": ("first_frame_launch", "time until the Talker launched the step that makes the first frame"),
+    "first_frame": ("first_frame", "time to the Talker's first codec frame"),
+    "first_audio": ("first_audio", "time to first audio chunk"),
+    "first_audio_received": ("first_audio_received",
+                             "time until the first audio chunk reached the ingress (vs made by the vocoder)"),
+    "first_audio_sent": ("first_audio_sent", "time until the ingress handed the first audio chunk to the HTTP response"),
+}
 
 
 def parse_request_start(header: str | None) -> float | None:
@@ -66,28 +80,9 @@ class ServiceMetrics:
         self.stream_failures = Counter("omni_stream_failures", "streamed replies that failed after their headers were "
                                        "sent (a chat stream ends with an error event)", ["endpoint"], registry=r)
         self.in_flight = Gauge("omni_requests_in_flight", "requests being served by the ingress", registry=r)
-        self.streams_open = Histogram("omni_time_to_streams_open_seconds",
-                                      "time until every stage of the reply had opened its stream",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_launched = Histogram("omni_time_to_prefill_launch_seconds",
-                                          "time until the Thinker launched the step that prefills the prompt",
-                                          buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first text token", buckets=LATENCY_BUCKETS, registry=r)
-        self.talker_first_text = Histogram("omni_time_to_talker_first_text_seconds",
-                                           "time until the reply's first token reached the Talker",
-                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.first_frame_launched = Histogram("omni_time_to_first_frame_launch_seconds",
-                                              "time until the Talker launched the step that makes the first frame",
-                                              buckets=LATENCY_BUCKETS, registry=r)
-        self.ttff = Histogram("omni_time_to_first_frame_seconds", "time to the Talker's first codec frame",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfa = Histogram("omni_time_to_first_audio_seconds", "time to first audio chunk", buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfa_received = Histogram("omni_time_to_first_audio_received_seconds",
-                                       "time until the first audio chunk reached the ingress (vs made by the vocoder)",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfa_sent = Histogram("omni_time_to_first_audio_sent_seconds",
-                                   "time until the ingress handed the first audio chunk to the HTTP response",
-                                   buckets=LATENCY_BUCKETS, registry=r)
+        # omni_time_to_<name>_seconds: from the ingress submitting the request to a point of the reply's way
+        self.time_to = {key: Histogram(f"omni_time_to_{name}_seconds", help_text, buckets=LATENCY_BUCKETS, registry=r)
+                        for key, (name, help_text) in TIME_TO.items()}
         self.request_path = Histogram("omni_request_path_seconds",
                                       "from the client's X-Request-Start header to the ingress handler: the HTTP proxy "
                                       "and request routing (requests that send the header)",
@@ -113,11 +108,7 @@ class ServiceMetrics:
         submitted = timing.get("submitted")
         if submitted is None:
             return
-        for key, histogram in (("streams_open", self.streams_open), ("prefill_launched", self.prefill_launched),
-                               ("first_token", self.ttft), ("talker_first_text", self.talker_first_text),
-                               ("first_frame_launched", self.first_frame_launched), ("first_frame", self.ttff),
-                               ("first_audio", self.ttfa), ("first_audio_received", self.ttfa_received),
-                               ("first_audio_sent", self.ttfa_sent)):
+        for key, histogram in self.time_to.items():
             if key in timing:
                 histogram.observe(timing[key] - submitted)
         if audio_seconds > 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from pathlib import Path
@@ -36,9 +37,14 @@ async def _reply(client: httpx.AsyncClient) -> float | None:
     headers = {"X-Request-Start": f"t={time.time_ns() // 1000}"}
     async with client.stream("POST", f"{URL}/v1/chat/completions", json=BODY, timeout=120, headers=headers) as r:
         async for line in r.aiter_lines():
-            if first is None and '"audio"' in line and '"data": "' in line:
+            if first is None and line.startswith("data: {") and _has_audio(json.loads(line[len("data: "):])):
                 first = time.perf_counter() - start
     return first
+
+
+def _has_audio(chunk: dict[str, Any]) -> bool:
+    """Does this chat-completion chunk carry audio samples?"""
+    return any(((choice.get("delta") or {}).get("audio") or {}).get("data") for choice in chunk.get("choices") or [])
 
 
 async def _level(concurrency: int, rounds: int) -> list[float | None]:

@@ -270,10 +270,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
             f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
-            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in (
-                "streams_open", "prefill_launched", "first_token", "talker_first_text", "first_frame_launched",
-                "first_frame", "first_audio")) + " / "
-            f"{num(srv.get('mean_first_audio_received_ms'))} / {num(srv.get('mean_first_audio_sent_ms'))} | "
+            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in TIME_TO) + " | "
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "

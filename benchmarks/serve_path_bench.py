@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -18,13 +19,12 @@ from typing import Any
 
 import httpx
 
-from benchmarks.e2e_serve import HISTOGRAMS
+from benchmarks.e2e_serve import HISTOGRAMS, URL, scrape
 from omni_ray.bench import run_meta, write_results
+from omni_ray.serve.metrics import TIME_TO
 
 LAYOUT = Path(__file__).resolve().parent.parent / "deployments" / "tiny_cpu.yaml"
-URL = "http://127.0.0.1:8000"
-POINTS = ("streams_open", "prefill_launched", "first_token", "talker_first_text", "first_frame_launched", "first_frame",
-          "first_audio", "first_audio_sent")
+POINTS = tuple(key for key in TIME_TO if key != "first_audio_received")  # the ingress's side: received ≈ sent
 BODY = {"model": "qwen3-omni", "messages": [{"role": "user", "content": "Hello there, tell me something."}],
         "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "stream": True,
         "max_completion_tokens": 16}
@@ -57,13 +57,8 @@ async def _level(concurrency: int, rounds: int) -> list[float | None]:
 
 def _sums() -> dict[str, tuple[float, float]]:
     """(sum, count) of each time-to-X histogram on /metrics."""
-    lines = httpx.get(f"{URL}/metrics", timeout=30).text.splitlines()
-    out = {}
-    for key, name in HISTOGRAMS.items():
-        total = [float(line.split()[-1]) for line in lines if line.startswith(f"{name}_sum ")]
-        count = [float(line.split()[-1]) for line in lines if line.startswith(f"{name}_count ")]
-        out[key] = (total[0], count[0]) if total and count else (0.0, 0.0)
-    return out
+    values = scrape()
+    return {key: (values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0)) for key, name in HISTOGRAMS.items()}
 
 
 def measure(concurrency: int, rounds: int) -> dict[str, Any]:
@@ -97,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--stem", default="serve_path")
     args = parser.parse_args(argv)
-    import os
-
     import ray
     from ray import serve
 

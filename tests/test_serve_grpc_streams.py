@@ -31,7 +31,7 @@ class Consumer:
     def __init__(self, producer: Any, grpc_streams: bool) -> None:
         self.client = ServeClient(producer, grpc_streams)
 
-    async def total(self, count: int) -> list[int]:
+    async def sizes(self, count: int) -> list[int]:
         return [int(event["pcm"].nbytes) async for event in self.client.stream("chunks", count)]
 
 
@@ -42,6 +42,6 @@ def test_stream_items_past_grpcs_default_cap_reach_the_caller(serve_url: str, gr
     app = serve.deployment(Consumer).options(name="consumer", **options).bind(producer, grpc_streams)
     handle = serve.run(app, name="grpc-streams", route_prefix=None)
     try:
-        assert handle.total.remote(3).result(timeout_s=120) == [ITEM_BYTES] * 3
+        assert handle.sizes.remote(3).result(timeout_s=120) == [ITEM_BYTES] * 3
     finally:
         serve.delete("grpc-streams")

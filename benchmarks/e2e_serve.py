@@ -179,11 +179,11 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     import ray
     from ray import serve
 
-    from omni_ray.serve.app import app_from_serve_config
+    from omni_ray.serve.app import app_from_serve_config, start_serve
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     app, spec = app_from_serve_config(serve_config)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    start_serve(spec, {"host": "127.0.0.1", "port": 8000})
     started = time.time()
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
     wait_ready(900)

@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from omni_ray.serve.app import app_from_serve_config
+    from omni_ray.serve.app import app_from_serve_config, start_serve
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         app, spec = app_from_serve_config(LAYOUT)
-        serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+        start_serve(spec, {"host": "127.0.0.1", "port": 8000})
         serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"])
         while httpx.get(f"{URL}/ready", timeout=5).status_code != 200:
             time.sleep(0.2)

@@ -83,14 +83,14 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from omni_ray.serve.app import app_from_serve_config
+    from omni_ray.serve.app import app_from_serve_config, start_serve
 
     config_path = Path(args.config) if args.config else Path(__file__).parent / "assets" / "serve_tiny_cpu.yaml"
     app, spec = app_from_serve_config(config_path)
     http = {**spec["http_options"], **({"host": args.host} if args.host else {}), **({"port": args.port} if args.port else {})}
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address) if address else ray.init(include_dashboard=False)
-    serve.start(http_options=http)
+    start_serve(spec, http)
     print(f"omni-ray serving {spec['name']} at http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}{spec['route_prefix']}",
           file=sys.stderr)
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=True)

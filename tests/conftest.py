@@ -62,13 +62,13 @@ def serve_url(ray_cluster: str) -> Iterator[str]:
     import httpx
     from ray import serve
 
-    from omni_ray.serve.app import app_from_serve_config
+    from omni_ray.serve.app import app_from_serve_config, start_serve
 
     layout = Path(__file__).resolve().parent.parent / "deployments" / "tiny_cpu.yaml"  # the shipped default
     # two ingress replicas, as a service scaled for load runs: /metrics must count both replicas' requests
     overrides = {"limits": SERVE_LIMITS, "stage_options": {"ingress": {"num_replicas": INGRESS_REPLICAS}}}
     app, spec = app_from_serve_config(layout, overrides=overrides)
-    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    start_serve(spec, {"host": "127.0.0.1", "port": SERVE_PORT})
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"])
     url = f"http://127.0.0.1:{SERVE_PORT}"
     deadline = time.time() + 60

@@ -58,14 +58,13 @@ def stream_one(url: str, prefix: str, results: list[dict[str, Any]]) -> None:
     results.append(record)
 
 
-def wait_for_route(url: str, prefix: str, seconds: float = 30.0, probe: str = "/v1/models") -> None:
-    """Until the HTTP proxy routes `prefix` to its new application (its `probe` path answers 200): `serve.run`
-    returns once the application runs, and the proxy learns the route a moment later (requests in between reach the
-    app mounted at `/`: a 404)."""
+def wait_for_route(url: str, prefix: str, seconds: float = 30.0) -> None:
+    """Until the HTTP proxy routes `prefix` to its new application: `serve.run` returns once the application runs,
+    and the proxy learns the route a moment later (requests in between reach the app mounted at `/`: a 404)."""
 
     def routed() -> bool:
         try:
-            return httpx.get(f"{url}{prefix}{probe}", timeout=5).status_code == 200
+            return httpx.get(f"{url}{prefix}/v1/models", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -10,9 +10,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import EngineSettings, PipelineConfig
-from omni_ray.serve.app import (
-    CONTROLLER_OPTIONS, GRPC_MAX_MESSAGE_BYTES, STAGE_CLASSES, app_from_serve_config, stage_deployment_options,
-)
+from omni_ray.serve.app import GRPC_MAX_MESSAGE_BYTES, STAGE_CLASSES, app_from_serve_config, stage_deployment_options
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -37,21 +35,16 @@ def test_layout_is_a_valid_serve_config_that_builds(path: Path) -> None:
         assert resources.device == "cpu" or resources.num_gpus > 0
 
 
-@pytest.mark.parametrize("path", [*LAYOUTS, *sorted((ROOT / "benchmarks").glob("serve_*.yaml"))], ids=lambda p: p.name)
-def test_every_serve_config_gives_the_http_proxies_grpc_and_the_message_cap(path: Path) -> None:
-    """`serve run FILE` starts Serve's controller (and so its proxies) with the file's controller options; the
-    imperative path (`omni-ray serve`, the benchmarks) takes them from `app_from_serve_config`."""
-    assert yaml.safe_load(path.read_text())["controller_options"] == CONTROLLER_OPTIONS
-    assert CONTROLLER_OPTIONS["runtime_env"]["env_vars"]["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(GRPC_MAX_MESSAGE_BYTES)
-    assert app_from_serve_config(path)[1]["controller_options"] == CONTROLLER_OPTIONS
-
-
-def test_a_serve_config_without_controller_options_gets_omni_rays(tmp_path: Path) -> None:
+def test_a_serve_configs_controller_options_reach_serve_start(tmp_path: Path) -> None:
+    """`omni-ray serve` and the benchmarks start Serve with a config's `controller_options`, as `serve run` does
+    (the shipped layouts set none)."""
     raw = yaml.safe_load((ROOT / "deployments/tiny_cpu.yaml").read_text())
-    del raw["controller_options"]
-    bare = tmp_path / "bare.yaml"
-    bare.write_text(yaml.safe_dump(raw))
-    assert app_from_serve_config(bare)[1]["controller_options"] == CONTROLLER_OPTIONS
+    assert "controller_options" not in raw and app_from_serve_config(ROOT / "deployments/tiny_cpu.yaml")[1]["controller_options"] is None
+    options = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_USE_GRPC": "1"}}}
+    configured = tmp_path / "configured.yaml"
+    configured.write_text(yaml.safe_dump({**raw, "controller_options": options}))
+    ServeDeploySchema.model_validate(yaml.safe_load(configured.read_text()))
+    assert app_from_serve_config(configured)[1]["controller_options"] == options
 
 
 def test_gpu_layouts_place_stages_as_documented() -> None:

@@ -30,14 +30,6 @@ GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-# Serve's HTTP proxies stream each reply from the ingress over the same gRPC transport (`RAY_SERVE_PROXY_USE_GRPC`)
-# instead of a Ray streaming generator (an object per item), and take messages up to the same cap: a non-streamed
-# reply's body is one message. The proxies are the Serve controller's children and run in its environment, so a
-# Serve config sets this as its `controller_options` (deployments/*.yaml do; `app_from_serve_config` falls back to it).
-PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
-CONTROLLER_OPTIONS: dict[str, Any] = {"runtime_env": {"env_vars": PROXY_ENV}}
-
-
 def with_serve_env(actor_options: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """`actor_options` with the environment every replica of the application needs (the gRPC message cap), and
     `extra_env`."""
@@ -109,11 +101,11 @@ def app_from_serve_config(path: str | Path, overrides: dict[str, Any] | None = N
     return build_app(args), {
         "name": application.name, "route_prefix": application.route_prefix or "/",
         "http_options": raw.get("http_options") or {},
-        "controller_options": raw.get("controller_options", CONTROLLER_OPTIONS),
+        "controller_options": raw.get("controller_options"),
     }
 
 
 def start_serve(spec: dict[str, Any], http_options: dict[str, Any]) -> None:
-    """`serve.start` with a Serve config's controller options (from `app_from_serve_config`) and these HTTP options.
-    They apply when Serve's controller is first created, as with `serve run`."""
+    """`serve.start` with a Serve config's controller options (from `app_from_serve_config`; none in the shipped
+    layouts) and these HTTP options. They apply when Serve's controller is first created, as with `serve run`."""
     serve.start(http_options=http_options, controller_options=spec["controller_options"])

@@ -30,10 +30,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args.pipeline.model "path" $path -}}
 {{- end -}}
 {{- $application := dict "name" $app.name "route_prefix" $app.routePrefix "import_path" "omni_ray.serve.app:build_app" "args" $args "deployments" $app.deployments -}}
-{{- /* Serve's HTTP proxies read replies from the ingress over gRPC, with omni-ray's message cap (serve/app.py: PROXY_ENV) */ -}}
-{{- $proxyEnv := dict "RAY_SERVE_PROXY_USE_GRPC" "1" "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH" "268435456" -}}
-{{- $controller := dict "runtime_env" (dict "env_vars" $proxyEnv) -}}
-{{- $config := dict "proxy_location" .Values.serve.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.serve.port) "controller_options" $controller "applications" (list $application) -}}
+{{- $config := dict "proxy_location" .Values.serve.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.serve.port) "applications" (list $application) -}}
 {{- toYaml $config -}}
 {{- end -}}
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -22,6 +24,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    reply_out = sys.stdout  # the reply's text alone: Ray prints its raylet's warnings to `sys.stdout`, sent to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        return _generate_to(args, reply_out)
+
+
+def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
     import ray
 
     from omni_ray.audio import encode_wav
@@ -55,14 +63,14 @@ def _generate(args: argparse.Namespace) -> int:
             audio=not args.no_audio, speaker=args.voice, talker_sampling=talker, max_audio_frames=args.max_audio_frames,
         ):
             if isinstance(event, TextDelta):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                reply_out.write(event.text)
+                reply_out.flush()
             elif isinstance(event, AudioChunk):
                 first_audio = first_audio if first_audio is not None else event.t - start
                 pcm.append(event.pcm)
             else:
                 final = event
-        sys.stdout.write("\n")
+        reply_out.write("\n")
         if final is not None:
             print(f"[finish_reason={final.finish_reason} audio={final.audio_finish_reason} usage={final.usage}"
                   + (f" first_audio={first_audio:.3f}s" if first_audio is not None else "") + "]", file=sys.stderr)

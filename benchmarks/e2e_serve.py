@@ -248,8 +248,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
              "p50; the rest of a step is its wait for the device.", "",
              "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
-             "server: streams open / prefill launched / first token / at the Talker / its step launched / first frame / "
-             "first audio / at ingress / handed on, mean (ms) | "
+             f"server: {' / '.join(point.replace('_', ' ') for point in TIME_TO)}, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "

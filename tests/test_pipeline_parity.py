@@ -105,7 +105,9 @@ def test_first_audio_leaves_before_the_thinker_finishes(pipeline: Any) -> None:
     # token reaches the Talker and the caller by different ways, so their order is not fixed. The Talker's first
     # frame waits for that token's embedding (no early prefill here).
     assert timing["submitted"] <= timing["prefill_launched"] <= timing["first_token"], timing
-    path = ("prefill_launched", "talker_first_text", "first_frame_launched", "first_frame", "first_audio")
+    # the first token's message to the Talker: queued by the Thinker's relay, sent, read by the Talker's replica
+    path = ("prefill_launched", "first_text_queued", "first_text_sent", "first_text_arrived", "talker_first_text",
+            "first_frame_launched", "first_frame", "first_audio")
     assert [timing[a] <= timing[b] for a, b in zip(path, path[1:])] == [True] * (len(path) - 1), timing
     assert np.isfinite(reply.pcm).all() and reply.pcm.size == 30 * 1920 - 555
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -319,6 +320,34 @@ def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
         for item, tensor in zip(got, sent):
             assert item.tensors["x"].dtype == tensor.dtype and torch.equal(item.tensors["x"], tensor)
         assert got[-1].kind == "end" and got[-1].meta == {"finish_reason": "stop"}
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_requests_first_item_says_when_its_message_was_queued_sent_and_read() -> None:
+    """Over the host path the first item of each request carries its message's way (queued by the producer's sender,
+    sent, read by the consumer's transport), in order and within the test's span; later items carry nothing."""
+    async def main() -> None:
+        endpoint = RelayEndpoint()
+        server = RelayServer(endpoint)
+        peer = RelayPeer("consumer", await server.start("127.0.0.1"))
+        got: list[RelayItem] = []
+        endpoint.claim("a", got.append)
+        endpoint.claim("b", got.append)
+        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        before = time.time()
+        sender.send(peer, [RelayItem("a", tensors={"x": torch.ones(4)}), RelayItem("a")])
+        await _until(lambda: len(got) == 2, timeout=5)
+        sender.send(peer, [RelayItem("a"), RelayItem("b")])
+        await _until(lambda: len(got) == 4, timeout=5)
+        after = time.time()
+        first_a, second_a, third_a, first_b = got
+        for first in (first_a, first_b):
+            queued, sent, arrived = first.meta["relay_times"]
+            assert before <= queued <= sent <= arrived <= after
+        assert first_a.meta["relay_times"][0] < first_b.meta["relay_times"][0]  # each its own message's
+        assert "relay_times" not in second_a.meta and "relay_times" not in third_a.meta
         await server.close()
 
     asyncio.run(main())

@@ -31,11 +31,19 @@ class RelayItem:
 @dataclass
 class RelayMessage:
     """Everything one producer step sends to one consumer replica. A message with `control` set carries transport
-    signalling (e.g. a collective rendezvous or payload header) instead of items."""
+    signalling (e.g. a collective rendezvous or payload header) instead of items.
+
+    Its way, in epoch seconds (0.0: not stamped; compare across processes of one host): queued by the producer's
+    sender, sent (its tensors placed and its header or frame on the way) and arrived (read by the consumer's
+    transport, before any copy out of the producer's memory). A request's first item carries them on to its consumer
+    (`meta["relay_times"]`)."""
 
     sender: str
     items: list[RelayItem]
     control: dict[str, Any] | None = None
+    queued_at: float = 0.0
+    sent_at: float = 0.0
+    arrived_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,7 @@ class RelaySender:
         if queue is None:
             queue = self._queues[peer.replica_id] = asyncio.Queue()
             self._tasks[peer.replica_id] = asyncio.get_running_loop().create_task(self._pump(peer, queue))
-        queue.put_nowait(RelayMessage(self.sender_id, items))
+        queue.put_nowait(RelayMessage(self.sender_id, items, queued_at=time.time()))
 
     def forget(self, request_id: str) -> None:
         self._next_seq.pop(request_id, None)
@@ -152,6 +160,8 @@ class RelayEndpoint:
             if item.seq != expected:
                 raise RuntimeError(f"relay order broken for {item.request_id}: got {item.seq}, expected {expected}")
             self._expected_seq[item.request_id] = expected + 1
+            if expected == 0:  # the request's first item: how its message came (`RelayMessage`)
+                item.meta["relay_times"] = (message.queued_at, message.sent_at, message.arrived_at)
             handler = self._handlers.get(item.request_id)
             if handler is None:
                 self._pending.setdefault(item.request_id, []).append(item)

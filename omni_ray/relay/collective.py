@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import logging
 import threading
+import time
 import uuid
 from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,7 +57,7 @@ def pack(message: RelayMessage) -> tuple[RelayMessage, list[tuple[int, torch.Ten
             tensors.append((offset, tensor))
             offset += tensor.numel() * tensor.element_size()
         items.append(replace(item, tensors={}, meta={**item.meta, "_tensor_refs": refs}))
-    return RelayMessage(message.sender, items), tensors, offset
+    return replace(message, items=items), tensors, offset
 
 
 def unpack(header: RelayMessage, buffer: torch.Tensor) -> RelayMessage:
@@ -70,7 +71,7 @@ def unpack(header: RelayMessage, buffer: torch.Tensor) -> RelayMessage:
             nbytes = torch.Size(ref.shape).numel() * torch.empty(0, dtype=ref.dtype).element_size()
             tensors[name] = buffer[ref.offset : ref.offset + nbytes].view(ref.dtype).view(ref.shape)
         items.append(replace(item, tensors=tensors, meta=meta))
-    return RelayMessage(header.sender, items)
+    return replace(header, items=items)
 
 
 def flatten(
@@ -187,6 +188,7 @@ class CollectiveTransport:
             if pair is None:
                 pair = await self._open(peer)
             header, tensors, nbytes = pack(message)
+            header.sent_at = time.time()
             await self.control.send(peer, _control(message.sender, "payload", pair.pair_id, header=header, nbytes=nbytes))
             if nbytes == 0:  # e.g. only end markers: the header is the whole message
                 return
@@ -252,6 +254,7 @@ class CollectiveReceiver:
         elif op == "payload":
             pair = self.pairs.get(pair_id)
             header: RelayMessage = control["header"]
+            header.arrived_at = message.arrived_at
             if pair is None:
                 self._deliver(_failed(header, "relay payload for an unknown pair"))
                 return

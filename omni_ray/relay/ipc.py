@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -132,6 +133,7 @@ class IpcTransport:
         place: dict[str, Any] = {}
         if nbytes:
             place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes))
+        header.sent_at = time.time()
         await self.control.send(peer, _control(message.sender, "ipc", "", header=header, **place))
 
     def _share(self, replica_id: str, tensors: list[tuple[int, torch.Tensor]], nbytes: int) -> dict[str, Any]:
@@ -190,6 +192,7 @@ class IpcReceiver:
         control = message.control or {}
         self._loop = asyncio.get_running_loop()
         header, ring, handle = control["header"], control.get("ring"), control.get("handle")
+        header.arrived_at = message.arrived_at
         slot: list[RelayMessage | None] = [None]
         self._slots.append(slot)
         if handle is None and len(self._slots) == 1:  # a ring copy is µs on an idle stream: no thread hop

@@ -8,6 +8,7 @@ import logging
 import pickle
 import socket
 import struct
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Union
 
@@ -195,6 +196,7 @@ class RelayServer:
         try:
             while True:
                 message = decode_message(await _read_frame(loop, sock))
+                message.arrived_at = time.time()
                 try:
                     self.endpoint.deliver(message)
                 except Exception:  # a bad message must not kill the connection for other requests
@@ -233,6 +235,8 @@ class TcpTransport:
         self.on_lost = on_lost
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+        if not message.control:  # an item message leaves now (a transport's control message stamps its header)
+            message.sent_at = time.time()
         parts = encode_message(message)
         loop = asyncio.get_running_loop()
         lock = self._locks.setdefault(peer.address, asyncio.Lock())

@@ -3,6 +3,7 @@ else the host path."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol
 
 import torch
@@ -35,6 +36,7 @@ class LocalTransport:
     """Same process: the message object itself is delivered to the peer's endpoint (no copy)."""
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
+        message.sent_at = message.arrived_at = time.time()
         LOCAL_ENDPOINTS[peer.replica_id].deliver(message)
 
 

@@ -73,6 +73,15 @@ def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any] | EngineLanes[A
     return stats
 
 
+# the points of the first reply token's way from the Thinker to the Talker that its relay message stamps
+RELAY_POINTS = ("first_text_queued", "first_text_sent", "first_text_arrived")
+
+
+def _relay_timing(times: tuple[float, float, float] | None) -> dict[str, float | None]:
+    """A `RelayMessage`'s queued / sent / arrived times as timing points (None where a transport stamped none)."""
+    return {} if times is None else {point: t or None for point, t in zip(RELAY_POINTS, times)}
+
+
 def _kv_cache(cfg: Any, settings: EngineSettings, res: StageResources) -> SlotKVCache:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return SlotKVCache(
@@ -290,6 +299,8 @@ class TalkerStage(StageBase):
             self.forget_consumer(rid, finished)
 
     def _on_thinker_item(self, seq: TalkerSequence, item: RelayItem) -> None:
+        if seq.first_text_relay is None and "relay_times" in item.meta:
+            seq.first_text_relay = item.meta["relay_times"]
         if item.kind == "error":
             self.engine.abort(seq.request_id)
             self.fail(seq.request_id, f"thinker: {item.meta.get('message', 'failed')}")
@@ -319,7 +330,8 @@ class TalkerStage(StageBase):
                 seq = self._sequences.get(out.request_id)
                 timing = {"first_frame": self._first_frame.pop(out.request_id, None)}
                 if seq is not None:
-                    timing.update(talker_first_text=seq.first_text_received, first_frame_launched=seq.first_frame_launched)
+                    timing.update(talker_first_text=seq.first_text_received,
+                                  first_frame_launched=seq.first_frame_launched, **_relay_timing(seq.first_text_relay))
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason,
                                            "frames": seq.frames if seq is not None else 0, "timing": timing})
 

@@ -91,6 +91,8 @@ class TalkerSequence:
     # where the first frame's time goes (epoch s): the first reply token's arrival, the launch of the step making it
     first_text_received: float | None = None
     first_frame_launched: float | None = None
+    # how the message with the reply's first items came from the Thinker: queued, sent, arrived (`RelayMessage`)
+    first_text_relay: tuple[float, float, float] | None = None
 
     @property
     def mtp_sampling(self) -> SamplingParams:

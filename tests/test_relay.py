@@ -303,15 +303,21 @@ def test_between_processes_on_one_gpu_small_messages_take_the_host_path_and_larg
     assert transport.tcp.sent == ([small] if mode == "auto" else [])  # type: ignore[attr-defined]
 
 
+async def _tcp_link(*requests: str) -> tuple[RelayServer, RelayPeer, RelaySender, list[RelayItem]]:
+    """A host-path link on this machine: the consumer's server and address, a producer's sender, and the list the
+    consumer's items for `requests` go to."""
+    endpoint = RelayEndpoint()
+    server = RelayServer(endpoint)
+    peer = RelayPeer("consumer", await server.start("127.0.0.1"))
+    got: list[RelayItem] = []
+    for request in requests:
+        endpoint.claim(request, got.append)
+    return server, peer, RelaySender("producer", TcpTransport(), _failures()[1]), got
+
+
 def test_tcp_relay_is_ordered_and_bitwise_exact() -> None:
     async def main() -> None:
-        endpoint = RelayEndpoint()
-        server = RelayServer(endpoint)
-        address = await server.start("127.0.0.1")
-        peer = RelayPeer("consumer", address)
-        got: list[RelayItem] = []
-        endpoint.claim("a", got.append)
-        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        server, peer, sender, got = await _tcp_link("a")
         sent = [torch.randn(3, 5, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
         for tensor in sent:
             sender.send(peer, [RelayItem("a", tensors={"x": tensor, "ids": torch.arange(7)})])
@@ -329,13 +335,7 @@ def test_a_requests_first_item_says_when_its_message_was_queued_sent_and_read() 
     """Over the host path the first item of each request carries its message's way (queued by the producer's sender,
     sent, read by the consumer's transport), in order and within the test's span; later items carry nothing."""
     async def main() -> None:
-        endpoint = RelayEndpoint()
-        server = RelayServer(endpoint)
-        peer = RelayPeer("consumer", await server.start("127.0.0.1"))
-        got: list[RelayItem] = []
-        endpoint.claim("a", got.append)
-        endpoint.claim("b", got.append)
-        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        server, peer, sender, got = await _tcp_link("a", "b")
         before = time.time()
         sender.send(peer, [RelayItem("a", tensors={"x": torch.ones(4)}), RelayItem("a")])
         await _until(lambda: len(got) == 2, timeout=5)
@@ -356,12 +356,7 @@ def test_a_requests_first_item_says_when_its_message_was_queued_sent_and_read() 
 def test_tcp_relay_carries_large_and_small_tensors_of_one_message_bitwise() -> None:
     """A message mixing tensors of megabytes (sent from their own memory) with small ones (joined into one send)."""
     async def main() -> None:
-        endpoint = RelayEndpoint()
-        server = RelayServer(endpoint)
-        peer = RelayPeer("consumer", await server.start("127.0.0.1"))
-        got: list[RelayItem] = []
-        endpoint.claim("a", got.append)
-        sender = RelaySender("producer", TcpTransport(), _failures()[1])
+        server, peer, sender, got = await _tcp_link("a")
         g = torch.Generator().manual_seed(1)
         tensors = {"big": torch.randn(1_300_000, generator=g).to(torch.bfloat16), "ids": torch.arange(7),
                    "states": torch.randn(100, 2048, generator=g), "mask": torch.rand(33, generator=g) > 0.5}

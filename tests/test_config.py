@@ -38,8 +38,9 @@ def test_layout_is_a_valid_serve_config_that_builds(path: Path) -> None:
 def test_a_serve_configs_controller_options_reach_serve_start(tmp_path: Path) -> None:
     """`omni-ray serve` and the benchmarks start Serve with a config's `controller_options`, as `serve run` does
     (the shipped layouts set none)."""
-    raw = yaml.safe_load((ROOT / "deployments/tiny_cpu.yaml").read_text())
-    assert "controller_options" not in raw and app_from_serve_config(ROOT / "deployments/tiny_cpu.yaml")[1]["controller_options"] is None
+    shipped = ROOT / "deployments/tiny_cpu.yaml"
+    raw = yaml.safe_load(shipped.read_text())
+    assert "controller_options" not in raw and app_from_serve_config(shipped)[1]["controller_options"] is None
     options = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_USE_GRPC": "1"}}}
     configured = tmp_path / "configured.yaml"
     configured.write_text(yaml.safe_dump({**raw, "controller_options": options}))

@@ -36,12 +36,14 @@ def test_request_path_observes_only_plausible_headers() -> None:
 def test_reply_timing_fills_each_time_to_x_histogram_from_submission() -> None:
     metrics = ServiceMetrics()
     timing = {"submitted": 100.0, "streams_open": 100.05, "prefill_launched": 100.06, "first_token": 100.1,
-              "first_text_queued": 100.102, "first_text_sent": 100.104, "first_text_arrived": 100.11, "talker_first_text": 100.12, "first_frame_launched": 100.15, "first_frame": 100.2, "first_audio": 100.3,
+              "first_text_queued": 100.102, "first_text_sent": 100.104, "first_text_arrived": 100.11,
+              "talker_first_text": 100.12, "first_frame_launched": 100.15, "first_frame": 100.2, "first_audio": 100.3,
               "first_audio_received": 100.31, "first_audio_sent": 100.32}
     metrics.observe_reply(timing, audio_seconds=2.0, finished_at=101.0)
     for name, seconds in (("omni_time_to_streams_open_seconds", 0.05), ("omni_time_to_prefill_launch_seconds", 0.06),
                           ("omni_time_to_first_token_seconds", 0.1), ("omni_time_to_first_text_queued_seconds", 0.102),
-                          ("omni_time_to_first_text_sent_seconds", 0.104), ("omni_time_to_first_text_arrived_seconds", 0.11),
+                          ("omni_time_to_first_text_sent_seconds", 0.104),
+                          ("omni_time_to_first_text_arrived_seconds", 0.11),
                           ("omni_time_to_talker_first_text_seconds", 0.12),
                           ("omni_time_to_first_frame_launch_seconds", 0.15), ("omni_time_to_first_frame_seconds", 0.2),
                           ("omni_time_to_first_audio_seconds", 0.3),

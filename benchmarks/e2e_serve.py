@@ -71,15 +71,21 @@ def startup_text(row: dict[str, Any]) -> str:
     return f"service ready {row['seconds']:.0f} s after `serve.run`" + (f" ({stages})" if stages else "")
 
 
+def histogram_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Each of HISTOGRAMS' mean (ms) over what it observed between two scrapes (None: nothing)."""
+    means: dict[str, float | None] = {}
+    for key, name in HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        total = after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)
+        means[key] = 1000 * total / count if count else None
+    return means
+
+
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
     median step time and mean batch at the end of the level, and the vocoder's busy fraction, frame rate and streams'
     chunks per decode call over the level's `seconds` (summed over its replicas)."""
-    out: dict[str, Any] = {}
-    for key, name in HISTOGRAMS.items():
-        count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
-        total = after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)
-        out[f"mean_{key}_ms"] = 1000 * total / count if count else None
+    out: dict[str, Any] = {f"mean_{key}_ms": mean for key, mean in histogram_means(before, after).items()}
     for gauge in GAUGES:
         for key, value in after.items():
             if key.startswith(gauge + "{"):

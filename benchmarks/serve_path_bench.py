@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.e2e_serve import HISTOGRAMS, URL, scrape
+from benchmarks.e2e_serve import URL, histogram_means, scrape
 from omni_ray.bench import run_meta, write_results
 from omni_ray.serve.metrics import TIME_TO
 
@@ -55,18 +55,10 @@ async def _level(concurrency: int, rounds: int) -> list[float | None]:
         return ttfa
 
 
-def _sums() -> dict[str, tuple[float, float]]:
-    """(sum, count) of each time-to-X histogram on /metrics."""
-    values = scrape()
-    return {key: (values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0)) for key, name in HISTOGRAMS.items()}
-
-
 def measure(concurrency: int, rounds: int) -> dict[str, Any]:
-    before = _sums()
+    before = scrape()
     ttfa = [t for t in asyncio.run(_level(concurrency, rounds)) if t is not None]
-    after = _sums()
-    means = {key: 1000 * (after[key][0] - before[key][0]) / (after[key][1] - before[key][1])
-             for key in HISTOGRAMS if after[key][1] > before[key][1]}
+    means = {key: mean for key, mean in histogram_means(before, scrape()).items() if mean is not None}
     return {"concurrency": concurrency, "requests": concurrency * rounds, "with_audio": len(ttfa),
             "client_ttfa_ms_p50": 1000 * statistics.median(ttfa) if ttfa else None, "server_mean_ms": means}
 

@@ -77,28 +77,48 @@ def unpack(header: RelayMessage, buffer: torch.Tensor) -> RelayMessage:
 def flatten(
     tensors: list[tuple[int, torch.Tensor]], nbytes: int, device: torch.device, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Every tensor's bytes at its offset in one contiguous uint8 buffer on `device` (or in `out`, nbytes long), in
-    a few copies whatever the count: consecutive tensors on one device (and the zero padding between them) are joined
-    there, each such run crosses to `device` in one copy, and one last join places the runs. (A copy per tensor meant a
-    copy call per request and step.)"""
-    runs: list[list[torch.Tensor]] = []  # consecutive byte pieces that sit on one device
+    """Every tensor's bytes at its offset in one contiguous uint8 buffer on `device` (or in `out`, nbytes long), zero
+    padding between them, in one copy per run of consecutive tensors that sit on one device whatever their count: a
+    run on `device` is joined straight into its place, a run elsewhere joined where it lives and crosses in one copy.
+    The alignment padding is a view of a cached zero block, so it costs neither an allocation nor a kernel (a copy
+    per tensor, or a join per padded one, meant kernel launches per request and step on the relay's thread)."""
+    out = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out
+    runs: list[tuple[int, list[torch.Tensor]]] = []  # (first byte, consecutive pieces on one device)
     end = 0
     for offset, tensor in tensors:
         piece = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        if offset > end:  # alignment padding, made where its neighbour lives
-            piece = torch.cat([torch.zeros(offset - end, dtype=torch.uint8, device=piece.device), piece])
-        if runs and runs[-1][0].device == piece.device:
-            runs[-1].append(piece)
+        if not runs or runs[-1][1][0].device != piece.device:
+            runs.append((end, []))
+        if offset > end:
+            runs[-1][1].append(_padding(offset - end, piece.device))
+        runs[-1][1].append(piece)
+        end = offset + piece.numel()
+    for start, pieces in runs:
+        place = out[start : start + sum(piece.numel() for piece in pieces)]
+        if len(pieces) > 1 and pieces[0].device == place.device:
+            torch.cat(pieces, out=place)
         else:
-            runs.append([piece])
-        end = offset + tensor.numel() * tensor.element_size()
-    parts = [(torch.cat(run) if len(run) > 1 else run[0]).to(device) for run in runs]
-    if end < nbytes or not parts:
-        parts.append(torch.zeros(nbytes - end, dtype=torch.uint8, device=device))
-    if out is None:
-        return torch.cat(parts)  # a buffer of its own even for one part
-    torch.cat(parts, out=out)
+            place.copy_(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+    if end < nbytes:
+        out[end:nbytes].zero_()
     return out
+
+
+_ZERO_BLOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _padding(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` zero bytes on `device`: a view of one cached block for alignment gaps (made and synchronized once, so
+    any stream may read it), a new tensor for anything longer."""
+    if nbytes > ALIGN:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    block = _ZERO_BLOCKS.get(device)
+    if block is None:
+        block = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        _ZERO_BLOCKS[device] = block
+    return block[:nbytes]
 
 
 class _Pair:

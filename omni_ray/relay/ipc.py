@@ -4,10 +4,8 @@ their place travels on the host path, and the consumer copies them out on the de
 Framing is the collective relay's (`pack`/`unpack`: one flat buffer, a tensor-free header). Each producer keeps one
 `SharedRing` per consumer: a device buffer whose IPC handle the consumer opens once and caches (opening a handle
 costs about a millisecond, more than the host path's whole message). Messages are written at the ring's head on a
-high-priority side stream (a few copies that the next stage waits on go ahead of the compute queued on the GPU),
-synchronized before their place leaves, and the consumer, copying out on a high-priority stream of its own, writes
-the sequence number of the last message it copied out into the ring's first 8 bytes, on the device, so the producer
-reuses space only after the copy. A
+side stream, synchronized before their place leaves, and the consumer writes the sequence number of the last message
+it copied out into the ring's first 8 bytes, on the device, so the producer reuses space only after the copy. A
 message that does not fit (larger than half the ring, or a consumer that lags) goes in a buffer of its own, shared
 once: torch keeps an IPC-shared block alive (its "limbo") until every consumer has released it.
 """
@@ -124,7 +122,7 @@ class IpcTransport:
         self.device = torch.device(device)
         self.control = control
         self.ring_bytes = ring_bytes
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc")  # buffers in send order
         self._rings: dict[str, SharedRing] = {}  # consumer replica id -> its ring
         self.shared = 0  # messages sent
@@ -178,7 +176,7 @@ class IpcReceiver:
     def __init__(self, endpoint: RelayEndpoint, device: torch.device | str) -> None:
         self.endpoint = endpoint
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc-in")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rings: OrderedDict[str, torch.Tensor] = OrderedDict()  # ring id -> the opened buffer, newest last

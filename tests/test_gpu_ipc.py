@@ -88,6 +88,9 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
         async def unringed(self) -> int:
             return self.transport.ipc.unringed
 
+        async def inline(self) -> int:
+            return self.transport.ipc.inline
+
     consumer, producer = Consumer.remote(), Producer.remote()
     peer = ray.get(consumer.peer.remote())
     assert not ray.get(producer.send_all.remote(peer, 20))
@@ -99,6 +102,8 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
     over_ipc = [step for step in range(20) if mode == "ipc" or _rows(step) > 37]
     assert ray.get(consumer.ipc_count.remote()) == len(over_ipc) + (mode == "ipc")  # and the end marker
     assert 1 <= ray.get(producer.unringed.remote()) < len(over_ipc)  # step 7 in its own buffer, the rest in the ring
+    # each ring message after the first (which makes the ring) is placed on the loop's thread
+    assert 1 <= ray.get(producer.inline.remote()) <= len(over_ipc) - 2
     for step, item in enumerate(got[:20]):
         expected = {k: t.cpu() for k, t in _payload(step).items()}
         device = "cuda" if step in over_ipc else "cpu"

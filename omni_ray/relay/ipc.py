@@ -116,7 +116,10 @@ class SharedRing:
 
 class IpcTransport:
     """Producer side: `send(peer, message)` writes the step's tensors into the peer's ring (or one buffer of their
-    own), place on the host path. Only for a peer on this process's GPU (same-process peers get the local hand-off)."""
+    own), place on the host path. Only for a peer on this process's GPU (same-process peers get the local hand-off).
+    A message for a ring that exists goes in on the event loop's thread; making a ring, a buffer of its own, and
+    any message behind one of those go through a worker thread (in order: one worker, and no message placed on the
+    loop while it has work)."""
 
     def __init__(self, device: torch.device | str, control: TcpTransport, ring_bytes: int = RING_BYTES) -> None:
         self.device = torch.device(device)
@@ -125,14 +128,26 @@ class IpcTransport:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ipc")  # buffers in send order
         self._rings: dict[str, SharedRing] = {}  # consumer replica id -> its ring
+        self._in_worker = 0  # shares handed to the worker and not back yet (event loop thread only)
         self.shared = 0  # messages sent
         self.unringed = 0  # of which in a buffer of their own
+        self.inline = 0  # of which placed on the event loop's thread
 
     async def send(self, peer: RelayPeer, message: RelayMessage) -> None:
         header, tensors, nbytes = pack(message)
         place: dict[str, Any] = {}
-        if nbytes:
-            place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes))
+        ring = self._rings.get(peer.replica_id)
+        if nbytes and ring is not None and not ring.space.too_big(nbytes) and not self._in_worker:
+            # A ring write is one copy on an idle side stream: placed here, the message leaves before the tasks
+            # this step woke (a reply's token events) run, instead of after the hop to the worker and back.
+            place = self._share(peer.replica_id, tensors, nbytes)
+            self.inline += 1
+        elif nbytes:  # the consumer's first message (making its ring) or one too big for it: a worker's time
+            self._in_worker += 1
+            try:
+                place = await asyncio.wrap_future(self._worker.submit(self._share, peer.replica_id, tensors, nbytes))
+            finally:
+                self._in_worker -= 1
         header.sent_at = time.time()
         await self.control.send(peer, _control(message.sender, "ipc", "", header=header, **place))
 

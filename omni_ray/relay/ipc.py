@@ -87,9 +87,13 @@ class RingSpace:
 class SharedRing:
     """Producer side of one consumer's ring: a device buffer, its IPC handle (made once) and its space."""
 
-    def __init__(self, device: torch.device, capacity: int = RING_BYTES) -> None:
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream, capacity: int = RING_BYTES) -> None:
         self.ring_id = uuid.uuid4().hex
-        self.buffer = torch.zeros(ACK_BYTES + capacity, dtype=torch.uint8, device=device)
+        # Zeroed on the stream that writes the messages, so the first message lands after the zeros. (On the thread's
+        # default stream the fill is unordered with that stream's copies: on an H200 it wiped a first message, a
+        # reply's first frame of codes reaching the vocoder as zeros.)
+        with torch.cuda.stream(stream):
+            self.buffer = torch.zeros(ACK_BYTES + capacity, dtype=torch.uint8, device=device)
         self.space = RingSpace(capacity)
         self._ack_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         rebuild, args = reduce_tensor(self.buffer)
@@ -155,7 +159,7 @@ class IpcTransport:
         assert self.stream is not None, "CUDA IPC needs a CUDA device"
         ring = self._rings.get(replica_id)
         if ring is None:
-            ring = self._rings[replica_id] = SharedRing(self.device, self.ring_bytes)
+            ring = self._rings[replica_id] = SharedRing(self.device, self.stream, self.ring_bytes)
         placed = ring.reserve(nbytes, self.stream)
         with torch.cuda.stream(self.stream):  # the tensors are complete (see RelayItem): no wait on other streams
             if placed is not None:

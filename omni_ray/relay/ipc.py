@@ -89,9 +89,9 @@ class SharedRing:
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream, capacity: int = RING_BYTES) -> None:
         self.ring_id = uuid.uuid4().hex
-        # Zeroed on the stream that writes the messages, so the first message lands after the zeros. (On the thread's
-        # default stream the fill is unordered with that stream's copies: on an H200 it wiped a first message, a
-        # reply's first frame of codes reaching the vocoder as zeros.)
+        # Zeroed on the stream that writes the messages, so the first message lands after the zeros: on the thread's
+        # default stream the fill is unordered with that stream's copies and can wipe a first message (on an H200 a
+        # one-GPU pipeline's first frame of codes reached the vocoder as zeros, as a wiped first message gives).
         with torch.cuda.stream(stream):
             self.buffer = torch.zeros(ACK_BYTES + capacity, dtype=torch.uint8, device=device)
         self.space = RingSpace(capacity)

@@ -10,14 +10,13 @@ wall time on this machine's device.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import time
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.op_counts import count_ops
 from omni_ray.bench import run_meta, write_results
 from omni_ray.relay.channel import RelayItem, RelayMessage
 from omni_ray.relay.collective import flatten, pack
@@ -43,11 +42,7 @@ def measure(requests: int, device: torch.device, repeats: int) -> dict[str, Any]
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(3):
         flatten(tensors, nbytes, device, out=out)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        flatten(tensors, nbytes, device, out=out)
-    ops = collections.Counter(event.name for event in prof.events() if event.name.startswith("aten::")
-                              and event.name not in ("aten::view", "aten::reshape", "aten::slice", "aten::detach",
-                                                     "aten::contiguous", "aten::as_strided", "aten::alias", "aten::narrow"))
+    ops = count_ops(lambda: flatten(tensors, nbytes, device, out=out))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -55,7 +50,7 @@ def measure(requests: int, device: torch.device, repeats: int) -> dict[str, Any]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return {"requests": requests, "tensors": len(tensors), "mib": nbytes / 2**20, "ops": dict(sorted(ops.items())),
+    return {"requests": requests, "tensors": len(tensors), "mib": nbytes / 2**20, "ops": ops,
             "flatten_ms_p50": statistics.median(times)}
 
 

@@ -1,5 +1,5 @@
 """`upload`: a step's host-built inputs packed into one buffer per dtype and handed back as views, each equal to
-its input (shape, dtype, values), including empty ones; `stack_on_device` over rows on the host and the device."""
+its input (shape, dtype, values), including empty ones; `stack_on_device` and `cat_on_device` over rows on the host and the device."""
 
 from __future__ import annotations
 
@@ -51,3 +51,19 @@ def test_stack_on_device_takes_rows_from_the_host_and_the_device_in_one_batch() 
     assert stacked.device == meta and stacked.shape == (3, 4)
     rows = [torch.randn(4) for _ in range(3)]
     assert torch.equal(stack_on_device(rows, torch.device("cpu")), torch.stack(rows))
+
+
+def test_cat_on_device_joins_prefixes_of_different_lengths_from_the_host_and_the_device() -> None:
+    """As `stack_on_device`, for a batch's prefix states of different lengths: one tensor on the device, in order."""
+    import pytest
+
+    from omni_ray.engine.host_inputs import cat_on_device
+
+    meta = torch.device("meta")
+    mixed = [torch.randn(2, 4), torch.empty(3, 4, device=meta), torch.randn(5, 4)]
+    with pytest.raises(RuntimeError):
+        torch.cat(mixed)
+    joined = cat_on_device(mixed, meta)
+    assert joined.device == meta and joined.shape == (10, 4)
+    parts = [torch.randn(n, 4) for n in (2, 1, 3)]
+    assert torch.equal(cat_on_device(parts, torch.device("cpu")), torch.cat(parts))

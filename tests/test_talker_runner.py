@@ -1,5 +1,6 @@
 """The Talker runner in-process: stopping at codec EOS, the text-proportional frame limit, waiting on text, steps
-launched before the previous one is collected, and the codec feedback its MTP passes sum."""
+launched before the previous one is collected, the codec feedback its MTP passes sum, and a step's new prompts built
+as one batch."""
 
 from __future__ import annotations
 
@@ -356,3 +357,26 @@ def test_feedback_is_the_frames_summed_code_embedding(parts: dict[str, Any]) -> 
     with torch.inference_mode():
         expected = runner.model.frame_embedding(torch.tensor(codes))
     assert torch.equal(torch.stack(feedback), expected)
+
+
+def test_a_batch_of_prompts_is_each_prompt_built_alone(parts: dict[str, Any]) -> None:
+    """The Talker builds a step's new prompts in one batch (projections over every request's states at once): each
+    equals the prompt built alone, for user turns of different lengths, a multimodal position, two speakers, and
+    the early prompts (before the first reply token) too."""
+    from omni_ray.bench import _talker_seqs
+
+    torch.manual_seed(5)
+    seqs = []
+    for index, (positions, speaker) in enumerate([(7, 2302), (19, 2301), (12, 2302)]):
+        seq = _talker_seqs(parts["config"], 1, positions, 2, GREEDY_TALKER)[0]
+        seq.request_id, seq.speaker_id = f"p{index}", speaker
+        seqs.append(seq)
+    seqs[1].prefix["user_multimodal"][4] = True  # type: ignore[index]  # read through the hidden projection
+    runner = _runner(parts)
+    for early in (False, True):
+        with torch.inference_mode():
+            batch = runner._prompts(seqs, early)
+            alone = [runner._prompts([seq], early)[0] for seq in seqs]
+        assert [p.shape[0] for p in batch] == [n + (8 if early else 9) for n in (7, 19, 12)]
+        for together, single in zip(batch, alone):
+            torch.testing.assert_close(together, single, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,8 @@ building a step's inputs after launching its first graph would stall the host un
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from omni_ray.engine.profiling import host_range
@@ -41,11 +43,23 @@ def stack_on_device(tensors: list[torch.Tensor], device: torch.device) -> torch.
     """`torch.stack(tensors)` on `device`, for tensors that may each sit on the host or on a GPU: on one GPU the relay
     hands a step's message over on the host path or through CUDA IPC by its size, so one request's text embeddings
     arrive on either, and one batch mixes them. The host ones go up in one upload, without waiting for the GPU."""
+    return _join_on_device(tensors, device, torch.stack)
+
+
+def cat_on_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`torch.cat(tensors)` on `device`, the tensors on the host or on a GPU each (as `stack_on_device`)."""
+    return _join_on_device(tensors, device, torch.cat)
+
+
+def _join_on_device(
+    tensors: list[torch.Tensor], device: torch.device, join: Callable[[list[torch.Tensor]], torch.Tensor]
+) -> torch.Tensor:
     on_host = [t for t in tensors if t.device.type == "cpu" and device.type != "cpu"]
     if not on_host:
-        return torch.stack([t.to(device) for t in tensors])
-    uploaded = iter(to_device(torch.stack(on_host), device))
-    return torch.stack([next(uploaded) if t.device.type == "cpu" else t.to(device) for t in tensors])
+        return join([t.to(device) for t in tensors])
+    flat = to_device(torch.cat([t.reshape(-1) for t in on_host]), device)
+    uploaded = iter(flat.split([t.numel() for t in on_host]))
+    return join([next(uploaded).view(t.shape) if t.device.type == "cpu" else t.to(device) for t in tensors])
 
 
 class StepDone:

@@ -22,7 +22,7 @@ from omni_ray.engine.fixed_shape import (
     warmup_shapes,
     within_prefill_budget,
 )
-from omni_ray.engine.host_inputs import Download, stack_on_device, to_device, upload
+from omni_ray.engine.host_inputs import Download, cat_on_device, stack_on_device, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
@@ -30,7 +30,7 @@ from omni_ray.engine.sampler import (
 )
 from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
-from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompt, codec_prefix_ids
+from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
 
 # The code predictor samples with these when the Talker samples (transformers' fixed choice).
@@ -332,21 +332,28 @@ class TalkerRunner:
         assert seq.prefix is not None
         return int(seq.prefix["user_states"].shape[0]) + (9 if seq.text_embeds else 8)
 
-    def _prompt(self, seq: TalkerSequence, early: bool = False) -> torch.Tensor:
-        """Talker prefill embeddings [T, h] from the Thinker's prefix states and first reply token; `early` (before
-        that token): all but the last position."""
-        assert seq.prefix is not None
+    def _prompts(self, seqs: list[TalkerSequence], early: bool = False) -> list[torch.Tensor]:
+        """Talker prefill embeddings [T_i, h] of each sequence from the Thinker's prefix states and first reply token;
+        `early` (before that token): all but the last position. Each projection runs once over the whole batch (a
+        prompt at a time took some 30 small ops per request, in the step that speaks a burst's first frames)."""
+        prefixes = [seq.prefix for seq in seqs]
+        assert all(prefix is not None for prefix in prefixes)
         m, a = self.model, self.assets
         dtype = a.tts_pad.dtype
-        states = to_device(seq.prefix["user_states"], self.device).to(dtype)
-        mm = to_device(seq.prefix["user_multimodal"], self.device)
-        user = torch.where(mm[:, None], m.hidden_projection(states), m.text_projection(states))
-        assistant = m.text_projection(to_device(seq.prefix["assistant_prefix"], self.device).to(dtype))
-        codec = m.model.codec_embedding(to_device(torch.tensor(codec_prefix_ids(self.config, seq.speaker_id)), self.device))
+        states = cat_on_device([p["user_states"] for p in prefixes], self.device).to(dtype)  # type: ignore[index]
+        multimodal = cat_on_device([p["user_multimodal"] for p in prefixes], self.device)  # type: ignore[index]
+        user = torch.where(multimodal[:, None], m.hidden_projection(states), m.text_projection(states))
+        assistant = stack_on_device([p["assistant_prefix"] for p in prefixes], self.device)  # type: ignore[index]
+        assistant = m.text_projection(assistant.to(dtype))
+        codec_ids = torch.tensor([codec_prefix_ids(self.config, seq.speaker_id) for seq in seqs])
+        codec = m.model.codec_embedding(to_device(codec_ids, self.device))
         if early:
-            return assemble_talker_prompt(user, assistant, torch.zeros_like(a.tts_pad), a.tts_bos, a.tts_pad, codec)[:-1]
-        first = m.text_projection(to_device(seq.text_embeds[0], self.device).to(dtype))
-        return assemble_talker_prompt(user, assistant, first, a.tts_bos, a.tts_pad, codec)
+            first = torch.zeros(len(seqs), a.tts_pad.shape[-1], dtype=dtype, device=self.device)
+        else:
+            first = m.text_projection(stack_on_device([seq.text_embeds[0] for seq in seqs], self.device).to(dtype))
+        users = user.split([int(p["user_states"].shape[0]) for p in prefixes])  # type: ignore[index]
+        prompts = assemble_talker_prompts(list(users), assistant, first, a.tts_bos, a.tts_pad, codec)
+        return [prompt[:-1] for prompt in prompts] if early else prompts
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"hidden": prefill_forward(self.model.model, self.cache, embeds, slots)[0]}
@@ -355,7 +362,7 @@ class TalkerRunner:
         """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
         prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
         first reply token), whose frame is the first."""
-        prompts = [self._prompt(s, early) for s in seqs]
+        prompts = self._prompts(seqs, early)
         for prompt in prompts:
             self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
         out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,

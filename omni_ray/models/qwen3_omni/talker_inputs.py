@@ -31,20 +31,21 @@ def codec_prefix_ids(config: Any, speaker_id: int) -> list[int]:
     return [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, speaker_id, tc.codec_pad_id, tc.codec_bos_id]
 
 
-def assemble_talker_prompt(
-    user_part: torch.Tensor,
+def assemble_talker_prompts(
+    user_parts: list[torch.Tensor],
     assistant_prefix: torch.Tensor,
     first_text: torch.Tensor,
     tts_bos: torch.Tensor,
     tts_pad: torch.Tensor,
     codec_prefix: torch.Tensor,
-) -> torch.Tensor:
-    """Talker prefill embeddings: projected user turn, then 9 assistant positions where text
+) -> list[torch.Tensor]:
+    """Talker prefill embeddings of N prompts: each projected user turn, then 9 assistant positions where text
     ([im_start, assistant, \\n], 4×tts_pad, tts_bos, first reply token) is added to
     codec ([0, 0, 0, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos]).
 
-    All inputs are already in Talker width: user_part [U, h], assistant_prefix [3, h], first_text/tts_* [h],
-    codec_prefix [6, h]."""
-    text = torch.cat([assistant_prefix, tts_pad.expand(4, -1), tts_bos[None], first_text[None]])
-    codec = torch.cat([torch.zeros_like(assistant_prefix), codec_prefix])
-    return torch.cat([user_part, text + codec])
+    All inputs are already in Talker width: user_parts [U_i, h] each, assistant_prefix [N, 3, h], first_text [N, h],
+    tts_* [h], codec_prefix [N, 6, h]. The 9 positions are made for all N at once."""
+    count = first_text.shape[0]
+    text = torch.cat([assistant_prefix, tts_pad.expand(count, 4, -1), tts_bos.expand(count, 1, -1), first_text[:, None]], dim=1)
+    codec = torch.cat([torch.zeros_like(assistant_prefix), codec_prefix], dim=1)
+    return [torch.cat([user, tail]) for user, tail in zip(user_parts, text + codec)]

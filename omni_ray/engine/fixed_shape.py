@@ -57,13 +57,14 @@ def pad_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt embeddings [T_i, H] → [rows, length, H] zero-padded (by default to a bucket), and their slots [rows];
     padding rows use the scratch slot. Padding positions past a row's length write cache entries that decode
-    overwrites before it ever attends to them."""
+    overwrites before it ever attends to them. The prompts land in one indexed copy whatever their count (a copy per
+    prompt meant 32 launches before a 32-request prefill could start)."""
     rows = rows or bucket_pow2(len(prompts))
     length = length or bucket_length(max(p.shape[0] for p in prompts), cache.max_len)
     first = prompts[0]
     padded = torch.zeros(rows, length, first.shape[-1], dtype=first.dtype, device=first.device)
-    for row, prompt in enumerate(prompts):
-        padded[row, : prompt.shape[0]] = prompt
+    places = torch.cat([torch.arange(row * length, row * length + prompt.shape[0]) for row, prompt in enumerate(prompts)])
+    padded.view(rows * length, -1).index_copy_(0, to_device(places, first.device), torch.cat(prompts))
     slot_t = to_device(torch.tensor(slots + [cache.scratch_slot] * (rows - len(slots)), dtype=torch.long), first.device)
     return padded, slot_t
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.op_counts import count_ops
+from benchmarks.op_counts import count_ops, ops_cell
 from omni_ray.bench import run_meta, write_results
 from omni_ray.relay.channel import RelayItem, RelayMessage
 from omni_ray.relay.collective import flatten, pack
@@ -59,8 +59,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"commit `{meta.get('commit', '')}`, command `{meta.get('command', '')}`", "",
              "| requests | tensors | MiB | torch ops in one flatten | flatten p50 (ms) |", "|---|---|---|---|---|"]
     for row in rows:
-        ops = ", ".join(f"{name.removeprefix('aten::')} {count}" for name, count in row["ops"].items())
-        lines.append(f"| {row['requests']} | {row['tensors']} | {row['mib']:.1f} | {ops} | {row['flatten_ms_p50']:.2f} |")
+        lines.append(f"| {row['requests']} | {row['tensors']} | {row['mib']:.1f} | {ops_cell(row['ops'])} "
+                     f"| {row['flatten_ms_p50']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,3 +25,8 @@ def count_ops(call: Callable[[], Any]) -> dict[str, int]:
                                  if event.name.startswith("aten::") and event.cpu_parent is None
                                  and event.name not in VIEW_OPS)
     return dict(sorted(counts.items()))
+
+
+def ops_cell(ops: dict[str, int]) -> str:
+    """`count_ops`'s result for a markdown table cell: "cat 1, zeros 2"."""
+    return ", ".join(f"{name.removeprefix('aten::')} {count}" for name, count in ops.items())

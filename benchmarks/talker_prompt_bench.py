@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from benchmarks.op_counts import count_ops
+from benchmarks.op_counts import count_ops, ops_cell
 from omni_ray.bench import _talker_seqs, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.models.qwen3_omni.checkpoint import ensure_default_checkpoint
@@ -34,7 +34,8 @@ def build_prompts(runner: TalkerRunner, seqs: list[TalkerSequence]) -> list[torc
 
 def measure(config: Any, requests: int, repeats: int) -> dict[str, Any]:
     text = config.talker_config.text_config
-    cache = SlotKVCache(text.num_hidden_layers, requests, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
+    cache = SlotKVCache(text.num_hidden_layers, requests, 256, text.num_key_value_heads, text.head_dim, torch.float32,
+                        "cpu")
     runner = TalkerRunner(load_talker(None, config, "cpu", torch.float32), config, cache, requests)
     seqs = _talker_seqs(config, requests, USER_POSITIONS, steps=1)
     with torch.inference_mode():
@@ -53,8 +54,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"commit `{meta.get('commit', '')}`, command `{meta.get('command', '')}`", "",
              "| requests | torch ops | of which | prompts p50 (ms) |", "|---|---|---|---|"]
     for row in rows:
-        ops = ", ".join(f"{name.removeprefix('aten::')} {count}" for name, count in row["ops"].items())
-        lines.append(f"| {row['requests']} | {row['total_ops']} | {ops} | {row['prompts_ms_p50']:.2f} |")
+        lines.append(f"| {row['requests']} | {row['total_ops']} | {ops_cell(row['ops'])} | {row['prompts_ms_p50']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

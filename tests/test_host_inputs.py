@@ -1,5 +1,6 @@
 """`upload`: a step's host-built inputs packed into one buffer per dtype and handed back as views, each equal to
-its input (shape, dtype, values), including empty ones; `stack_on_device` and `cat_on_device` over rows on the host and the device."""
+its input (shape, dtype, values), including empty ones; `stack_on_device` and `cat_on_device` over rows on the host
+and the device."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def pad_prefill(
     length = length or bucket_length(max(p.shape[0] for p in prompts), cache.max_len)
     first = prompts[0]
     padded = torch.zeros(rows, length, first.shape[-1], dtype=first.dtype, device=first.device)
-    places = torch.cat([torch.arange(row * length, row * length + prompt.shape[0]) for row, prompt in enumerate(prompts)])
+    places = torch.cat([torch.arange(row * length, row * length + p.shape[0]) for row, p in enumerate(prompts)])
     padded.view(rows * length, -1).index_copy_(0, to_device(places, first.device), torch.cat(prompts))
     slot_t = to_device(torch.tensor(slots + [cache.scratch_slot] * (rows - len(slots)), dtype=torch.long), first.device)
     return padded, slot_t

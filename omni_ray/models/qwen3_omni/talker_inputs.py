@@ -46,6 +46,8 @@ def assemble_talker_prompts(
     All inputs are already in Talker width: user_parts [U_i, h] each, assistant_prefix [N, 3, h], first_text [N, h],
     tts_* [h], codec_prefix [N, 6, h]. The 9 positions are made for all N at once."""
     count = first_text.shape[0]
-    text = torch.cat([assistant_prefix, tts_pad.expand(count, 4, -1), tts_bos.expand(count, 1, -1), first_text[:, None]], dim=1)
+    text = torch.cat(
+        [assistant_prefix, tts_pad.expand(count, 4, -1), tts_bos.expand(count, 1, -1), first_text[:, None]], dim=1
+    )
     codec = torch.cat([torch.zeros_like(assistant_prefix), codec_prefix], dim=1)
     return [torch.cat([user, tail]) for user, tail in zip(user_parts, text + codec)]

@@ -85,10 +85,12 @@ class RingSpace:
 
 
 class SharedRing:
-    """Producer side of one consumer's ring: a device buffer, its IPC handle (made once) and its space."""
+    """Producer side of one consumer's ring: a device buffer, its IPC handle (made once), its space, and the stream
+    that writes its messages."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream, capacity: int = RING_BYTES) -> None:
         self.ring_id = uuid.uuid4().hex
+        self.stream = stream
         # Zeroed on the stream that writes the messages, so the first message lands after the zeros: on the thread's
         # default stream the fill is unordered with that stream's copies and can wipe a first message (on an H200 a
         # one-GPU pipeline's first frame of codes reached the vocoder as zeros, as a wiped first message gives).
@@ -100,16 +102,16 @@ class SharedRing:
         assert rebuild is rebuild_cuda_tensor, "CUDA IPC needs a CUDA buffer"
         self.handle = tuple(args)
 
-    def reserve(self, nbytes: int, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor] | None:
-        """(seq, the message's bytes in the ring) or None. Reads the consumer's acknowledgement (on `stream`, not
-        waiting for compute) only when the message does not fit in what is known to be free."""
+    def reserve(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        """(seq, the message's bytes in the ring) or None. Reads the consumer's acknowledgement (on the ring's stream,
+        not waiting for compute) only when the message does not fit in what is known to be free."""
         if self.space.too_big(nbytes):
             return None  # no acknowledgement can make room for it
         placed = self.space.reserve(nbytes)
         if placed is None and self.space.records:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(self.stream):
                 self._ack_host.copy_(self.buffer[:8].view(torch.int64), non_blocking=True)
-            stream.synchronize()
+            self.stream.synchronize()
             self.space.release(int(self._ack_host.item()))
             placed = self.space.reserve(nbytes)
         if placed is None:
@@ -160,7 +162,7 @@ class IpcTransport:
         ring = self._rings.get(replica_id)
         if ring is None:
             ring = self._rings[replica_id] = SharedRing(self.device, self.stream, self.ring_bytes)
-        placed = ring.reserve(nbytes, self.stream)
+        placed = ring.reserve(nbytes)
         with torch.cuda.stream(self.stream):  # the tensors are complete (see RelayItem): no wait on other streams
             if placed is not None:
                 flatten(tensors, nbytes, self.device, out=placed[1])

@@ -10,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3OmniMoeConfig
 
 from omni_ray.bench import DEFAULT_TALKER_SAMPLING, FULL_CONFIG, GREEDY_TALKER, _talker_seqs, benchmark_prompt_ids
+from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner
@@ -64,7 +65,8 @@ def _profiled(run: Callable[[], Any]) -> Any:
 
 def _profile(name: str, runner: Any, make_seqs: Callable[[], list[Any]]) -> None:
     """The batch's prefill step (the Talker's includes its first frame), then three of its decode steps, each replayed
-    from graphs captured by an untimed pass of the same batch."""
+    from graphs captured by an untimed pass of the same batch (a prefill past the graph budget runs at its own shape,
+    compiled by that pass)."""
     warm = make_seqs()
     for seq in warm:
         runner.admit(seq)
@@ -90,13 +92,21 @@ def main() -> None:
     served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
     talker_only = "--talker-only" in sys.argv[1:]
     thinker_only = "--thinker-only" in sys.argv[1:]
+    # as the service runs them: a prefill batch whose bucket holds more padded tokens runs without a graph, at its own
+    # shape (`engine.prefill_graph_tokens`); --prefill-graph-tokens -1: every prefill from a graph
+    graph_tokens: int | None = DEFAULT_PREFILL_GRAPH_TOKENS
+    if "--prefill-graph-tokens" in sys.argv[1:]:
+        graph_tokens = int(sys.argv[sys.argv.index("--prefill-graph-tokens") + 1])
+        graph_tokens = None if graph_tokens < 0 else graph_tokens
+    print(f"prefills over {graph_tokens} padded tokens without a graph" if graph_tokens is not None
+          else "every prefill from a graph")
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     if not talker_only:
         thinker = ThinkerRunner(load_thinker(None, config, "cuda", torch.bfloat16), config,
                                 SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim,
                                             torch.bfloat16, "cuda"),
-                                compile_layers=compiled)
+                                compile_layers=compiled, prefill_graph_tokens=graph_tokens)
         for batch in (1, 32):  # a prompt per row: rows route to different experts, as a service's streams do
             _profile("thinker", thinker, lambda batch=batch: [
                 ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64,
@@ -109,7 +119,8 @@ def main() -> None:
     talker_text = config.talker_config.text_config
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
-                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled)
+                                      torch.bfloat16, "cuda"), 32, compile_layers=compiled,
+                          prefill_graph_tokens=graph_tokens)
     sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
     for batch in (1, 32):
         _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import sys
 from typing import Any, Callable
 
@@ -30,12 +31,14 @@ def _report(title: str, prof: Any, steps: int) -> None:
 
 def _idle_report(prof: Any, steps: int, host_gap_us: float = 50.0) -> str:
     """Where the GPU sat idle between the step's kernels: gaps under `host_gap_us` are the launch gaps inside a graph
-    replay (charged to the kernel that ends them), longer ones the host's between launches."""
+    replay (charged to the kernel that ends them), longer ones the host's between launches (with host events
+    profiled: what the host ran during them)."""
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     if not kernels:
         return "no device events"
     launch_idle, host_idle, gaps = 0.0, 0.0, 0
     by_next: dict[str, float] = {}
+    long_gaps: list[tuple[float, float]] = []
     end = kernels[0].time_range.end
     for event in kernels[1:]:
         gap = event.time_range.start - end
@@ -44,20 +47,47 @@ def _idle_report(prof: Any, steps: int, host_gap_us: float = 50.0) -> str:
             by_next[event.name[:60]] = by_next.get(event.name[:60], 0.0) + gap
         elif gap >= host_gap_us:
             host_idle += gap
+            long_gaps.append((end, event.time_range.start))
         end = max(end, event.time_range.end)
     span = end - kernels[0].time_range.start
     lines = [f"idle: first kernel's start to last kernel's end {span / steps / 1000:.2f} ms per step; idle in gaps under "
              f"{host_gap_us:.0f} us {launch_idle / steps / 1000:.2f} ms per step ({gaps / steps:.0f} gaps, mean "
-             f"{launch_idle / max(gaps, 1):.2f} us); in longer gaps {host_idle / steps / 1000:.2f} ms per step",
+             f"{launch_idle / max(gaps, 1):.2f} us); in longer gaps {host_idle / steps / 1000:.2f} ms per step "
+             f"({len(long_gaps) / steps:.0f} gaps, the longest {max((b - a for a, b in long_gaps), default=0) / 1000:.2f} ms)",
              "idle before these kernels (ms per step):"]
     for name, idle in sorted(by_next.items(), key=lambda item: -item[1])[:8]:
         lines.append(f"  {idle / steps / 1000:6.3f}  {name}")
+    during = _host_ops_during(prof, long_gaps)
+    if during:
+        lines.append("host ops during the longer gaps (ms per step of overlap; nested ops count in their callers too):")
+        for name, overlap in sorted(during.items(), key=lambda item: -item[1])[:20]:
+            lines.append(f"  {overlap / steps / 1000:6.3f}  {name}")
     return "\n".join(lines)
 
 
-def _profiled(run: Callable[[], Any]) -> Any:
+def _host_ops_during(prof: Any, gaps: list[tuple[float, float]]) -> dict[str, float]:
+    """Each host event's overlap (us) with the GPU's idle `gaps` (sorted, disjoint), summed by name."""
+    starts = [start for start, _ in gaps]
+    during: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name != "CPU":
+            continue
+        begin, finish = event.time_range.start, event.time_range.end
+        i = max(bisect.bisect_right(starts, begin) - 1, 0)
+        overlap = 0.0
+        while i < len(gaps) and gaps[i][0] < finish:
+            overlap += max(0.0, min(finish, gaps[i][1]) - max(begin, gaps[i][0]))
+            i += 1
+        if overlap > 0:
+            during[event.name[:70]] = during.get(event.name[:70], 0.0) + overlap
+    return during
+
+
+def _profiled(run: Callable[[], Any], host: bool = False) -> Any:
+    """`run` under the profiler: its kernels, and with `host` its host ops too (slower: for steps not timed alone)."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if host else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         run()
         torch.cuda.synchronize()
     return prof
@@ -77,7 +107,7 @@ def _profile(name: str, runner: Any, make_seqs: Callable[[], list[Any]]) -> None
     seqs = make_seqs()
     for seq in seqs:
         runner.admit(seq)
-    prefill = _profiled(lambda: runner.step(seqs))
+    prefill = _profiled(lambda: runner.step(seqs), host=True)
     for _ in range(4):
         runner.step(seqs)
     decode = _profiled(lambda: [runner.step(seqs) for _ in range(3)])
@@ -124,7 +154,7 @@ def main() -> None:
     sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
     for batch in (1, 32):
         _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,
-                 lambda batch=batch: _talker_seqs(config, batch, 100, 20, sampling))
+                 lambda batch=batch: _talker_seqs(config, batch, 100, 20, sampling, "cuda", torch.bfloat16))
 
 
 if __name__ == "__main__":

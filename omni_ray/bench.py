@@ -27,6 +27,7 @@ from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
+from omni_ray.relay.transports import IPC_FROM_BYTES
 
 FULL_CONFIG = Path(__file__).parent / "assets" / "qwen3_omni_30b_a3b_config.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -203,21 +204,28 @@ def bench_talker(
     )
     rows = []
     for batch in batches:
-        rows.append(_run_batch(runner, lambda batch=batch: _talker_seqs(config, batch, prompt, steps, sampling), steps, device, "talker"))
+        rows.append(_run_batch(runner, lambda batch=batch: _talker_seqs(config, batch, prompt, steps, sampling, device, dtype),
+                               steps, device, "talker"))
     return rows
 
 
 def _talker_seqs(
-    config: Any, batch: int, prompt: int, steps: int, sampling: SamplingParams = GREEDY_TALKER
+    config: Any, batch: int, prompt: int, steps: int, sampling: SamplingParams = GREEDY_TALKER,
+    device: str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> list[TalkerSequence]:
-    """Talker requests fed with random Thinker states (a 100-token prompt and enough reply text for every step)."""
+    """Talker requests fed with random Thinker states (a `prompt`-token prompt and enough reply text for every step),
+    in `dtype` and where the 1-GPU layout's relay hands them over: a burst's prefix states (one message) on `device`
+    when they reach CUDA IPC's size, else on the host, as the reply tokens' embeddings (small messages) always are."""
     hidden = config.talker_config.thinker_hidden_size
+    prefix_bytes = batch * (prompt + 3) * hidden * torch.finfo(dtype).bits // 8
+    where = device if prefix_bytes >= IPC_FROM_BYTES else "cpu"
     seqs = []
     for i in range(batch):
         seq = TalkerSequence(f"k{i}", sampling, 2302, max_frames=2 * steps + 4, ignore_eos=True)
-        seq.prefix = {"user_states": torch.randn(prompt, hidden) * 0.02, "user_multimodal": torch.zeros(prompt, dtype=torch.bool),
-                      "assistant_prefix": torch.randn(3, hidden) * 0.02}
-        seq.text_embeds = [torch.randn(hidden) * 0.02 for _ in range(2 * steps + 8)]
+        seq.prefix = {"user_states": (torch.randn(prompt, hidden) * 0.02).to(where, dtype),
+                      "user_multimodal": torch.zeros(prompt, dtype=torch.bool, device=where),
+                      "assistant_prefix": (torch.randn(3, hidden) * 0.02).to(where, dtype)}
+        seq.text_embeds = [(torch.randn(hidden) * 0.02).to(dtype) for _ in range(2 * steps + 8)]
         seqs.append(seq)
     return seqs
 

@@ -24,6 +24,7 @@ from omni_ray.engine.fixed_shape import (
 )
 from omni_ray.engine.host_inputs import Download, cat_on_device, stack_on_device, to_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
+from omni_ray.engine.profiling import host_range
 from omni_ray.engine.sampler import (
     GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
     sample, top_k_cap,
@@ -278,18 +279,21 @@ class TalkerRunner:
             return pending
         # Every small input of the step goes to the device before the first graph launch, in one non-blocking copy
         # per dtype: the host then runs ahead of the GPU until the frame's codes are read.
-        host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
-        kv_len = 0
-        if decoding:
-            host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
-            host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
-        inputs = upload(host, self.device)
+        with host_range("talker: step inputs"):
+            host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
+            kv_len = 0
+            if decoding:
+                host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
+                host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
+            inputs = upload(host, self.device)
         hiddens = []
         if prefilling:
             hiddens.append(self._prefill(prefilling))
         if decoding:
-            hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
-        codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
+            with host_range("talker: decode"):
+                hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
+        with host_range("talker: frames"):
+            codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
         if not any(seq.frames for seq in self.slots.sequences()):  # none has spoken yet: the clock starts again
             self.frame_steps = 0
         pending.codes, pending.step = Download(codes), self.frame_steps
@@ -362,11 +366,13 @@ class TalkerRunner:
         """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
         prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
         first reply token), whose frame is the first."""
-        prompts = self._prompts(seqs, early)
+        with host_range("talker: prompts"):
+            prompts = self._prompts(seqs, early)
         for prompt in prompts:
             self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
-        out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
-                          self.prefill_graph_tokens)
+        with host_range("talker: prefill"):
+            out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
+                              self.prefill_graph_tokens)
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
             if early:

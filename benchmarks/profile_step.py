@@ -13,6 +13,7 @@ from transformers import Qwen3OmniMoeConfig
 from omni_ray.bench import DEFAULT_TALKER_SAMPLING, FULL_CONFIG, GREEDY_TALKER, _talker_seqs, benchmark_prompt_ids
 from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.profiling import RANGE_PREFIX, is_kernel
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_omni.talker import TalkerRunner
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -20,11 +21,18 @@ from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, l
 
 
 def _report(title: str, prof: Any, steps: int) -> None:
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    averages = prof.key_averages()
+    events = [e for e in averages if is_kernel(e)]
     kernels = sum(e.count for e in events) / steps
     gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1000
     print(f"## {title}: {gpu_ms:.2f} ms GPU time and {kernels:.0f} kernels per step")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
+    spans = [e for e in averages if e.device_type.name == "CUDA" and e.key.startswith(RANGE_PREFIX)]
+    if spans:  # profiled with host events: what each named stretch's kernels took on the device, first to last
+        print("named host stretches: CPU time including what they call / their kernels' span on the device (ms per step)")
+        for e in sorted(spans, key=lambda e: -e.device_time_total):
+            cpu = sum(h.cpu_time_total for h in averages if h.key == e.key and h.device_type.name == "CPU")
+            print(f"  {cpu / steps / 1000:7.2f} / {e.device_time_total / steps / 1000:7.2f}  {e.key[len(RANGE_PREFIX):]}")
     print(_idle_report(prof, steps))
     sys.stdout.flush()
 
@@ -33,7 +41,7 @@ def _idle_report(prof: Any, steps: int, host_gap_us: float = 50.0) -> str:
     """Where the GPU sat idle between the step's kernels: gaps under `host_gap_us` are the launch gaps inside a graph
     replay (charged to the kernel that ends them), longer ones the host's between launches (with host events
     profiled: what the host ran during them)."""
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in prof.events() if is_kernel(e)), key=lambda e: e.time_range.start)
     if not kernels:
         return "no device events"
     launch_idle, host_idle, gaps = 0.0, 0.0, 0

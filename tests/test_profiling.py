@@ -4,11 +4,12 @@ batch size, records one window of steps and writes one report of where their tim
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from omni_ray.engine.profiling import SKIP_STEPS, StepProfiler, host_range
+from omni_ray.engine.profiling import RANGE_PREFIX, SKIP_STEPS, StepProfiler, host_range, is_kernel
 
 
 def _work() -> None:
@@ -44,3 +45,13 @@ def test_one_window_of_large_enough_steps_is_reported(tmp_path: Path) -> None:
     assert "aten::mm" in text and "wall per step" in text
     named = text.split("## host: named stretches")[1].splitlines()[1:]
     assert len(named) == 1 and named[0].endswith("1.0 calls/step  three products"), named  # with its 3 products
+
+
+def test_a_named_stretch_is_not_counted_as_a_kernel() -> None:
+    """With CUDA activity the profiler records each `host_range` as a device event too, spanning its kernels: the
+    device time per step counts only kernels and copies."""
+    device = SimpleNamespace(name="CUDA")
+    assert is_kernel(SimpleNamespace(key="_rows_matmul_kernel", device_type=device))
+    assert is_kernel(SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", device_type=device))
+    assert not is_kernel(SimpleNamespace(key=RANGE_PREFIX + "launch", device_type=device))
+    assert not is_kernel(SimpleNamespace(key="aten::mm", device_type=SimpleNamespace(name="CPU")))

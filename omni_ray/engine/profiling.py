@@ -34,6 +34,12 @@ def host_range(name: str) -> torch.profiler.record_function:
     return torch.profiler.record_function(RANGE_PREFIX + name)
 
 
+def is_kernel(event: Any) -> bool:
+    """A profile's device event that is a kernel or a copy, not the device-side span of a `host_range` (which the
+    profiler also records as a device event, as long as the kernels launched inside it took end to end)."""
+    return event.device_type.name == "CUDA" and not event.key.startswith(RANGE_PREFIX)
+
+
 class StepProfiler:
     """`with profiler.step(batch_size): ...` around each step. Inert unless `OMNI_RAY_PROFILE_DIR` is set; then the
     first `SKIP_STEPS` steps at batch ≥ min_batch pass, the next `steps` are profiled, and one report is written to
@@ -91,7 +97,7 @@ class StepProfiler:
         wall = sum(ms for ms, _ in self._recorded) / steps
         batch = sum(b for _, b in self._recorded) / steps
         events = self._profile.key_averages()
-        device = [e for e in events if e.device_type.name == "CUDA"]
+        device = [e for e in events if is_kernel(e)]
         device_ms = sum(e.self_device_time_total for e in device) / steps / 1000
         kernels = sum(e.count for e in device) / steps
         host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)

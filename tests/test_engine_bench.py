@@ -34,6 +34,21 @@ def test_a_batchs_rows_decode_different_tokens(tiny_checkpoint: Path) -> None:
     assert len(replies) == 4, replies  # one prompt for all would decode one reply four times
 
 
+def test_talker_inputs_sit_where_the_one_gpu_relay_hands_them_over() -> None:
+    """A burst's prefix states as large as CUDA IPC's messages on the runner's device, a smaller one's on the host (the
+    host path), reply tokens always on the host; all in the model's dtype. ("meta" stands in for a GPU.)"""
+    config = Qwen3OmniMoeConfig.from_json_file(bench.FULL_CONFIG)
+    hidden = config.talker_config.thinker_hidden_size
+    burst = bench._talker_seqs(config, 32, 100, 2, device="meta", dtype=torch.bfloat16)
+    alone = bench._talker_seqs(config, 1, 100, 2, device="meta", dtype=torch.bfloat16)
+    assert 32 * 103 * hidden * 2 >= bench.IPC_FROM_BYTES > 103 * hidden * 2  # the two sides of the rule
+    for seqs, where in ((burst, "meta"), (alone, "cpu")):
+        for seq in seqs:
+            assert all(t.device.type == where for t in seq.prefix.values())
+            assert seq.prefix["user_states"].dtype == seq.prefix["assistant_prefix"].dtype == torch.bfloat16
+            assert all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in seq.text_embeds)
+
+
 def test_the_table_gives_the_floor_at_each_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:
     main(["--config", str(tiny_checkpoint / "config.json"), "--device", "cpu", "--dtype", "float32", "--eager",
           "--batches", "1,4", "--prompt", "24", "--steps", "3", "--max-seq-len", "64", "--out", str(tmp_path)])

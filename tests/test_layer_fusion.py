@@ -9,7 +9,7 @@ import torch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.basic import GatedMLP
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.layers.moe import rank_by_comparison, top_k_by_comparison
+from omni_ray.layers.moe import Experts, narrowest_keys, rank_by_comparison, top_k_by_comparison
 
 
 def test_rank_by_comparison_is_the_stable_argsort() -> None:
@@ -20,6 +20,21 @@ def test_rank_by_comparison_is_the_stable_argsort() -> None:
         assert torch.equal(order, torch.argsort(values, stable=True))
         assert torch.equal(order[place], torch.arange(pairs))
         assert torch.equal(counts, torch.bincount(values, minlength=keys))
+
+
+def test_pairs_sorted_by_narrow_expert_ids_keep_the_stable_order_of_the_wide_ones() -> None:
+    """A prefill's pairs (past the comparison ranks' size) are grouped by a stable sort of their expert ids in one
+    byte: the order, each pair's place and the counts are those of the int64 ids' stable argsort."""
+    g = torch.Generator().manual_seed(1)
+    for tokens, k, experts in ((700, 8, 128), (600, 8, 256), (520, 8, 300)):
+        ids = torch.randint(0, experts, (tokens, k), generator=g)
+        narrow = narrowest_keys(ids.reshape(-1), experts)
+        assert narrow.dtype == (torch.uint8 if experts <= 256 else torch.int16)
+        order, place, token_of, counts = Experts._sort_by_expert(ids, experts)
+        expected = torch.argsort(ids.reshape(-1), stable=True)
+        assert torch.equal(order, expected) and torch.equal(order[place], torch.arange(tokens * k))
+        assert torch.equal(token_of, expected // k)
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=experts))
 
 
 def test_top_k_by_comparison_is_torch_topk() -> None:

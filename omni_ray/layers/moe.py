@@ -37,6 +37,17 @@ def key_counts(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
     return (keys[None, :] == torch.arange(num_keys, device=keys.device)[:, None]).sum(1)
 
 
+def narrowest_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """`keys` (values in [0, num_keys)) in the narrowest integer dtype that holds them: a radix sort makes one pass
+    per key byte, so expert ids sorted as int64 took eight passes (eight kernels a MoE layer in a prefill, about 5.6
+    us each on an H200) where one byte takes one. A stable sort orders the same values the same in any dtype."""
+    if num_keys <= 256:
+        return keys.to(torch.uint8)
+    if num_keys <= 1 << 15:
+        return keys.to(torch.int16)
+    return keys
+
+
 def rank_by_comparison(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stable argsort `order` of `keys` (values in [0, num_keys)), its inverse `place` (where each pair lands),
     and each key's count, with no sort or scan."""
@@ -134,7 +145,7 @@ class Experts(nn.Module):
         if flat.is_cuda and flat.numel() <= RANK_BY_COMPARISON_MAX_PAIRS:
             order, place, counts = rank_by_comparison(flat, num_experts)
         else:
-            order = torch.argsort(flat, stable=True)
+            order = torch.argsort(narrowest_keys(flat, num_experts), stable=True)
             place = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
             # (a scatter-add of the counts ran in a compiled layer as a sort-based kernel: 358 us per Thinker layer
             # for a prefill of 32 prompts on an H200)

@@ -35,6 +35,7 @@ GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch
           "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
             "omni_stage_decode_windows")  # cumulative: per level as a rate
+PREFILL_COUNTERS = ("omni_stage_prefill_batches", "omni_stage_prefilled_sequences")  # cumulative, per engine stage
 
 
 def scrape() -> dict[str, float]:
@@ -83,8 +84,9 @@ def histogram_means(before: dict[str, float], after: dict[str, float]) -> dict[s
 
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
-    median step time and mean batch at the end of the level, and the vocoder's busy fraction, frame rate and streams'
-    chunks per decode call over the level's `seconds` (summed over its replicas)."""
+    median step time and mean batch at the end of the level, the vocoder's busy fraction, frame rate and streams'
+    chunks per decode call over the level's `seconds` (summed over its replicas), and the Thinker's and the Talker's
+    prefill batches in the level with the requests each held on average."""
     out: dict[str, Any] = {f"mean_{key}_ms": mean for key, mean in histogram_means(before, after).items()}
     for gauge in GAUGES:
         for key, value in after.items():
@@ -96,6 +98,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
         out[f"vocoder_{counter.removeprefix('omni_stage_decode_')}_per_s"] = grown / seconds if seconds > 0 else None
     calls, windows = out["vocoder_calls_per_s"], out["vocoder_windows_per_s"]
     out["vocoder_windows_per_call"] = windows / calls if calls else None
+    for stage in ("thinker", "talker"):  # how the level's requests were taken in: prefill batches, requests in each
+        batches, sequences = (sum(v - before.get(k, 0.0) for k, v in after.items()
+                                  if k.startswith(counter + "{") and f'stage="{stage}"' in k) for counter in PREFILL_COUNTERS)
+        out[f"{stage}_prefill_batches"] = batches
+        out[f"{stage}_prefill_sequences_per_batch"] = sequences / batches if batches else None
     return out
 
 
@@ -244,7 +251,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
-             "the level's requests; server-side ones are means from `/metrics`, from the ingress submitting the request; "
+             "the level's requests (TTFA: and their mean, in brackets); server-side ones are means from `/metrics`, from the ingress submitting the request; "
              "the client's way in is from its X-Request-Start header to the ingress handler, and its way out what "
              "its mean TTFA spent after the ingress handed the first audio on. The client's TTFT is its first "
              "printable text: random weights may emit none for a long while (–: none at all), so the server's first "
@@ -252,14 +259,16 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process). Host "
              "per step: the engine thread's time queueing a step's device work (in brackets: its own CPU time in it; the "
              "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
-             "p50; the rest of a step is its wait for the device.", "",
-             "| concurrency | requests ok | TTFA p50 (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
+             "p50; the rest of a step is its wait for the device. Prefill batches: how many prefills the level's "
+             "requests took (each reads the weights again), and the requests in each on average.", "",
+             "| concurrency | requests ok | TTFA p50 (mean) (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
              f"server: {' / '.join(point.replace('_', ' ') for point in TIME_TO)}, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
+             "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -272,7 +281,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             return "–" if v is None else fmt.format(v)
 
         lines.append(
-            f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} | {ms(s['ttfa_s']['p90'])} | "
+            f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} ({ms(s['ttfa_s'].get('mean'))}) | "
+            f"{ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
             f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
             + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in TIME_TO) + " | "
@@ -283,6 +293,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
                          f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_outputs_cpu_ms_p50'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
+            + " / ".join(f"{num(srv.get(f'{stage}_prefill_batches'))} ({num(srv.get(f'{stage}_prefill_sequences_per_batch'), '{:.1f}')})"
+                         for stage in ("thinker", "talker")) + " | "
             f"{num(srv.get('vocoder_busy_s_per_s'), '{:.0%}')}, {num(srv.get('vocoder_frames_per_s'))}, "
             f"{num(srv.get('vocoder_windows_per_call'), '{:.1f}')} | "
             + " / ".join(num(r.get("cpu_cores", {}).get(part), "{:.2f}")

@@ -114,10 +114,11 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
     floors = level_rtf_floors(layout, [1, 8, 32], text_tokens=128)
     assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
-    stats = {key: {"p50": 0.1, "p90": 0.2} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
+    stats = {key: {"p50": 0.1, "p90": 0.2, "mean": 0.15} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
     served = {"thinker_step_ms_p50": 14.0, "thinker_step_ms_mean": 15.5, "thinker_launch_ms_p50": 5.0,
               "thinker_launch_cpu_ms_p50": 1.2, "thinker_outputs_ms_p50": 7.2,
-              "thinker_outputs_cpu_ms_p50": 2.1}  # the Talker's gauges missing
+              "thinker_outputs_cpu_ms_p50": 2.1, "thinker_prefill_batches": 3,
+              "thinker_prefill_sequences_per_batch": 10.7}  # the Talker's gauges missing
     startup = startup_phases({'omni_stage_startup_process_s{stage="thinker",replica="t1"}': 9.2,
                               'omni_stage_startup_load_s{stage="thinker",replica="t1"}': 20.4,
                               'omni_stage_startup_warmup_s{stage="thinker",replica="t1"}': 61.0,
@@ -136,6 +137,8 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
     assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
+    assert "| 32 | 30/32 | 100 (150) | 200 |" in table  # TTFA p50 (mean), p90
+    assert "| 3 (10.7) / – (–) |" in table  # prefill batches (requests each) thinker / talker
     assert "| 32 | 30/32 |" in table and "Failed requests at c=32: 2 (500: relay failed; timeout:)" in table
     assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
@@ -149,7 +152,16 @@ def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> No
     after = {f"omni_stage_decode_{name}{vocoder}": value
              for name, value in (("busy_s", 13.0), ("frames", 5000.0), ("calls", 150.0), ("windows", 1200.0))}
     after['omni_stage_launch_cpu_ms_p50{stage="thinker",replica="t1"}'] = 1.5
+    for replica, (batches, sequences) in (("t1", (4, 40)), ("t2", (6, 50))):  # two Thinker replicas: summed
+        before[f'omni_stage_prefill_batches{{stage="thinker",replica="{replica}"}}'] = batches
+        before[f'omni_stage_prefilled_sequences{{stage="thinker",replica="{replica}"}}'] = sequences
+    after['omni_stage_prefill_batches{stage="thinker",replica="t1"}'] = 6
+    after['omni_stage_prefilled_sequences{stage="thinker",replica="t1"}'] = 72
+    after['omni_stage_prefill_batches{stage="thinker",replica="t2"}'] = 8
+    after['omni_stage_prefilled_sequences{stage="thinker",replica="t2"}'] = 82
     out = breakdown(before, after, seconds=4.0)
+    assert out["thinker_prefill_batches"] == 4 and out["thinker_prefill_sequences_per_batch"] == 16  # 64 in 4
+    assert out["talker_prefill_batches"] == 0 and out["talker_prefill_sequences_per_batch"] is None
     assert out["vocoder_busy_s_per_s"] == pytest.approx(0.75) and out["vocoder_frames_per_s"] == pytest.approx(1000)
     assert out["vocoder_windows_per_call"] == pytest.approx(8.0)  # 800 chunks in 100 calls
     assert out["thinker_launch_cpu_ms_p50"] == 1.5

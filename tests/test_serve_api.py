@@ -155,6 +155,11 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
                if line.startswith("omni_stage_decode_") and 'stage="vocoder"' in line}
     assert vocoder["omni_stage_decode_busy_s"] > 0 and vocoder["omni_stage_decode_frames"] > 0, vocoder
     assert 0 < vocoder["omni_stage_decode_calls"] <= vocoder["omni_stage_decode_windows"], vocoder
+    # the engines count their prefill batches and the requests in them (the earlier tests' requests came one by one)
+    for stage in ("thinker", "talker"):
+        prefills = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("omni_stage_prefill") and f'stage="{stage}"' in line}
+        assert 0 < prefills["omni_stage_prefill_batches"] <= prefills["omni_stage_prefilled_sequences"], (stage, prefills)
     # every stage replica says how long its startup took, by phase: the engines loaded weights and warmed up
     startup = {(line.split("{")[0], line.split('stage="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
                for line in metrics.splitlines() if line.startswith("omni_stage_startup_")}

@@ -241,6 +241,9 @@ def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[s
     assert not runner.ready(seq)  # the prompt's last position needs the first reply token
     seq.hear(outputs)
     assert _run(runner, seq) == expected and len(expected) == 30
+    # one prefill batch each: the early one's last position ran as a decode step
+    assert (runner.prefills.batches, runner.prefills.sequences) == (1, 1)
+    assert (whole_runner.prefills.batches, whole_runner.prefills.sequences) == (1, 1)
 
     silent = TalkerSequence("s", GREEDY_TALKER, speaker, max_frames=30)
     runner.admit(silent)

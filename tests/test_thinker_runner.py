@@ -5,6 +5,7 @@ temperature-only batches) or apart from it (penalized or filtered ones, and pref
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,10 +27,11 @@ REQUESTS = {
 MIXES = [["greedy", "penalized", "filtered"], ["greedy", "sampled", "filtered"], ["greedy", "sampled"]]
 
 
-def _replies(
+def _stepped(
     checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
     prompt_lengths: tuple[int, ...] = (20, 20, 20, 20), max_prefill_tokens: int = 8192,
-) -> dict[str, list[int]]:
+) -> tuple[ThinkerRunner, list[ThinkerSequence]]:
+    """The requests `names` admitted together and stepped to their ends: the runner and the sequences."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     text = config.thinker_config.text_config
     cache = SlotKVCache(text.num_hidden_layers, 4, 128, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
@@ -41,6 +43,11 @@ def _replies(
         runner.admit(seq)
     while any(s.finish_reason is None for s in seqs):
         runner.step([s for s in seqs if s.finish_reason is None])
+    return runner, seqs
+
+
+def _replies(checkpoint: Path, names: list[str], **options: Any) -> dict[str, list[int]]:
+    _, seqs = _stepped(checkpoint, names, **options)
     return {s.request_id: s.output_ids for s in seqs}
 
 
@@ -68,5 +75,8 @@ def test_prompts_past_the_prefill_budget_prefill_in_later_steps_with_the_same_to
     """Three admitted prompts and a budget of one prompt's bucket (32 positions): each later step prefills the next
     prompt while the earlier ones decode (their slots in between held by prompts not yet prefilled), so a step draws
     twice, its prefill's row and its decode's rows. The replies equal those of one prefill of all three."""
-    together = _replies(tiny_checkpoint, names)
-    assert _replies(tiny_checkpoint, names, max_prefill_tokens=32) == together
+    runner, seqs = _stepped(tiny_checkpoint, names)
+    assert (runner.prefills.batches, runner.prefills.sequences) == (1, len(names))
+    runner, split = _stepped(tiny_checkpoint, names, max_prefill_tokens=32)
+    assert {s.request_id: s.output_ids for s in split} == {s.request_id: s.output_ids for s in seqs}
+    assert (runner.prefills.batches, runner.prefills.sequences) == (len(names), len(names))  # one prompt a step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -23,6 +24,19 @@ def within_prefill_budget(seqs: list[S], length: Callable[[S], int], cache: Slot
         if bucket_pow2(count) * bucket_length(longest, cache.max_len) <= budget:
             return seqs[:count]
     return seqs[:1]
+
+
+@dataclass
+class PrefillTally:
+    """A runner's prefills so far: the batches it ran and the sequences in them. Over an interval, sequences per
+    batch says how a burst of requests was taken in: all at once, or in waves (each wave reads the weights again)."""
+
+    batches: int = 0
+    sequences: int = 0
+
+    def add(self, count: int) -> None:
+        self.batches += 1
+        self.sequences += count
 
 
 PREFILL_LENGTH_STEP = 16  # an unbucketed prefill's length is rounded up to this

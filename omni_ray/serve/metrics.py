@@ -26,6 +26,9 @@ STAGE_GAUGES = {
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
     "outputs_cpu_ms_p50": "median CPU time of the engine thread while handing a step's outputs on, over the last 256 "
                           "steps (ms); the rest of outputs_ms it waited (for the GIL, or for the relay's host copy)",
+    "prefill_batches": "prefill batches the engine has run (cumulative)",
+    "prefilled_sequences": "sequences those prefill batches held (cumulative; over an interval, per batch: how many "
+                           "requests a burst's prefills took at a time)",
     "startup_process_s": "seconds from the replica's process start to its stage's constructor (imports, the Ray worker)",
     "startup_load_s": "seconds the replica took at startup to load its weights (or make random ones) onto its device",
     "startup_warmup_s": "seconds the replica took at startup to compile and capture its CUDA graphs",

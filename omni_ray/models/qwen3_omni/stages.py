@@ -69,6 +69,8 @@ def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any] | EngineLanes[A
     runners = engine.runners if isinstance(engine, EngineLanes) else [engine.runner]
     stats["kv_used"] = sum(runner.cache.used_slots for runner in runners)
     stats["kv_total"] = sum(runner.cache.num_slots for runner in runners)
+    stats["prefill_batches"] = sum(runner.prefills.batches for runner in runners)
+    stats["prefilled_sequences"] = sum(runner.prefills.sequences for runner in runners)
     stats["load"] = stats["running"] + stats["waiting"]
     return stats
 

@@ -11,6 +11,7 @@ import torch
 from omni_ray.engine.codebook_pass import codebook_pass
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
+    PrefillTally,
     capture_prefills,
     decode_forward,
     decode_positions,
@@ -195,6 +196,7 @@ class TalkerRunner:
         self.frame_steps = 0
         self._mtp_plans: dict[int, list[MtpSubStep]] = {}
         self.early_prefills = 0  # sequences prefilled before their first reply token
+        self.prefills = PrefillTally()  # early ones included: each is a batch of its own
         self._sample = sample
         if moe_kernels and self.device.type == "cuda":
             self.model.model.use_moe_kernels()
@@ -366,6 +368,7 @@ class TalkerRunner:
         """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
         prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
         first reply token), whose frame is the first."""
+        self.prefills.add(len(seqs))
         with host_range("talker: prompts"):
             prompts = self._prompts(seqs, early)
         for prompt in prompts:

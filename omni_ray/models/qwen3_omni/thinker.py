@@ -12,6 +12,7 @@ from torch import nn
 
 from omni_ray.engine.cuda_graphs import GraphCache, all_buckets, bucket_pow2
 from omni_ray.engine.fixed_shape import (
+    PrefillTally,
     capture_prefills,
     decode_forward,
     decode_positions,
@@ -152,6 +153,7 @@ class ThinkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
+        self.prefills = PrefillTally()
         if moe_kernels and self.device.type == "cuda":
             model.model.use_moe_kernels()
             if moe_layer_kernels:
@@ -213,6 +215,7 @@ class ThinkerRunner:
         parts: list[DrawnRows] = []
         sampled = [s for s in prefilling if not s.forced_ids]
         if prefilling:
+            self.prefills.add(len(prefilling))
             prefill_logits, pending.prefixes = self._prefill(prefilling)
             if sampled:
                 parts.append(self._draw(sampled, prefill_logits))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # the engine imports torch; configs are read without it
+    from omni_ray.engine.loop import AdmissionWindow
 
 
 class _Strict(BaseModel):
@@ -101,11 +104,26 @@ class EngineSettings(_Strict):
         "at 32 streams), off on a CPU, where a step runs inside its launch and launching ahead only delays outputs",
     )
 
+    admission_quiet_ms: float = Field(
+        default=0.0, ge=0, le=100,
+        description="admit newly arrived requests once none has arrived for this long (or once the first of them has "
+        "waited `admission_max_wait_ms`), so that a burst prefills in fewer batches, each of which reads the weights "
+        "again; 0: admit at once. Costs a request that arrives alone up to this much. Not measured on a GPU yet",
+    )
+    admission_max_wait_ms: float = Field(
+        default=20.0, ge=0, le=1000, description="the longest a request waits for admission under `admission_quiet_ms`"
+    )
     gil_switch_interval_ms: float = Field(default=0.2, gt=0, le=5, description=GIL_SWITCH_DESCRIPTION)
 
     def launches_ahead(self, device: str) -> bool:
         """`launch_ahead` as set, or on for a CUDA device when unset."""
         return self.launch_ahead if self.launch_ahead is not None else device.startswith("cuda")
+
+    def admission_window(self) -> AdmissionWindow:
+        """The engine loop's `AdmissionWindow` (seconds) from the two settings."""
+        from omni_ray.engine.loop import AdmissionWindow
+
+        return AdmissionWindow(self.admission_quiet_ms / 1000, self.admission_max_wait_ms / 1000)
 
 
 class VocoderSettings(_Strict):

@@ -94,6 +94,14 @@ def test_steps_launch_ahead_on_cuda_devices_unless_set() -> None:
     assert EngineSettings(launch_ahead=True).launches_ahead("cpu")  # as the CPU parity test runs it
 
 
+def test_the_admission_window_is_off_unless_set_and_reaches_the_loop_in_seconds() -> None:
+    assert EngineSettings().admission_window().quiet_s == 0  # admitted at once
+    window = EngineSettings(admission_quiet_ms=4, admission_max_wait_ms=25).admission_window()
+    assert (window.quiet_s, window.max_wait_s) == pytest.approx((0.004, 0.025))
+    with pytest.raises(ValueError):
+        EngineSettings(admission_quiet_ms=-1)
+
+
 def test_a_stages_mps_share_reaches_its_replica_processes_environment() -> None:
     """`mps_active_thread_percentage` becomes CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the runtime environment of the
     stage's Serve replicas, beside the gRPC message cap that every replica gets; other stages' replicas get the cap

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -11,7 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 from omni_ray.engine.kv_cache import KVCacheFull
-from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, EngineLoop, run_to_end
+from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, AdmissionWindow, EngineLoop, run_to_end
 
 TIMEOUT = 1.5
 
@@ -80,13 +81,14 @@ class FakeRunner:
 
 
 class Harness:
-    def __init__(self, runner: FakeRunner, max_batch: int) -> None:
+    def __init__(self, runner: FakeRunner, max_batch: int, admission: AdmissionWindow = AdmissionWindow()) -> None:
         self.runner = runner
         self.outputs: list[list[tuple[str, int]]] = []
         self.failures: list[tuple[str, Exception]] = []
         self.cond = threading.Condition()
         self.needed: dict[str, int] = {}
-        self.loop = EngineLoop(runner, self._on_outputs, self._on_failure, max_batch=max_batch, name="test")
+        self.loop = EngineLoop(runner, self._on_outputs, self._on_failure, max_batch=max_batch, name="test",
+                               admission=admission)
 
     def _on_outputs(self, outputs: list[tuple[str, int]]) -> None:
         with self.cond:
@@ -120,8 +122,8 @@ class Harness:
 def make() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def factory(max_batch: int = 8, **runner_kwargs: object) -> Harness:
-        h = Harness(FakeRunner(**runner_kwargs), max_batch)  # type: ignore[arg-type]
+    def factory(max_batch: int = 8, admission: AdmissionWindow = AdmissionWindow(), **runner_kwargs: object) -> Harness:
+        h = Harness(FakeRunner(**runner_kwargs), max_batch, admission)  # type: ignore[arg-type]
         made.append(h)
         return h
 
@@ -156,6 +158,55 @@ def test_later_request_joins_running_batch_and_leaves_when_done(make: Callable[.
     assert {k: stats[k] for k in ("running", "waiting", "steps", "max_batch_seen")} == {
         "running": 0, "waiting": 0, "steps": 6, "max_batch_seen": 2}
     assert stats["batch_mean"] == (1 + 1 + 1 + 2 + 2 + 1) / 6 and stats["step_ms_p50"] > 0
+
+
+def test_requests_arriving_apart_are_admitted_one_by_one_by_default(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.loop.start()
+    h.add(FakeSeq("A", steps_needed=1))
+    h.wait_finished("A")
+    h.add(FakeSeq("B", steps_needed=1))
+    h.wait_finished("B")
+    assert h.runner.batches == [["A"], ["B"]]
+
+
+def test_an_admission_window_takes_a_burst_in_at_once_after_its_last_arrival(make: Callable[..., Harness]) -> None:
+    """Three requests 20 ms apart under a 500 ms quiet window: one first step for all three, not before 500 ms after
+    the last arrival."""
+    h = make(admission=AdmissionWindow(quiet_s=0.5, max_wait_s=5.0))
+    h.loop.start()
+    for name in "ABC":
+        h.add(FakeSeq(name, steps_needed=1))
+        last_arrival = time.monotonic()
+        time.sleep(0.02)
+    h.runner.wait_batches(1)
+    assert time.monotonic() - last_arrival >= 0.5
+    h.wait_finished("A", "B", "C")
+    assert h.runner.batches == [["A", "B", "C"]]
+
+
+def test_an_admission_window_waits_no_longer_than_its_cap(make: Callable[..., Harness]) -> None:
+    h = make(admission=AdmissionWindow(quiet_s=10.0, max_wait_s=0.2))
+    h.loop.start()
+    arrived = time.monotonic()
+    h.add(FakeSeq("A", steps_needed=1))
+    h.wait_finished("A")  # within the harness's 1.5 s, not the 10 s quiet window
+    assert time.monotonic() - arrived >= 0.2
+
+
+def test_running_sequences_keep_stepping_while_an_arrival_waits_for_admission(make: Callable[..., Harness]) -> None:
+    h = make(gated=True, admission=AdmissionWindow(quiet_s=0.3, max_wait_s=5.0))
+    h.loop.start()
+    h.add(FakeSeq("A", steps_needed=10))
+    h.runner.wait_batches(1)
+    h.add(FakeSeq("B", steps_needed=1))
+    h.runner.allow(1)
+    h.runner.wait_batches(2)  # chosen at once: B is still inside its window
+    time.sleep(0.4)
+    h.runner.allow(1)
+    h.runner.wait_batches(3)
+    assert h.runner.batches == [["A"], ["A"], ["A", "B"]]
+    assert h.loop.stats()["waiting"] == 0
 
 
 def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Harness]) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
@@ -40,6 +41,18 @@ def lower_gil_switch_interval(interval_s: float = GIL_SWITCH_INTERVAL_S) -> None
 
 
 O = TypeVar("O")
+
+
+@dataclass(frozen=True)
+class AdmissionWindow:
+    """When newly arrived requests are admitted: once none has arrived for `quiet_s`, or once the first of them has
+    waited `max_wait_s`, whichever comes first; `quiet_s` 0: at once (each step admits whatever has arrived). A burst
+    whose requests reach the engine a few ms apart then prefills in fewer batches, each of which reads the weights
+    again, at the cost of up to `quiet_s` more for a request that arrives alone. Running sequences keep stepping
+    meanwhile."""
+
+    quiet_s: float = 0.0
+    max_wait_s: float = 0.0
 
 
 class Runner(Protocol[S, O]):  # type: ignore[misc]
@@ -79,8 +92,12 @@ class EngineLoop(Generic[S, O]):
         stream: torch.cuda.Stream | None = None,
         launch_ahead: bool = False,
         gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
+        admission: AdmissionWindow = AdmissionWindow(),
     ) -> None:
         self.runner = runner
+        self.admission = admission
+        self._last_arrival = 0.0  # monotonic s of the latest add()
+        self._first_waiting = 0.0  # of the oldest sequence still waiting for admission
         self.gil_switch_interval_s = gil_switch_interval_s
         self.on_outputs = on_outputs
         self.on_failure = on_failure
@@ -121,6 +138,9 @@ class EngineLoop(Generic[S, O]):
 
     def add(self, seq: S) -> None:
         with self._cond:
+            self._last_arrival = time.monotonic()
+            if not self._waiting:
+                self._first_waiting = self._last_arrival
             self._waiting.append(seq)
             self._cond.notify()
 
@@ -165,8 +185,16 @@ class EngineLoop(Generic[S, O]):
         ready = getattr(self.runner, "ready", None)
         return True if ready is None else bool(ready(seq))
 
+    def _admission_held_s(self) -> float:
+        """Under the lock: how much longer the waiting sequences stay unadmitted (`AdmissionWindow`); 0: admit now."""
+        if not self._waiting or self.admission.quiet_s <= 0:
+            return 0.0
+        until = min(self._last_arrival + self.admission.quiet_s, self._first_waiting + self.admission.max_wait_s)
+        return max(0.0, until - time.monotonic())
+
     def _schedule(self) -> list[S]:
-        """Under the lock: apply aborts, admit waiting sequences, pick the ready ones."""
+        """Under the lock: apply aborts, admit waiting sequences (once the admission window lets them in), pick the
+        ready ones."""
         if self._aborts:
             for seq in [s for s in self._running if s.request_id in self._aborts]:
                 self._running.remove(seq)
@@ -177,7 +205,7 @@ class EngineLoop(Generic[S, O]):
                 del self._aborts[seq.request_id]
             expired = time.monotonic() - ABORT_MEMORY_S
             self._aborts = {rid: t for rid, t in self._aborts.items() if t > expired}
-        while self._waiting and len(self._running) < self.max_batch:
+        while self._waiting and len(self._running) < self.max_batch and not self._admission_held_s():
             seq = self._waiting.pop(0)
             try:
                 self.runner.admit(seq)
@@ -202,7 +230,7 @@ class EngineLoop(Generic[S, O]):
                     return
                 batch = self._schedule()
                 if not batch and pending is None:
-                    self._cond.wait(timeout=0.1)
+                    self._cond.wait(timeout=self._admission_held_s() or 0.1)
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()

@@ -151,7 +151,8 @@ class ThinkerStage(StageBase):
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
-                                 gil_switch_interval_s=engine.gil_switch_interval_ms / 1000)
+                                 gil_switch_interval_s=engine.gil_switch_interval_ms / 1000,
+                                 admission=engine.admission_window())
         self.engine.start()
         self.start_reporting()
 
@@ -257,7 +258,8 @@ class TalkerStage(StageBase):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
-                                    engine.launches_ahead(res.device), engine.gil_switch_interval_ms / 1000))
+                                    engine.launches_ahead(res.device), engine.gil_switch_interval_ms / 1000,
+                                    engine.admission_window()))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}

@@ -108,7 +108,8 @@ class EngineSettings(_Strict):
         default=0.0, ge=0, le=100,
         description="admit newly arrived requests once none has arrived for this long (or once the first of them has "
         "waited `admission_max_wait_ms`), so that a burst prefills in fewer batches, each of which reads the weights "
-        "again; 0: admit at once. Costs a request that arrives alone up to this much. Not measured on a GPU yet",
+        "again; 0: admit at once. Costs a request that arrives alone up to this much. On an H200 at 3 ms (one run, "
+        "1-GPU layout, 32 streams) a burst still came in about 6 batches, and TTFA stayed within the runs' spread",
     )
     admission_max_wait_ms: float = Field(
         default=20.0, ge=0, le=1000, description="the longest a request waits for admission under `admission_quiet_ms`"

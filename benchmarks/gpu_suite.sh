@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
 # Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
-# prefill and decode step, the service's sampling, and the GPU's idle time between them), draw (a frame's 16 draws:
+# prefill and decode step, the service's sampling, and the GPU's idle time between them; SET_profile_TAG: its
+# arguments, e.g. "--thinker-only --wave 5": also the step that prefills 5 prompts while 27 decode), draw (a frame's 16 draws:
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs; with
 # --gemm-stages thinker,talker the GEMM configs of those stages' attention projections and routers),
 # moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the

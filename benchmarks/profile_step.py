@@ -1,4 +1,8 @@
-"""Profile graph-replayed Thinker and Talker(+MTP) prefill and decode steps of full-size Qwen3-Omni (random weights): GPU kernels by time."""
+"""Profile graph-replayed Thinker and Talker(+MTP) prefill and decode steps of full-size Qwen3-Omni (random weights): GPU kernels by time.
+
+    python -m benchmarks.profile_step --compile --served [--thinker-only | --talker-only] [--prefill-graph-tokens N]
+        [--wave K]      (K: also a burst's later wave, K prompts prefilled while 32 - K decode, against their decode alone)
+"""
 
 from __future__ import annotations
 
@@ -91,13 +95,20 @@ def _host_ops_during(prof: Any, gaps: list[tuple[float, float]]) -> dict[str, fl
     return during
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _profiled(run: Callable[[], Any], host: bool = False) -> Any:
     """`run` under the profiler: its kernels, and with `host` its host ops too (slower: for steps not timed alone)."""
-    torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if host else [ProfilerActivity.CUDA]
+    _synchronize()
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    if host or not activities:  # without CUDA (a CPU check of this script): the host's ops
+        activities.append(ProfilerActivity.CPU)
     with profile(activities=activities) as prof:
         run()
-        torch.cuda.synchronize()
+        _synchronize()
     return prof
 
 
@@ -125,6 +136,33 @@ def _profile(name: str, runner: Any, make_seqs: Callable[[], list[Any]]) -> None
     _report(f"{name} decode, batch {len(seqs)}, graphs", decode, 3)
 
 
+def profile_wave(runner: Any, make_seq: Callable[[int], Any], running: int, wave: int) -> None:
+    """A burst's later wave as the service meets it: `running` requests decoding when `wave` new ones arrive. The
+    decode step alone, then the step that prefills the wave and decodes the others (two passes, each reading the
+    experts their tokens pick), both after an untimed step of the same shapes."""
+    decoding = [make_seq(i) for i in range(running)]
+    for seq in decoding:
+        runner.admit(seq)
+    for _ in range(3):
+        runner.step(decoding)
+    decode = _profiled(lambda: runner.step(decoding))
+    stepped = None
+    for timed in (False, True):
+        new = [make_seq(running + i) for i in range(wave)]
+        for seq in new:
+            runner.admit(seq)
+        if timed:
+            stepped = _profiled(lambda: runner.step(decoding + new), host=True)
+        else:
+            runner.step(decoding + new)
+        for seq in new:
+            runner.release(seq)
+    for seq in decoding:
+        runner.release(seq)
+    _report(f"thinker decode alone, batch {running}", decode, 1)
+    _report(f"thinker wave step: prefill {wave} + decode {running}", stepped, 1)
+
+
 def main() -> None:
     compiled = "--compile" in sys.argv[1:]  # fuse each decoder layer with torch.compile
     served = "--served" in sys.argv[1:]  # the Talker samples as the service does (top-k 50; MTP top-k 50 / top-p 0.8)
@@ -145,11 +183,15 @@ def main() -> None:
                                 SlotKVCache(text.num_hidden_layers, 32, 2048, text.num_key_value_heads, text.head_dim,
                                             torch.bfloat16, "cuda"),
                                 compile_layers=compiled, prefill_graph_tokens=graph_tokens)
-        for batch in (1, 32):  # a prompt per row: rows route to different experts, as a service's streams do
-            _profile("thinker", thinker, lambda batch=batch: [
-                ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64,
-                                frozenset(), for_talker=True)
-                for i in range(batch)])
+        def prompt(i: int) -> ThinkerSequence:  # a prompt per row: rows route to different experts, as streams do
+            return ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64,
+                                   frozenset(), for_talker=True)
+
+        for batch in (1, 32):
+            _profile("thinker", thinker, lambda batch=batch: [prompt(i) for i in range(batch)])
+        if "--wave" in sys.argv[1:]:  # --wave K: K prompts arriving while 32 - K decode (a burst's later wave)
+            wave = int(sys.argv[sys.argv.index("--wave") + 1])
+            profile_wave(thinker, prompt, 32 - wave, wave)
         del thinker
         torch.cuda.empty_cache()
     if thinker_only:

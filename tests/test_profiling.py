@@ -55,3 +55,32 @@ def test_a_named_stretch_is_not_counted_as_a_kernel() -> None:
     assert is_kernel(SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", device_type=device))
     assert not is_kernel(SimpleNamespace(key=RANGE_PREFIX + "launch", device_type=device))
     assert not is_kernel(SimpleNamespace(key="aten::mm", device_type=SimpleNamespace(name="CPU")))
+
+
+def test_the_wave_profile_prefills_a_later_wave_in_one_step_beside_the_decodes(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`profile_step --wave K` (a burst's later wave) on the tiny Thinker, on the CPU: three requests decode, then a
+    wave of two arrives twice (an untimed step, then the profiled one); each wave is one prefill batch."""
+    from transformers import Qwen3OmniMoeConfig
+
+    from benchmarks.profile_step import profile_wave
+    from omni_ray.bench import benchmark_prompt_ids
+    from omni_ray.engine.kv_cache import SlotKVCache
+    from omni_ray.engine.sampler import SamplingParams
+    from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
+
+    config = Qwen3OmniMoeConfig.from_pretrained(tiny_checkpoint)
+    text = config.thinker_config.text_config
+    cache = SlotKVCache(text.num_hidden_layers, 8, 256, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
+    runner = ThinkerRunner(load_thinker(tiny_checkpoint, config, "cpu", torch.float32), config, cache)
+
+    def prompt(i: int) -> ThinkerSequence:
+        return ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 20, i), SamplingParams(temperature=0.0), 16,
+                               frozenset(), for_talker=True)
+
+    profile_wave(runner, prompt, running=3, wave=2)
+    assert (runner.prefills.batches, runner.prefills.sequences) == (3, 3 + 2 + 2)
+    assert runner.cache.used_slots == 0  # every request released
+    report = capsys.readouterr().out
+    assert "## thinker decode alone, batch 3" in report and "## thinker wave step: prefill 2 + decode 3" in report

@@ -82,6 +82,12 @@ def histogram_means(before: dict[str, float], after: dict[str, float]) -> dict[s
     return means
 
 
+def _growth(before: dict[str, float], after: dict[str, float], counter: str, stage: str | None = None) -> float:
+    """How much a cumulative stage counter grew between two scrapes, summed over its replicas (of `stage` alone)."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items()
+               if k.startswith(counter + "{") and (stage is None or f'stage="{stage}"' in k))
+
+
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
     median step time and mean batch at the end of the level, the vocoder's busy fraction, frame rate and streams'
@@ -94,13 +100,12 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
                 stage = re.search(r'stage="(\w+)"', key)
                 out[f"{stage.group(1) if stage else '?'}_{gauge.removeprefix('omni_stage_')}"] = value
     for counter in COUNTERS:
-        grown = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(counter + "{"))
+        grown = _growth(before, after, counter)
         out[f"vocoder_{counter.removeprefix('omni_stage_decode_')}_per_s"] = grown / seconds if seconds > 0 else None
     calls, windows = out["vocoder_calls_per_s"], out["vocoder_windows_per_s"]
     out["vocoder_windows_per_call"] = windows / calls if calls else None
     for stage in ("thinker", "talker"):  # how the level's requests were taken in: prefill batches, requests in each
-        batches, sequences = (sum(v - before.get(k, 0.0) for k, v in after.items()
-                                  if k.startswith(counter + "{") and f'stage="{stage}"' in k) for counter in PREFILL_COUNTERS)
+        batches, sequences = (_growth(before, after, counter, stage) for counter in PREFILL_COUNTERS)
         out[f"{stage}_prefill_batches"] = batches
         out[f"{stage}_prefill_sequences_per_batch"] = sequences / batches if batches else None
     return out

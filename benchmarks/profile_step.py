@@ -146,17 +146,19 @@ def profile_wave(runner: Any, make_seq: Callable[[int], Any], running: int, wave
     for _ in range(3):
         runner.step(decoding)
     decode = _profiled(lambda: runner.step(decoding))
-    stepped = None
-    for timed in (False, True):
+
+    def wave_step(run: Callable[[Callable[[], Any]], Any]) -> Any:
+        """A fresh wave admitted, its step run by `run`, the wave released."""
         new = [make_seq(running + i) for i in range(wave)]
         for seq in new:
             runner.admit(seq)
-        if timed:
-            stepped = _profiled(lambda: runner.step(decoding + new), host=True)
-        else:
-            runner.step(decoding + new)
+        result = run(lambda: runner.step(decoding + new))
         for seq in new:
             runner.release(seq)
+        return result
+
+    wave_step(lambda step: step())  # untimed: the wave's shapes compiled and captured
+    stepped = wave_step(lambda step: _profiled(step, host=True))
     for seq in decoding:
         runner.release(seq)
     _report(f"thinker decode alone, batch {running}", decode, 1)

@@ -215,7 +215,6 @@ class ThinkerRunner:
         parts: list[DrawnRows] = []
         sampled = [s for s in prefilling if not s.forced_ids]
         if prefilling:
-            self.prefills.add(len(prefilling))
             prefill_logits, pending.prefixes = self._prefill(prefilling)
             if sampled:
                 parts.append(self._draw(sampled, prefill_logits))
@@ -294,6 +293,7 @@ class ThinkerRunner:
     def _prefill(self, seqs: list[ThinkerSequence]) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
         """Prefill every sequence that needs a forward pass in one padded batch. Returns the last-position logits of
         the sampled (non-forced) sequences, in order, and each Talker-bound sequence's prefix states."""
+        self.prefills.add(len(seqs))
         mm_masks = [torch.isin(torch.tensor(s.prompt_ids), self.multimodal_ids) for s in seqs]
         places = {i: talker_prefix_positions(s.prompt_ids, self.config) for i, s in enumerate(seqs) if s.for_talker}
         # Every host-built input of the batch in one upload (one copy per dtype, not a few per sequence).

@@ -168,15 +168,43 @@ if triton is not None:
                     tl.atomic_add(targets, acc, mask=(rows < M)[:, None], sem="relaxed")
 
     @triton.jit
+    def _prefetch_lines(ptrs):
+        """Ask L2 for the 128-byte line at each of `ptrs`, kept there ahead of other lines; nothing waits for them."""
+        return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_share(w_ptr, pid, PROGRAMS: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """Into L2: the weight lines of this program's items of one `_split_gemm_phase` (bf16, 64 to a line)."""
+        ITEMS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N * SPLIT
+        DEPTH: tl.constexpr = K // SPLIT
+        LINES: tl.constexpr = DEPTH // 64
+        for turn in range(0, (ITEMS + PROGRAMS - 1) // PROGRAMS):
+            item = pid + turn * PROGRAMS
+            if item < ITEMS:
+                rows = w_ptr + ((item // SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)) * K + (item % SPLIT) * DEPTH
+                for first in range(0, LINES, 16):  # past the last line: the last again
+                    lines = tl.minimum(first + tl.arange(0, 16), LINES - 1) * 64
+                    _prefetch_lines(rows[:, None] + lines[None, :])
+
+    @triton.jit
     def _balanced_chain_kernel(x_ptr, w0, w1, w2, w3, h0, h1, h2, out_ptr, arrivals_ptr, M,
                                K0: tl.constexpr, N0: tl.constexpr, K1: tl.constexpr, N1: tl.constexpr,
                                K2: tl.constexpr, N2: tl.constexpr, K3: tl.constexpr, N3: tl.constexpr,
                                BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
                                S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, PROGRAMS: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPINS: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPINS: tl.constexpr,
+                               L2_AHEAD: tl.constexpr = 0):
         """`_chain_kernel` with each GEMM's work balanced over the programs (`phase_plan`): narrow GEMMs split their
-        depth, their fp32 outputs zeroed first by every program's share, before the first barrier."""
+        depth, their fp32 outputs zeroed first by every program's share, before the first barrier. L2_AHEAD 1: each
+        program first asks L2 for all its weight lines of the four GEMMs; 2: for the next GEMM's before it waits."""
         pid = tl.program_id(0)
+        if L2_AHEAD == 1:
+            _prefetch_share(w0, pid, PROGRAMS, K0, N0, BN0, 1)
+            _prefetch_share(w1, pid, PROGRAMS, K1, N1, BN1, S1)
+            _prefetch_share(w2, pid, PROGRAMS, K2, N2, BN2, S2)
+            _prefetch_share(w3, pid, PROGRAMS, K3, N3, BN3, S3)
         if S1 > 1:
             _zero_share(h1, pid, BLOCK_M * N1, PROGRAMS, 256)
         if S2 > 1:
@@ -184,10 +212,16 @@ if triton is not None:
         if S3 > 1:
             _zero_share(out_ptr, pid, BLOCK_M * N3, PROGRAMS, 256)
         _split_gemm_phase(x_ptr, K0, w0, h0, M, pid, PROGRAMS, K0, N0, BLOCK_M, BN0, BLOCK_K, 1)
+        if L2_AHEAD == 2:
+            _prefetch_share(w1, pid, PROGRAMS, K1, N1, BN1, S1)
         _wait_for_all_bounded(arrivals_ptr, PROGRAMS, SPINS)
         _split_gemm_phase(h0, N0, w1, h1, M, pid, PROGRAMS, K1, N1, BLOCK_M, BN1, BLOCK_K, S1)
+        if L2_AHEAD == 2:
+            _prefetch_share(w2, pid, PROGRAMS, K2, N2, BN2, S2)
         _wait_for_all_bounded(arrivals_ptr, 2 * PROGRAMS, SPINS)
         _split_gemm_phase(h1, N1, w2, h2, M, pid, PROGRAMS, K2, N2, BLOCK_M, BN2, BLOCK_K, S2)
+        if L2_AHEAD == 2:
+            _prefetch_share(w3, pid, PROGRAMS, K3, N3, BN3, S3)
         _wait_for_all_bounded(arrivals_ptr, 3 * PROGRAMS, SPINS)
         _split_gemm_phase(h2, N2, w3, out_ptr, M, pid, PROGRAMS, K3, N3, BLOCK_M, BN3, BLOCK_K, S3)
         if tl.atomic_add(arrivals_ptr + 1, 1) == PROGRAMS - 1:
@@ -271,10 +305,11 @@ def phase_plan(depth: int, width: int, programs: int, block_k: int, split: bool 
 
 def chain_balanced(x: torch.Tensor, weights: list[torch.Tensor], arrivals: torch.Tensor, programs: int,
                    block_k: int = 128, warps: int = 4, stages: int = 3,
-                   plans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+                   plans: list[tuple[int, int]] | None = None, l2_ahead: int = 0) -> torch.Tensor:
     """The four GEMMs of `CHAIN` in one persistent launch, each GEMM's items balanced over `programs` (fp32 out).
     arrivals: three int32, the barrier counters and the flag a launch sets when its programs were not all resident.
-    plans: each GEMM's (column tile, depth splits) instead of `phase_plan`'s (the first one's splits must be 1)."""
+    plans: each GEMM's (column tile, depth splits) instead of `phase_plan`'s (the first one's splits must be 1).
+    l2_ahead: `_balanced_chain_kernel`'s L2_AHEAD (GPU only: the interpreter runs no inline assembly)."""
     rows = x.shape[0]
     block_m = max(16, triton.next_power_of_2(rows))
     plans = plans or [phase_plan(k, n, programs, block_k, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
@@ -285,7 +320,7 @@ def chain_balanced(x: torch.Tensor, weights: list[torch.Tensor], arrivals: torch
     splits = {f"S{i}": parts for i, (_, parts) in enumerate(plans) if i > 0}
     _balanced_chain_kernel[(programs,)](x, *weights, *hidden, arrivals, rows, **dims, **tiles, **splits,
                                         PROGRAMS=programs, BLOCK_M=block_m, BLOCK_K=block_k, SPINS=1 << 16,
-                                        num_warps=warps, num_stages=stages)
+                                        L2_AHEAD=l2_ahead, num_warps=warps, num_stages=stages)
     return hidden[3][:rows]
 
 
@@ -323,6 +358,13 @@ def probe(rows_list: list[int], programs: int) -> dict[str, Any]:
             "balanced": lambda ws: chain_balanced(x, ws, arrivals, programs),
             "balanced, 2 programs per SM": lambda ws: chain_balanced(x, ws, arrivals, 2 * programs),
             "balanced, 2 per SM, depth blocks of 256": lambda ws: chain_balanced(x, ws, arrivals, 2 * programs, 256, 4, 2),
+            "balanced, all weights asked of L2 first": lambda ws: chain_balanced(x, ws, arrivals, programs, l2_ahead=1),
+            "balanced, 2 per SM, all asked of L2 first": lambda ws: chain_balanced(x, ws, arrivals, 2 * programs,
+                                                                                     l2_ahead=1),
+            "balanced, next GEMM's asked of L2 before waiting": lambda ws: chain_balanced(x, ws, arrivals, programs,
+                                                                                           l2_ahead=2),
+            "balanced, 2 per SM, next asked of L2 before waiting": lambda ws: chain_balanced(
+                x, ws, arrivals, 2 * programs, l2_ahead=2),
         }
         for name, run in runs.items():
             arrivals[2] = 0

@@ -57,9 +57,11 @@ def test_the_probe_kernels_compile_for_the_h200_without_a_gpu(prefetch: bool) ->
     compile_for_h200(_barriers_kernel, {"arrivals_ptr": "*i32"}, {"ROUNDS": 4, "PROGRAMS": 132})
 
 
-def test_the_balanced_chain_splits_the_narrow_gemms_and_compiles_for_the_h200() -> None:
+@pytest.mark.parametrize("l2_ahead", [0, 1, 2])
+def test_the_balanced_chain_splits_the_narrow_gemms_and_compiles_for_the_h200(l2_ahead: int) -> None:
     """Its plan at 132 and 264 programs gives every GEMM about one item per program (the narrow, deep ones split in
-    depth), and the kernel (bounded barriers, fp32 atomic adds) compiles down to sm_90."""
+    depth), and the kernel (bounded barriers, fp32 atomic adds) compiles down to sm_90; asking L2 for the weights
+    ahead (all first, or the next GEMM's before each wait) adds L2 prefetches, and only then."""
     from benchmarks.persistent_probe import CHAIN, _balanced_chain_kernel, phase_plan
 
     plans = [phase_plan(k, n, 132, 128, split=i > 0) for i, (k, n) in enumerate(CHAIN)]
@@ -73,10 +75,11 @@ def test_the_balanced_chain_splits_the_narrow_gemms_and_compiles_for_the_h200() 
     dims = {f"{name}{i}": value for i, (k, n) in enumerate(CHAIN) for name, value in (("K", k), ("N", n))}
     constants = {**dims, **{f"BN{i}": block_n for i, (block_n, _) in enumerate(plans)},
                  **{f"S{i}": parts for i, (_, parts) in enumerate(plans) if i > 0},
-                 "PROGRAMS": 132, "BLOCK_M": 32, "BLOCK_K": 128, "SPINS": 1 << 16}
+                 "PROGRAMS": 132, "BLOCK_M": 32, "BLOCK_K": 128, "SPINS": 1 << 16, "L2_AHEAD": l2_ahead}
     ptx = compile_for_h200(_balanced_chain_kernel, {**pointers, **hidden, "arrivals_ptr": "*i32", "M": "i32"},
                            constants)
     assert "red.global" in ptx or "atom.global" in ptx
+    assert ("prefetch.global.L2::evict_last" in ptx) == (l2_ahead > 0)
 
 
 @pytest.mark.parametrize("wait", [False, True])

@@ -103,6 +103,12 @@ class EngineSettings(_Strict):
         "extra row is dropped). Unset: on for CUDA devices (the 1-GPU layout on an H200: RTF 0.167 instead of 0.190 "
         "at 32 streams), off on a CPU, where a step runs inside its launch and launching ahead only delays outputs",
     )
+    early_first_tokens: bool = Field(
+        default=True,
+        description="Thinker: a step that prefills new requests while others decode reads the new ones' first tokens "
+        "back (and relays them to the Talker) as soon as the prefill is done, instead of after the decode queued "
+        "behind it in the same step (launched ahead only, as on CUDA; the Talker ignores it)",
+    )
 
     admission_quiet_ms: float = Field(
         default=0.0, ge=0, le=100,

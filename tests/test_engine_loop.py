@@ -481,6 +481,51 @@ def test_pipelined_runner_launches_the_next_step_before_collecting_the_last() ->
     assert h.loop.stats()["steps"] == 3 and h.loop.stats()["steps_launched_ahead"] == 2
 
 
+@dataclass
+class FakeEarlyRunner(FakePipelinedRunner):
+    """A step's rows of sequences at their first step (a prefill) come back through `collect_early`, the others
+    through `collect`, as the Thinker's runner reads a prefill's first tokens ahead of the decode behind it. Each
+    launch waits for a permit."""
+
+    def launch(self, seqs: list[FakeSeq]) -> list[tuple[FakeSeq, int]]:
+        if not self.permits.acquire(timeout=TIMEOUT):
+            self.errors.append("launch never got a permit")
+        return super().launch(seqs)
+
+    def collect_early(self, rows: list[tuple[FakeSeq, int]]) -> list[tuple[str, int]]:
+        first = [row for row in rows if row[1] == 1]
+        for row in first:
+            rows.remove(row)
+        self.calls.append("collect early " + ",".join(s.request_id for s, _ in first))
+        return [(s.request_id, n) for s, n in first]
+
+
+def test_a_steps_early_outputs_are_handed_on_before_the_rest_is_collected() -> None:
+    """B joins while A decodes: the step that prefills B hands B's first output on by itself, then A's output of
+    the same step."""
+    runner = FakeEarlyRunner()
+    h = Harness(runner, max_batch=4)
+    h.loop = EngineLoop(runner, h._on_outputs, h._on_failure, max_batch=4, name="test", launch_ahead=True)
+    h.needed.update({"A": 4, "B": 2})
+    h.loop.add(FakeSeq("A", steps_needed=4))
+    try:
+        h.loop.start()
+        runner.allow(2)
+        h.wait(lambda: len(runner.batches) == 2)
+        h.loop.add(FakeSeq("B", steps_needed=2))
+        runner.allow(100)
+        h.wait_finished("A", "B")
+    finally:
+        h.loop.stop()
+    joined = next(i for i, batch in enumerate(runner.batches) if "B" in batch)  # A's step joined + 1
+    assert runner.batches[joined] == ["A", "B"] and runner.errors == [] and h.failures == []
+    assert runner.calls[runner.calls.index("collect early B") + 1] == "collect A"  # then the same step's rest
+    handed_on = [out for out in h.outputs if out]
+    at = handed_on.index([("B", 1)])  # alone
+    assert handed_on[at - 1] == [("A", joined)] and handed_on[at + 1] == [("A", joined + 1)]
+    assert sorted(o for out in handed_on for o in out) == [("A", 1), ("A", 2), ("A", 3), ("A", 4), ("B", 1), ("B", 2)]
+
+
 def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     runner = FakePipelinedRunner()
     h = Harness(runner, max_batch=4)  # launch_ahead is off by default

@@ -27,20 +27,27 @@ REQUESTS = {
 MIXES = [["greedy", "penalized", "filtered"], ["greedy", "sampled", "filtered"], ["greedy", "sampled"]]
 
 
-def _stepped(
+def _admitted(
     checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
-    prompt_lengths: tuple[int, ...] = (20, 20, 20, 20), max_prefill_tokens: int = 8192,
+    prompt_lengths: tuple[int, ...] = (20, 20, 20, 20), max_prefill_tokens: int = 8192, early_first_tokens: bool = True,
 ) -> tuple[ThinkerRunner, list[ThinkerSequence]]:
-    """The requests `names` admitted together and stepped to their ends: the runner and the sequences."""
+    """The requests `names` admitted together: the runner and the sequences."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
     text = config.thinker_config.text_config
     cache = SlotKVCache(text.num_hidden_layers, 4, 128, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
     runner = ThinkerRunner(load_thinker(checkpoint, config, "cpu", torch.float32), config, cache,
-                           max_prefill_tokens=max_prefill_tokens, prefill_graph_tokens=prefill_graph_tokens)
+                           max_prefill_tokens=max_prefill_tokens, prefill_graph_tokens=prefill_graph_tokens,
+                           early_first_tokens=early_first_tokens)
     seqs = [ThinkerSequence(name, benchmark_prompt_ids(config, prompt_lengths[i], i), REQUESTS[name], tokens, frozenset())
             for i, name in enumerate(REQUESTS) if name in names]
     for seq in seqs:
         runner.admit(seq)
+    return runner, seqs
+
+
+def _stepped(checkpoint: Path, names: list[str], **options: Any) -> tuple[ThinkerRunner, list[ThinkerSequence]]:
+    """The requests `names` admitted together (`_admitted`) and stepped to their ends."""
+    runner, seqs = _admitted(checkpoint, names, **options)
     while any(s.finish_reason is None for s in seqs):
         runner.step([s for s in seqs if s.finish_reason is None])
     return runner, seqs
@@ -80,3 +87,24 @@ def test_prompts_past_the_prefill_budget_prefill_in_later_steps_with_the_same_to
     runner, split = _stepped(tiny_checkpoint, names, max_prefill_tokens=32)
     assert {s.request_id: s.output_ids for s in split} == {s.request_id: s.output_ids for s in seqs}
     assert (runner.prefills.batches, runner.prefills.sequences) == (len(names), len(names))  # one prompt a step
+
+
+def test_a_steps_prefill_is_read_back_ahead_of_its_decode_with_the_same_tokens(tiny_checkpoint: Path) -> None:
+    """A budget of one prompt: the second step prefills the second request while the first decodes. Its prefill's
+    reads are queued ahead of the decode: `collect_early` gives the new request's first token alone, `collect` the
+    decode's row, and the replies equal those of steps read back whole (`early_first_tokens=False`)."""
+    names = MIXES[2]
+    runner, seqs = _admitted(tiny_checkpoint, names, max_prefill_tokens=32)
+    runner.step(seqs)  # the first prompt's prefill
+    pending = runner.launch(seqs)
+    assert pending.early is not None
+    early = runner.collect_early(pending)
+    assert [(out.request_id, out.token) for out in early] == [(seqs[1].request_id, seqs[1].output_ids[0])]
+    assert pending.early is None and runner.collect_early(pending) == []
+    rest = runner.collect(pending)
+    assert [out.request_id for out in rest] == [seqs[0].request_id] and len(seqs[0].output_ids) == 2
+    while any(s.finish_reason is None for s in seqs):
+        runner.step([s for s in seqs if s.finish_reason is None])  # `collect` reads an early part itself too
+    whole = _replies(tiny_checkpoint, names, max_prefill_tokens=32, early_first_tokens=False)
+    assert {s.request_id: s.output_ids for s in seqs} == whole
+    assert all(len(tokens) == 10 for tokens in whole.values())

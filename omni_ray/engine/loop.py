@@ -70,6 +70,14 @@ class PipelinedRunner(Runner[S, O], Protocol[S, O]):  # type: ignore[misc]
     def collect(self, handle: Any) -> list[O]: ...
 
 
+class EarlyCollectingRunner(PipelinedRunner[S, O], Protocol[S, O]):  # type: ignore[misc]
+    """A pipelined runner whose step may finish part of its outputs on the device before the rest (a prefill's
+    first tokens ahead of the decode queued behind it): `collect_early` waits for that part alone and returns its
+    outputs, `collect` then the rest."""
+
+    def collect_early(self, handle: Any) -> list[O]: ...
+
+
 class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
 
@@ -273,13 +281,23 @@ class EngineLoop(Generic[S, O]):
         return batch, handle
 
     def _collect(self, batch: list[S], handle: Any) -> None:
+        """Read a launched step back and hand its outputs on: for an `EarlyCollectingRunner`, the part the device
+        finishes first is handed on while the rest still runs."""
         try:
+            if self.pipelined and hasattr(self.runner, "collect_early"):
+                with host_range("collect early"):
+                    early = self.runner.collect_early(handle)
+                if early:
+                    self._hand_on(early)
             with host_range("collect"):
                 outputs = self.runner.collect(handle) if self.pipelined else handle
         except Exception as exc:
             self._fail(batch, exc)
             return
         self._retire(batch)
+        self._hand_on(outputs)
+
+    def _hand_on(self, outputs: list[O]) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()
         with host_range("hand outputs on"):
             self.on_outputs(outputs)

@@ -147,7 +147,8 @@ class ThinkerStage(StageBase):
         with self.startup_phase("warmup"):
             runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
                                    engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens,
-                                   moe_layer_kernels=engine.moe_layer_kernels)
+                                   moe_layer_kernels=engine.moe_layer_kernels,
+                                   early_first_tokens=engine.early_first_tokens)
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),

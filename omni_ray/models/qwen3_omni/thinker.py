@@ -128,6 +128,7 @@ class PendingTokens:
     embeds: torch.Tensor | None = None
     prefixes: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     outputs: list[ThinkerStepOutput] = field(default_factory=list)
+    early: "PendingTokens | None" = None  # the step's prefill part, done on the device before this (decode) part
 
 
 class ThinkerRunner:
@@ -139,7 +140,7 @@ class ThinkerRunner:
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
         compile_layers: bool = False, moe_kernels: bool = True, prefill_graph_tokens: int | None = None,
-        moe_layer_kernels: bool = True,
+        moe_layer_kernels: bool = True, early_first_tokens: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -154,6 +155,8 @@ class ThinkerRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
         self.prefills = PrefillTally()
+        # a step that prefills while others decode: the prefill's first tokens are read back before the decode runs
+        self.early_first_tokens = early_first_tokens
         if moe_kernels and self.device.type == "cuda":
             model.model.use_moe_kernels()
             if moe_layer_kernels:
@@ -201,7 +204,9 @@ class ThinkerRunner:
         """Queue one step on the device without waiting for it: prefill new sequences, decode the rest, a batched
         draw for the sampled rows of each. Each draw stays on the device as its sequence's next input, so the engine can
         launch the next step before it `collect`s this one. A stop token is learnt late; a row stepped after it is
-        dropped when collected. Teacher-forced replies need no device work: their outputs are ready at once."""
+        dropped when collected. Teacher-forced replies need no device work: their outputs are ready at once.
+        With `early_first_tokens`, a step that prefills while others decode reads its first tokens back as soon as
+        the prefill is done (`collect_early`), not after the decode queued behind it."""
         # Partition first: a sequence prefilled in this step must not also decode in it.
         prefilling = within_prefill_budget(
             [s for s in seqs if s.num_cached == 0], lambda s: len(s.prompt_ids), self.cache, self.max_prefill_tokens
@@ -223,9 +228,18 @@ class ThinkerRunner:
                     pending.outputs.append(self._forced_output(seq, pending.prefixes.get(seq.request_id)))
         pending.outputs += [self._forced_output(seq) for seq in forced]
         self._attach_talker_embeds(pending.outputs, {s.request_id for s in seqs if s.for_talker})
+        if parts and decoding and self.early_first_tokens:  # the first tokens' reads go ahead of the decode
+            self._queue_reads(pending, sampled, parts)
+            pending = PendingTokens(early=pending)
+            sampled, parts = [], []
         sampled += decoding
         if decoding:
             parts.append(self._decode(decoding, keep_embeds=any(s.for_talker for s in decoding)))
+        self._queue_reads(pending, sampled, parts)
+        return pending
+
+    def _queue_reads(self, pending: PendingTokens, sampled: list[ThinkerSequence], parts: list[DrawnRows]) -> None:
+        """Queue the download of the rows `parts` drew for `sampled` (in order), then `pending.done`."""
         if parts:
             drawn = DrawnRows.joined(parts)
             if any(s.for_talker for s in sampled):
@@ -237,11 +251,19 @@ class ThinkerRunner:
                 if seq.num_made >= seq.max_tokens:
                     seq.finish_reason = "length"
         pending.done = StepDone(self.device)  # queued last: once it is reached, every tensor this step relays is made
-        return pending
+
+    def collect_early(self, pending: PendingTokens) -> list[ThinkerStepOutput]:
+        """The outputs of a launched step's prefill part, once the device is done with that part (none when the
+        step was not split); `collect` then returns the rest."""
+        early, pending.early = pending.early, None
+        return self.collect(early) if early is not None else []
 
     def collect(self, pending: PendingTokens) -> list[ThinkerStepOutput]:
-        """Wait for a launched step's tokens and say what it made. A row is dropped when its request stopped at an
-        earlier token (a stop token seen late) or was aborted since."""
+        """Wait for a launched step's tokens and say what it made (its prefill part's first, unless `collect_early`
+        read them already). A row is dropped when its request stopped at an earlier token (a stop token seen late)
+        or was aborted since."""
+        if pending.early is not None:
+            return self.collect_early(pending) + self.collect(pending)
         if pending.done is not None:  # the relay reads this step's tensors as they are: they must be complete
             pending.done.wait()
         outputs = pending.outputs

@@ -3,7 +3,8 @@ P resident programs costs on this GPU, and (2) the code predictor's four GEMMs o
 at full size, plain products; attention and the epilogues left out) chained at 1 / 8 / 32 rows, as four kernels
 replayed from one CUDA graph against one persistent kernel whose programs wait for each other between the GEMMs,
 with and without loading the first depth block of their next weight tile before they wait, and with each GEMM's
-work balanced over the programs (narrow GEMMs split in depth, `phase_plan`). Weights cycle through
+work balanced over the programs (narrow GEMMs split in depth, `phase_plan`), and balanced with each program asking L2
+for its weight lines ahead (all at the start, or the next GEMM's before each barrier). Weights cycle through
 copies past L2's size, as a pass's five layers do. Also (3): whether a programmatic dependent launch starts before
 the kernel ahead of it ends, eagerly and replayed from a graph. The persistent kernels need all their programs
 resident at once (one per SM by default): on a GPU shared with other work they may wait long, and a step's time

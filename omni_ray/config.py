@@ -107,7 +107,9 @@ class EngineSettings(_Strict):
         default=True,
         description="Thinker: a step that prefills new requests while others decode reads the new ones' first tokens "
         "back (and relays them to the Talker) as soon as the prefill is done, instead of after the decode queued "
-        "behind it in the same step (launched ahead only, as on CUDA; the Talker ignores it)",
+        "behind it in the same step (launched ahead only, as on CUDA; the Talker ignores it). On an H200 (1-GPU "
+        "layout, two calls, both orders) the first token came 51-55 ms after the prefill's launch at 32 streams "
+        "against 62-66 off, 30-31 against 35-36 at 8; TTFA mean 165-192 against 199-200 ms at 32",
     )
 
     admission_quiet_ms: float = Field(

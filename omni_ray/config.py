@@ -16,6 +16,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MPS_CLIENT_PRIORITIES = {"normal": "0", "below_normal": "1"}  # CUDA_MPS_CLIENT_PRIORITY's values
+
+
 class StageResources(_Strict):
     """Where a stage replica runs."""
 
@@ -34,23 +37,36 @@ class StageResources(_Strict):
         "kernels may occupy at once (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its replica processes), so that one "
         "stage's wide kernels leave SMs free for another's; unset: all of them",
     )
+    mps_client_priority: Literal["normal", "below_normal"] | None = Field(
+        default=None,
+        description="under the CUDA MPS daemon: this stage's scheduling priority among the GPU's clients "
+        "(CUDA_MPS_CLIENT_PRIORITY in its replica processes): the GPU starts the pending work of `normal` clients "
+        "before that of `below_normal` ones (it does not stop work already running); unset: the driver's default, "
+        "normal",
+    )
 
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "StageResources":
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ValueError("a cuda device needs num_gpus > 0")
-        if self.mps_active_thread_percentage is not None and not self.device.startswith("cuda"):
-            raise ValueError("mps_active_thread_percentage needs a cuda device")
+        for name in ("mps_active_thread_percentage", "mps_client_priority"):
+            if getattr(self, name) is not None and not self.device.startswith("cuda"):
+                raise ValueError(f"{name} needs a cuda device")
         return self
 
     def actor_options(self) -> dict[str, Any]:
-        """Ray actor options for a replica of the stage: CPUs, GPUs, custom resources, and its MPS share."""
+        """Ray actor options for a replica of the stage: CPUs, GPUs, custom resources, and its MPS share and
+        priority."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.custom_resources:
             options["resources"] = self.custom_resources
-        if self.mps_active_thread_percentage is not None:  # read when the process creates its CUDA context
-            options["runtime_env"] = {"env_vars": {
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(self.mps_active_thread_percentage)}}
+        env = {}  # read when the process creates its CUDA context
+        if self.mps_active_thread_percentage is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps_active_thread_percentage)
+        if self.mps_client_priority is not None:
+            env["CUDA_MPS_CLIENT_PRIORITY"] = MPS_CLIENT_PRIORITIES[self.mps_client_priority]
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         return options
 
 

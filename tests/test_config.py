@@ -80,6 +80,8 @@ def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:
         {"stages": {"thinker": {"engine": {"compile_mode": "max-autotune-no-cudagraphs"}}}},
         {"stages": {"thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_active_thread_percentage": 0}}}},
         {"stages": {"thinker": {"resources": {"mps_active_thread_percentage": 50}}}},  # a CPU stage has no SMs
+        {"stages": {"thinker": {"resources": {"mps_client_priority": "below_normal"}}}},  # nor an MPS client
+        {"stages": {"thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_client_priority": "high"}}}},
     ],
 )
 def test_invalid_layouts_are_rejected(data: dict) -> None:
@@ -115,3 +117,17 @@ def test_a_stages_mps_share_reaches_its_replica_processes_environment() -> None:
                        "runtime_env": {"env_vars": {**cap, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}}}
     talker = stage_deployment_options("talker", config.stages.talker)["ray_actor_options"]
     assert talker["runtime_env"] == {"env_vars": cap}
+
+
+def test_a_stages_mps_priority_reaches_its_replica_processes_environment() -> None:
+    """`mps_client_priority` becomes CUDA_MPS_CLIENT_PRIORITY (normal 0, below normal 1) in the stage's replicas'
+    environment, beside an MPS share when both are set."""
+    config = PipelineConfig.model_validate({"stages": {
+        "thinker": {"resources": {"device": "cuda", "num_gpus": 0.7, "mps_client_priority": "below_normal",
+                                  "mps_active_thread_percentage": 80}},
+        "talker": {"resources": {"device": "cuda", "num_gpus": 0.15, "mps_client_priority": "normal"}}}})
+    thinker = stage_deployment_options("thinker", config.stages.thinker)["ray_actor_options"]["runtime_env"]
+    talker = stage_deployment_options("talker", config.stages.talker)["ray_actor_options"]["runtime_env"]
+    assert thinker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert thinker["env_vars"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
+    assert talker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "0"

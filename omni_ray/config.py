@@ -42,7 +42,7 @@ class StageResources(_Strict):
         description="under the CUDA MPS daemon: this stage's scheduling priority among the GPU's clients "
         "(CUDA_MPS_CLIENT_PRIORITY in its replica processes): the GPU starts the pending work of `normal` clients "
         "before that of `below_normal` ones (it does not stop work already running); unset: the driver's default, "
-        "normal",
+        "normal. The Thinker below normal in the 1-GPU layout on an H200 (one run): within the runs' spread",
     )
 
     @model_validator(mode="after")
@@ -60,7 +60,7 @@ class StageResources(_Strict):
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.custom_resources:
             options["resources"] = self.custom_resources
-        env = {}  # read when the process creates its CUDA context
+        env: dict[str, str] = {}  # read when the process creates its CUDA context
         if self.mps_active_thread_percentage is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps_active_thread_percentage)
         if self.mps_client_priority is not None:

@@ -191,7 +191,7 @@ def bench_talker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
-    prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True,
+    prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -201,6 +201,7 @@ def bench_talker(
         max(batches), cuda_graphs=graphs, compile_layers=compiled,
         sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels, moe_kernels=moe_kernels,
         prefill_graph_tokens=prefill_graph_tokens, moe_layer_kernels=moe_layer_kernels,
+        persistent_code_predictor=persistent_code_predictor,
     )
     rows = []
     for batch in batches:
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compiled: the Talker draws with inductor's fused sample instead of the Triton kernel")
     parser.add_argument("--no-code-predictor-kernels", action="store_true",
                         help="compiled: the code predictor's layers compiled by inductor instead of its Triton kernels")
+    parser.add_argument("--persistent-code-predictor", action="store_true",
+                        help="compiled: each code-predictor pass as one persistent CUDA kernel "
+                        "(`engine.persistent_code_predictor`)")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
-                             not args.no_moe_layer_kernels)
+                             not args.no_moe_layer_kernels, args.persistent_code_predictor)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -312,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     + f", Thinker sampling {args.thinker_sampling}, Talker sampling {args.talker_sampling}"
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
+                    + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"

@@ -220,6 +220,14 @@ class TalkerSettings(EngineSettings):
         "inductor-compiled layer of about 25 kernels (steps of more than 64 rows x tokens keep the compiled layer); "
         "false: compiled like the Talker's own layers",
     )
+    persistent_code_predictor: bool = Field(
+        default=False,
+        description="with the code-predictor kernels on CUDA: each of a frame's 15 passes (5 layers, the final norm "
+        "and the code head) as one persistent CUDA kernel built with NVRTC at startup (`layers/persistent_pass.py`: "
+        "128 blocks keep their share of each GEMM's weights in shared memory, the next share streaming in while "
+        "they wait at grid barriers), at up to 32 rows x tokens; other passes keep the Triton kernels. It needs "
+        "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage)",
+    )
 
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]

@@ -40,8 +40,7 @@ def codebook_pass(
     Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
     made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
     longer: compiled layers and a one-kernel draw are what the Talker uses."""
-    hidden, _ = stack(embeds, None, kv_caches, batch, rope=(cos, sin), normed=False)
-    logits = stack.head_logits(hidden, head)
+    logits = stack.last_logits(embeds, kv_caches, batch, (cos, sin), head)
     noise = CounterNoise(noise_keys, noise_offset)
     if isinstance(draw, KernelDraw):  # the lookup and the sum inside the draw's kernel
         code, embedded, feedback = draw.draw_and_embed(logits, params, noise, filtered, top_k_cap, table, feedback)

@@ -11,7 +11,7 @@ from torch import nn
 
 from omni_ray.layers.attention import Attention, AttentionBatch
 from omni_ray.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
-from omni_ray.layers import moe_kernels, small_batch, small_batch_moe
+from omni_ray.layers import moe_kernels, persistent_pass, small_batch, small_batch_moe
 from omni_ray.layers.moe import SparseMoE
 
 
@@ -119,6 +119,7 @@ class DecoderStack(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
         self.small_batch_kernels = False  # see use_small_batch_kernels
         self.moe_layer_kernels = False  # see use_moe_layer_kernels
+        self.persistent: persistent_pass.PersistentPass | None = None  # see use_persistent_pass
 
     def fuse_projections(self) -> None:
         """q/k/v, and gate/up of dense and shared-expert MLPs, each as one weight (one GEMM)."""
@@ -158,6 +159,20 @@ class DecoderStack(nn.Module):
             return False
         self.fuse_projections()
         self.moe_layer_kernels = True
+        return True
+
+    def use_persistent_pass(self, head_rows: int) -> bool:
+        """Run `last_logits` over a few rows (at most 32 rows x tokens, 2 tokens a row) as one persistent CUDA kernel
+        for heads of `head_rows` rows (`persistent_pass`), built now; other steps run as before. False (and nothing
+        changes) without CUDA or where the kernel does not take this stack's shapes."""
+        if not torch.cuda.is_available():
+            return False
+        self.fuse_projections()
+        if persistent_pass.unsupported(self) is not None:
+            return False
+        kernel = persistent_pass.PersistentPass(self)
+        kernel.build(head_rows)
+        self.persistent = kernel
         return True
 
     def compile_layers(self) -> None:
@@ -217,6 +232,18 @@ class DecoderStack(nn.Module):
         if self.spec.num_layers in capture:
             captured[self.spec.num_layers] = x
         return x, captured
+
+    def last_logits(
+        self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+        rope: tuple[torch.Tensor, torch.Tensor], head: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode pass from `embeds` [B, T, h] (keys and values into `kv_caches`), then the last position's logits
+        [B, V] by `head` [V, h] after the final norm: one persistent kernel where `use_persistent_pass` applies,
+        else `forward` and `head_logits`."""
+        if self.persistent is not None and self.persistent.applies(embeds, batch):
+            return self.persistent.logits(embeds, kv_caches, batch, rope[0], rope[1], head)
+        hidden, _ = self(embeds, None, kv_caches, batch, rope=rope, normed=False)
+        return self.head_logits(hidden, head)
 
     def head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The last position's logits [B, V] from `hidden` [B, T, h], the un-normed output of `forward(...,

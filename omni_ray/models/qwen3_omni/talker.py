@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
 
 # The code predictor samples with these when the Talker samples (transformers' fixed choice).
 MTP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class TalkerRunner:
         moe_kernels: bool = True,
         prefill_graph_tokens: int | None = None,
         moe_layer_kernels: bool = True,
+        persistent_code_predictor: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -208,6 +212,8 @@ class TalkerRunner:
             stack.compile_layers()  # compiled on first use: with the kernels, only steps past them (over 64 rows)
             if code_predictor_kernels:
                 stack.use_small_batch_kernels()
+                if persistent_code_predictor and not stack.use_persistent_pass(self.mtp_vocab):
+                    log.warning("the persistent code-predictor pass does not take this model; Triton kernels it is")
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
 

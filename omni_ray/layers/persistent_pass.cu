@@ -1,0 +1,477 @@
+// A dense decoder stack's decode pass at up to 32 rows, its final norm and its head, as one persistent kernel.
+//
+// Every block owns a share of each GEMM's output columns and keeps that share of the weights in shared memory. It
+// asks for the next GEMM's share (cp.async, L2 only) before it computes the current one, so the weights stream in
+// while the blocks wait for each other at grid barriers; after a barrier only the activations (at most 32 rows) are
+// read, from L2. Phases per layer: input norm + q/k/v | q/k norm + rotary + KV write + attention | o + residual |
+// post-attention norm + gate/up + SiLU(gate) * up | down + residual; then the final norm + the head for each row's
+// last token. Sums run in fp32 and each phase rounds its output to bf16 once, as `small_batch`'s kernels do.
+//
+// Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS.
+// No #include: compiled by NVRTC (or nvcc) on its own.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+
+#define MAX_LAYERS 8
+#define MAX_TOKENS 2
+#define MAX_KEYS 32
+#define MAX_ROWS 32
+#define NEG_INF __int_as_float(0xff800000)
+#define PAD 8  // bf16 elements after each weight row in shared memory: rows 16 bytes apart in bank order
+
+#define THREADS (WARPS * 32)
+#define QKV_N ((HEADS + 2 * KV_HEADS) * HEAD_DIM)
+#define ATTN_W (HEADS * HEAD_DIM)
+#define QKV_C (QKV_N / BLOCKS)
+#define O_C (HIDDEN / BLOCKS)
+#define GU_C (INTER / BLOCKS)
+#define DOWN_C (HIDDEN / BLOCKS)
+#define HEAD_C (VOCAB / BLOCKS)
+
+static_assert(HEAD_DIM == 128, "a warp holds a head's 128 dims, four a lane");
+static_assert(QKV_C % 8 == 0 && O_C % 8 == 0 && GU_C % 8 == 0 && DOWN_C % 8 == 0 && HEAD_C % 8 == 0,
+              "every block's column share is whole 8-column MMA tiles");
+static_assert(HIDDEN % (WARPS * 16) == 0 && ATTN_W % (WARPS * 16) == 0 && INTER % (WARPS * 16) == 0,
+              "every warp's depth share is whole 16-deep MMA steps");
+
+struct LayerPointers {
+    const bf16_t* qkv;         // [QKV_N, HIDDEN]
+    const bf16_t* o;           // [HIDDEN, ATTN_W]
+    const bf16_t* gate_up;     // [2 * INTER, HIDDEN]: gate rows, then up rows
+    const bf16_t* down;        // [HIDDEN, INTER]
+    const bf16_t* input_norm;  // [HIDDEN]
+    const bf16_t* post_norm;   // [HIDDEN]
+    const bf16_t* q_norm;      // [HEAD_DIM]
+    const bf16_t* k_norm;      // [HEAD_DIM]
+    bf16_t* k_cache;           // [slots, positions, KV_HEADS, HEAD_DIM]
+    bf16_t* v_cache;
+};
+
+// Every field eight bytes wide: the host packs it as an array of 64-bit words.
+struct Params {
+    LayerPointers layers[MAX_LAYERS];
+    const bf16_t* embeds;          // [rows * tokens, HIDDEN]
+    const bf16_t* cos;             // [rows * tokens, HEAD_DIM]
+    const bf16_t* sin;
+    const long long* write_index;  // [rows * tokens]: each token's cache position
+    const long long* slots;        // [rows], or null: row b is slot b
+    const bf16_t* final_norm;      // [HIDDEN]
+    const bf16_t* head;            // [VOCAB, HIDDEN]
+    bf16_t* logits;                // [rows, VOCAB]
+    bf16_t* x_a;                   // scratch [MAX_ROWS, HIDDEN]: a layer's output
+    bf16_t* x_b;                   // scratch [MAX_ROWS, HIDDEN]: after attention
+    bf16_t* qkv_out;               // scratch [MAX_ROWS, QKV_N]
+    bf16_t* attn_out;              // scratch [MAX_ROWS, ATTN_W]
+    bf16_t* hidden;                // scratch [MAX_ROWS, INTER]
+    u32* counters;                 // [2], zero between launches
+    long long num_layers, rows, tokens, kv_len, slot_stride, position_stride;
+    double eps, final_eps, qk_eps, scale;
+};
+
+// ---------------------------------------------------------------------------------------------------- helpers
+
+__device__ __forceinline__ float bf16_to_float(u32 bits16) { return __uint_as_float(bits16 << 16); }
+__device__ __forceinline__ float low_half(u32 pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float high_half(u32 pair) { return __uint_as_float(pair & 0xffff0000u); }
+
+__device__ __forceinline__ u32 pack_bf16(float low, float high) {  // round to nearest even, as Triton rounds
+    u32 out;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
+    return out;
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return low_half(pack_bf16(x, 0.0f)); }
+
+__device__ __forceinline__ u32 load_l2(const void* p) {  // data written inside this launch: skip L1
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void load_l2_x2(const void* p, u32& a, u32& b) {
+    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+
+__device__ __forceinline__ void store_x2(void* p, u32 a, u32 b) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(a), "r"(b) : "memory");
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void copy_async_wait_all_but_last() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// All blocks wait here until each has arrived `generation` times. Thread 0 releases the block's writes and acquires
+// the others'; the block's barriers order its other threads around that.
+__device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(arrived, 1u);
+        const u32 target = generation * gridDim.x;
+        u32 seen;
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------------ weight shares
+
+// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD, 16 bytes a copy.
+template <int K>
+__device__ __forceinline__ void ask_rows(bf16_t* shared, const bf16_t* weight, long long first, int count) {
+    constexpr int CHUNKS = K / 8;
+    for (int i = threadIdx.x; i < count * CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS, chunk = i % CHUNKS;
+        copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
+    }
+}
+
+// GEMM `index` of the pass: 4 per layer (q/k/v, o, gate/up, down), then the head. Even ones in buffer 0.
+__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
+    const long long block = blockIdx.x;
+    if (index < 4 * p.num_layers) {
+        const LayerPointers& layer = p.layers[index / 4];
+        switch (index % 4) {
+            case 0: ask_rows<HIDDEN>(buffer0, layer.qkv, block * QKV_C, QKV_C); break;
+            case 1: ask_rows<ATTN_W>(buffer1, layer.o, block * O_C, O_C); break;
+            case 2:
+                ask_rows<HIDDEN>(buffer0, layer.gate_up, block * GU_C, GU_C);
+                ask_rows<HIDDEN>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C);
+                break;
+            default: ask_rows<INTER>(buffer1, layer.down, block * DOWN_C, DOWN_C); break;
+        }
+    } else if (index == 4 * p.num_layers) {
+        ask_rows<HIDDEN>(buffer0, p.head, block * HEAD_C, HEAD_C);
+    }
+    copy_async_commit();  // an empty group past the last GEMM keeps "all but the last group" meaning the current one
+}
+
+// ------------------------------------------------------------------------------------------------------- GEMMs
+
+// out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
+// x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
+// tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
+template <int MT, int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+__device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t* w, const bf16_t* norm, float eps,
+                     const bf16_t* residual, bf16_t* out, long long out_stride, int col0, float* partial,
+                     float* partial_squares) {
+    constexpr int STEPS = K / WARPS / 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+    float acc[MT][NT][4];
+    float squares[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        squares[m][0] = squares[m][1] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+    }
+    const int k_first = warp * (K / WARPS);
+#pragma unroll 4
+    for (int step = 0; step < STEPS; ++step) {
+        const int k = k_first + step * 16 + 2 * pair;
+        u32 a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const int low = m * 16 + group, high = low + 8;
+            a[m][0] = low < rows ? load_l2(x + low * x_stride + k) : 0u;
+            a[m][1] = high < rows ? load_l2(x + high * x_stride + k) : 0u;
+            a[m][2] = low < rows ? load_l2(x + low * x_stride + k + 8) : 0u;
+            a[m][3] = high < rows ? load_l2(x + high * x_stride + k + 8) : 0u;
+        }
+        if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
+            const u32 scale_low = *reinterpret_cast<const u32*>(norm + k);
+            const u32 scale_high = *reinterpret_cast<const u32*>(norm + k + 8);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float lo = low_half(a[m][i]), hi = high_half(a[m][i]);
+                    squares[m][i % 2] += lo * lo + hi * hi;
+                    const u32 scale = i < 2 ? scale_low : scale_high;
+                    a[m][i] = pack_bf16(lo * low_half(scale), hi * high_half(scale));
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const bf16_t* w_row = w + (n * 8 + group) * (K + PAD) + k;
+            const u32 b0 = *reinterpret_cast<const u32*>(w_row);
+            const u32 b1 = *reinterpret_cast<const u32*>(w_row + 8);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) mma_bf16(acc[m][n], a[m], b0, b1);
+        }
+    }
+    // the warps' partial sums, in fragment order, then added up in warp order (the same sums in every run)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float* at = partial + (((warp * MT + m) * NT + n) * 32 + lane) * 4;
+            at[0] = acc[m][n][0]; at[1] = acc[m][n][1]; at[2] = acc[m][n][2]; at[3] = acc[m][n][3];
+        }
+        if (NORM) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float s = squares[m][h];
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                if (pair == 0) partial_squares[warp * MAX_ROWS + m * 16 + group + 8 * h] = s;
+            }
+        }
+    }
+    __syncthreads();
+    constexpr int OUT_TILES = GATED ? NT / 2 : NT;
+    for (int unit = threadIdx.x; unit < MT * OUT_TILES * 64; unit += THREADS) {
+        const int h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % OUT_TILES, m = unit / 64 / OUT_TILES;
+        const int row = m * 16 + unit_lane / 4 + 8 * h;
+        if (row >= rows) continue;
+        float v0 = 0.0f, v1 = 0.0f, up0 = 0.0f, up1 = 0.0f, row_squares = 0.0f;
+        for (int wp = 0; wp < WARPS; ++wp) {
+            const float* at = partial + (((wp * MT + m) * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
+            v0 += at[0];
+            v1 += at[1];
+            if (GATED) {
+                const float* up = at + OUT_TILES * 32 * 4;
+                up0 += up[0];
+                up1 += up[1];
+            }
+            if (NORM) row_squares += partial_squares[wp * MAX_ROWS + row];
+        }
+        if (NORM) {
+            const float inverse_rms = 1.0f / sqrtf(row_squares / K + eps);
+            v0 *= inverse_rms; v1 *= inverse_rms; up0 *= inverse_rms; up1 *= inverse_rms;
+        }
+        if (GATED) {
+            v0 = v0 / (1.0f + expf(-v0)) * up0;
+            v1 = v1 / (1.0f + expf(-v1)) * up1;
+        }
+        const int col = col0 + tile * 8 + 2 * (unit_lane % 4);
+        if (RESIDUAL) {
+            const u32 r = load_l2(residual + row * HIDDEN + col);
+            v0 += low_half(r);
+            v1 += high_half(r);
+        }
+        *reinterpret_cast<u32*>(out + row * out_stride + col) = pack_bf16(v0, v1);
+    }
+}
+
+// The two row-tile counts, chosen at run time (one or two 16-row tiles).
+template <int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+__device__ __forceinline__ void gemm_rows(const bf16_t* x, long long x_stride, int rows, const bf16_t* w,
+                                          const bf16_t* norm, float eps, const bf16_t* residual, bf16_t* out,
+                                          long long out_stride, int col0, float* partial, float* partial_squares) {
+    if (rows > 16)
+        gemm<2, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
+                                              partial, partial_squares);
+    else
+        gemm<1, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
+                                              partial, partial_squares);
+}
+
+// --------------------------------------------------------------------------------------------------- attention
+
+// One head's 128 dims (four a lane, from `at`) RMS-normed by `norm` and rotated (rotate-half), each step rounded to
+// bf16 as the eager layer rounds it.
+__device__ __forceinline__ void head_norm_rope(const bf16_t* at, const bf16_t* norm, float eps, const bf16_t* cos,
+                                               const bf16_t* sin, float (&out)[4]) {
+    const int lane = threadIdx.x % 32, d = lane * 4, turned = (d + HEAD_DIM / 2) % HEAD_DIM;
+    u32 x01, x23, t01, t23;
+    load_l2_x2(at + d, x01, x23);
+    load_l2_x2(at + turned, t01, t23);
+    const float x[4] = {low_half(x01), high_half(x01), low_half(x23), high_half(x23)};
+    const float t[4] = {low_half(t01), high_half(t01), low_half(t23), high_half(t23)};
+    const float inverse_rms = 1.0f / sqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) /
+                                           HEAD_DIM + eps);
+    const float sign = d < HEAD_DIM / 2 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float normed = round_bf16(x[i] * inverse_rms * bf16_to_float(norm[d + i]));
+        const float other = sign * round_bf16(t[i] * inverse_rms * bf16_to_float(norm[turned + i]));
+        out[i] = round_bf16(normed * bf16_to_float(cos[d + i]) + other * bf16_to_float(sin[d + i]));
+    }
+}
+
+__device__ __forceinline__ void load4(const bf16_t* at, float (&out)[4]) {
+    u32 a, b;
+    load_l2_x2(at, a, b);
+    out[0] = low_half(a); out[1] = high_half(a); out[2] = low_half(b); out[3] = high_half(b);
+}
+
+// One warp per (row, query head): the row's new keys and values (written by the first query head of each KV head),
+// then each new token's attention over the slot's positions up to its own.
+__device__ void attention(const Params& p, const LayerPointers& layer) {
+    constexpr int GROUP = HEADS / KV_HEADS;
+    const int lane = threadIdx.x % 32, d = lane * 4;
+    const int tokens = (int)p.tokens, kv_len = (int)p.kv_len;
+    const float scale = (float)p.scale, eps = (float)p.qk_eps;
+    for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * HEADS; item += gridDim.x * WARPS) {
+        const int b = item / HEADS, head = item % HEADS, kv_head = head / GROUP;
+        const long long slot = p.slots ? p.slots[b] : b;
+        const long long cache_row = slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4];
+        int written[MAX_TOKENS];
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; ++t) {
+            written[t] = -1;
+            if (t >= tokens) continue;
+            const int row = b * tokens + t;
+            written[t] = (int)p.write_index[row];
+            const bf16_t* qkv = p.qkv_out + (long long)row * QKV_N;
+            head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + row * HEAD_DIM,
+                           p.sin + row * HEAD_DIM, new_keys[t]);
+            load4(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d, new_values[t]);
+            if (head % GROUP == 0) {
+                const long long at = cache_row + (long long)written[t] * p.position_stride;
+                store_x2(layer.k_cache + at, pack_bf16(new_keys[t][0], new_keys[t][1]),
+                         pack_bf16(new_keys[t][2], new_keys[t][3]));
+                store_x2(layer.v_cache + at, pack_bf16(new_values[t][0], new_values[t][1]),
+                         pack_bf16(new_values[t][2], new_values[t][3]));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; ++t) {  // unrolled: the token's registers picked by constant indices
+            if (t >= tokens) break;
+            const int row = b * tokens + t;
+            float query[4];
+            head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
+                           p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
+            float scores[MAX_KEYS];
+            float top = NEG_INF;
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                scores[pos] = NEG_INF;
+                if (pos >= kv_len || pos > written[t]) continue;
+                float key[4];
+                const bool fresh0 = pos == written[0], fresh1 = pos == written[1];
+                if (fresh0 || fresh1) {  // this launch's own: from registers
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) key[i] = fresh0 ? new_keys[0][i] : new_keys[1][i];
+                } else {
+                    load4(layer.k_cache + cache_row + (long long)pos * p.position_stride, key);
+                }
+                scores[pos] = warp_sum(key[0] * query[0] + key[1] * query[1] + key[2] * query[2] +
+                                       key[3] * query[3]) * scale;
+                top = fmaxf(top, scores[pos]);
+            }
+            float total = 0.0f;
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                scores[pos] = scores[pos] == NEG_INF ? 0.0f : expf(scores[pos] - top);
+                total += scores[pos];
+            }
+            float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                if (scores[pos] == 0.0f) continue;
+                float value[4];
+                const bool fresh0 = pos == written[0], fresh1 = pos == written[1];
+                if (fresh0 || fresh1) {  // this launch's own: from registers
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) value[i] = fresh0 ? new_values[0][i] : new_values[1][i];
+                } else {
+                    load4(layer.v_cache + cache_row + (long long)pos * p.position_stride, value);
+                }
+                const float weight = scores[pos] / total;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) out[i] += weight * value[i];
+            }
+            store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
+                     pack_bf16(out[2], out[3]));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------ kernel
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Params p) {
+    extern __shared__ __align__(16) unsigned char shared[];
+    constexpr int BUFFER0 = (2 * GU_C > QKV_C ? 2 * GU_C : QKV_C) * (HIDDEN + PAD) * 2;
+    constexpr int BUFFER1 = (DOWN_C * (INTER + PAD) > O_C * (ATTN_W + PAD) ? DOWN_C * (INTER + PAD)
+                                                                          : O_C * (ATTN_W + PAD)) * 2;
+    bf16_t* buffer0 = reinterpret_cast<bf16_t*>(shared);
+    bf16_t* buffer1 = reinterpret_cast<bf16_t*>(shared + BUFFER0);
+    float* partial = reinterpret_cast<float*>(shared + BUFFER0 + BUFFER1);
+    constexpr int PARTIAL_FLOATS = WARPS * 2 * (2 * GU_C / 8 > QKV_C / 8 ? 2 * GU_C / 8 : QKV_C / 8) * 128;
+    float* partial_squares = partial + PARTIAL_FLOATS;
+
+    const int rows = (int)(p.rows * p.tokens), layers = (int)p.num_layers;
+    const float eps = (float)p.eps;
+    u32 generation = 0;
+    ask_weights(p, 0, buffer0, buffer1);
+    for (int l = 0; l < layers; ++l) {
+        const LayerPointers& layer = p.layers[l];
+        const bf16_t* x = l == 0 ? p.embeds : p.x_a;
+        ask_weights(p, 4 * l + 1, buffer0, buffer1);
+        copy_async_wait_all_but_last();
+        __syncthreads();
+        gemm_rows<QKV_C / 8, HIDDEN, true, false, false>(x, HIDDEN, rows, buffer0, layer.input_norm, eps, nullptr,
+                                                         p.qkv_out, QKV_N, blockIdx.x * QKV_C, partial,
+                                                         partial_squares);
+        grid_barrier(p.counters, ++generation);
+        ask_weights(p, 4 * l + 2, buffer0, buffer1);  // gate/up streams in during attention and o
+        attention(p, layer);
+        grid_barrier(p.counters, ++generation);
+        copy_async_wait_all_but_last();
+        __syncthreads();
+        gemm_rows<O_C / 8, ATTN_W, false, false, true>(p.attn_out, ATTN_W, rows, buffer1, nullptr, 0.0f, x, p.x_b,
+                                                        HIDDEN, blockIdx.x * O_C, partial, partial_squares);
+        grid_barrier(p.counters, ++generation);
+        ask_weights(p, 4 * l + 3, buffer0, buffer1);
+        copy_async_wait_all_but_last();
+        __syncthreads();
+        gemm_rows<2 * GU_C / 8, HIDDEN, true, true, false>(p.x_b, HIDDEN, rows, buffer0, layer.post_norm, eps,
+                                                           nullptr, p.hidden, INTER, blockIdx.x * GU_C, partial,
+                                                           partial_squares);
+        grid_barrier(p.counters, ++generation);
+        ask_weights(p, 4 * l + 4, buffer0, buffer1);
+        copy_async_wait_all_but_last();
+        __syncthreads();
+        gemm_rows<DOWN_C / 8, INTER, false, false, true>(p.hidden, INTER, rows, buffer1, nullptr, 0.0f, p.x_b,
+                                                         p.x_a, HIDDEN, blockIdx.x * DOWN_C, partial,
+                                                         partial_squares);
+        grid_barrier(p.counters, ++generation);
+    }
+    // the final norm and the head, over each row's last token
+    ask_weights(p, 4 * layers + 1, buffer0, buffer1);  // nothing left: an empty group
+    copy_async_wait_all_but_last();
+    __syncthreads();
+    gemm_rows<HEAD_C / 8, HIDDEN, true, false, false>(p.x_a + (p.tokens - 1) * HIDDEN, p.tokens * HIDDEN,
+                                                      (int)p.rows, buffer0, p.final_norm, (float)p.final_eps,
+                                                      nullptr, p.logits, VOCAB, blockIdx.x * HEAD_C, partial,
+                                                      partial_squares);
+    // the last block past every barrier zeroes the counters for the next launch
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(p.counters + 1, 1u) == gridDim.x - 1) {
+            p.counters[0] = 0;
+            p.counters[1] = 0;
+            __threadfence();
+        }
+    }
+}

@@ -1,0 +1,238 @@
+"""A dense decoder stack's few-row decode pass, final norm and head as one persistent CUDA kernel (`persistent_pass.cu`).
+
+The code predictor's pass as `small_batch`'s Triton kernels is a chain of 27 kernels of 4-7 us each (session 26 of
+`benchmarks/results/2026-11-30_issue4_summary.md`): about 150-180 us a pass where its weights take 37 us to stream.
+Here one kernel runs the whole pass on 128 blocks, one per multiprocessor. Each block keeps its share of a GEMM's
+weights in shared memory and asks for the next GEMM's share before it computes, so that the weights stream in while
+the blocks wait for each other between phases (grid barriers on a counter; every block must be resident at once,
+which 128 blocks of one per multiprocessor are on a GPU with at least 128).
+
+Built at run time with NVRTC (the library PyTorch's CUDA build loads) through the CUDA driver API, both over ctypes:
+no compiler at install time and no extra package. Graph-capturable: a launch is a kernel on the current stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_ray.layers.attention import AttentionBatch
+
+SOURCE = Path(__file__).with_name("persistent_pass.cu")
+BLOCKS = 128  # one per multiprocessor; every column share is whole 8-column tiles at the code predictor's widths
+WARPS = 8
+MAX_ROWS = 32  # rows x tokens
+MAX_TOKENS = 2
+MAX_KEYS = 32
+MAX_LAYERS = 8
+PAD = 8  # bf16 elements after each weight row in shared memory
+LAYER_FIELDS = 10  # pointers per layer in the kernel's parameters
+
+
+class KernelBuildError(RuntimeError):
+    """NVRTC or the driver refused the kernel (the message holds the compiler's log or the driver's error)."""
+
+
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        message = ctypes.c_char_p()
+        lib.cuGetErrorString(result, ctypes.byref(message))
+        raise KernelBuildError(f"{what}: CUDA error {result} ({(message.value or b'?').decode()})")
+
+
+def _nvrtc() -> ctypes.CDLL:
+    major = int((torch.version.cuda or "13").split(".")[0])
+    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise KernelBuildError("no NVRTC library (libnvrtc.so) in this process or on the library path")
+
+
+def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
+    """`source` compiled by NVRTC for `arch` (e.g. "sm_90") with `defines` as -D macros: the cubin's bytes."""
+    lib = _nvrtc()
+    program = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"persistent_pass.cu", 0, None, None)
+    if status != 0:
+        raise KernelBuildError(f"nvrtcCreateProgram failed ({status})")
+    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    options += [f"-D{name}={value}".encode() for name, value in defines.items()]
+    array = (ctypes.c_char_p * len(options))(*options)
+    try:
+        status = lib.nvrtcCompileProgram(program, len(options), array)
+        if status != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(program, log)
+            raise KernelBuildError(f"NVRTC could not compile the pass ({status}):\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(program, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int) -> int:
+    """The kernel's dynamic shared memory: two weight buffers (q/k/v, gate/up and the head in one; o and down in the
+    other), the warps' partial sums and their partial sums of squares. Mirrors the kernel's own layout."""
+    qkv_cols, gate_up_cols, narrow_cols = qkv_width // BLOCKS, 2 * (inter // BLOCKS), hidden // BLOCKS
+    buffer0 = max(gate_up_cols, qkv_cols) * (hidden + PAD) * 2
+    buffer1 = max(narrow_cols * (inter + PAD), narrow_cols * (attn_width + PAD)) * 2
+    partial = WARPS * 2 * max(gate_up_cols // 8, qkv_cols // 8) * 128 * 4
+    return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def barrier_counters(device: torch.device) -> torch.Tensor:
+    """The zeroed counters [2] a launch's grid barriers count on, one set per device and stream (every launch leaves
+    them at zero; launches on one stream run one after the other)."""
+    key = (device, torch.cuda.current_stream(device).stream_id)
+    if key not in _counters:
+        _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+class PersistentPass:
+    """One dense `DecoderStack`'s pass (fused projections, head_dim 128, bf16) on one GPU as `persistent_pass.cu`:
+    `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
+    token's logits by a head, all in one launch."""
+
+    def __init__(self, stack: Any) -> None:
+        spec = stack.spec
+        layer0 = stack.layers[0]
+        self.device = layer0.input_layernorm.weight.device
+        reason = unsupported(stack)
+        if reason:
+            raise ValueError(f"the persistent pass does not take this stack: {reason}")
+        self.stack = stack
+        self.hidden, self.inter = spec.hidden_size, spec.intermediate_size
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
+        self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
+        self._function: ctypes.c_void_p | None = None
+        self._module = ctypes.c_void_p()
+        self._weights = [
+            (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight,
+             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.q_norm.weight,
+             layer.self_attn.k_norm.weight)
+            for layer in stack.layers
+        ]
+        self.eps = float(layer0.input_layernorm.variance_epsilon)
+        self.qk_eps = float(layer0.self_attn.q_norm.variance_epsilon)
+
+    def build(self, vocab: int) -> None:
+        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture)."""
+        if self._function is not None:
+            if vocab != self.vocab:
+                raise ValueError(f"built for a head of {self.vocab} rows, not {vocab}")
+            return
+        if vocab % (BLOCKS * 8):
+            raise ValueError(f"a head of {vocab} rows does not split into {BLOCKS} blocks of whole 8-row tiles")
+        major, minor = torch.cuda.get_device_capability(self.device)
+        defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
+                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS}
+        cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
+        lib = _driver()
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream(self.device).synchronize()  # the context is current on this thread
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+            function = ctypes.c_void_p()
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(function), self._module, b"decoder_pass"),
+                   "cuModuleGetFunction")
+            max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(lib, lib.cuFuncSetAttribute(function, max_dynamic_shared, self.smem), "cuFuncSetAttribute")
+            per_sm = ctypes.c_int()
+            _check(lib, lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(per_sm), function, WARPS * 32, ctypes.c_size_t(self.smem)), "occupancy")
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if per_sm.value * sms < BLOCKS:
+            raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
+        self.vocab, self._function, self._lib = vocab, function, lib
+
+    def applies(self, embeds: torch.Tensor, batch: AttentionBatch) -> bool:
+        """Whether `logits` takes this step: bf16 on the stack's GPU, at most 32 rows x tokens and 2 tokens a row,
+        a decode over at most 32 cached positions (not a from-zero prefill)."""
+        rows, tokens, _ = embeds.shape
+        return (
+            embeds.device == self.device and embeds.dtype == torch.bfloat16 and rows * tokens <= MAX_ROWS
+            and tokens <= MAX_TOKENS and batch.kv_len <= MAX_KEYS and not batch.from_zero
+        )
+
+    def logits(
+        self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor,
+    ) -> torch.Tensor:
+        """embeds [B, T, h] through every layer (their keys and values into `kv_caches` at `batch`'s positions),
+        then the final norm and `head` [V, h] over each row's last token: logits [B, V] in bf16."""
+        self.build(head.shape[0])
+        rows, tokens, width = embeds.shape
+        assert width == self.hidden and head.shape[1] == width and head.is_contiguous()
+        embeds, cos, sin = embeds.contiguous(), cos.reshape(rows * tokens, -1).contiguous(), sin.reshape(
+            rows * tokens, -1).contiguous()
+        index = batch.write_index.reshape(-1).contiguous()
+        logits = torch.empty(rows, self.vocab, dtype=embeds.dtype, device=self.device)  # type: ignore[arg-type]
+        scratch = [torch.empty(MAX_ROWS, n, dtype=embeds.dtype, device=self.device)
+                   for n in (self.hidden, self.hidden, self.qkv_width, self.heads * self.head_dim, self.inter)]
+        counters = barrier_counters(self.device)
+        k_cache = kv_caches[0][0]
+        assert all(k.stride() == k_cache.stride() == v.stride() for k, v in kv_caches)
+        words: list[int] = []
+        for i in range(MAX_LAYERS):
+            if i < len(self._weights):
+                k, v = kv_caches[i]
+                words += [t.data_ptr() for t in self._weights[i]] + [k.data_ptr(), v.data_ptr()]
+            else:
+                words += [0] * LAYER_FIELDS
+        words += [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
+                  0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
+                  head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr(),
+                  len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1)]
+        floats = [self.eps, float(self.stack.norm.variance_epsilon), self.qk_eps, self.head_dim**-0.5]
+        params = (ctypes.c_uint64 * (len(words) + len(floats)))(
+            *words, *(ctypes.c_uint64.from_buffer_copy(ctypes.c_double(f)).value for f in floats))
+        arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        _check(self._lib, self._lib.cuLaunchKernel(
+            self._function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None), "cuLaunchKernel")
+        return logits
+
+
+def unsupported(stack: Any) -> str | None:
+    """Why `PersistentPass` cannot run `stack`, or None: dense layers with fused projections, head_dim 128, bf16
+    weights, widths that split into the kernel's blocks, at most 8 layers."""
+    spec = stack.spec
+    if spec.num_layers > MAX_LAYERS:
+        return f"{spec.num_layers} layers (at most {MAX_LAYERS})"
+    if spec.head_dim != 128:
+        return f"head_dim {spec.head_dim} (the kernel holds 128)"
+    qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    for name, width in (("q/k/v", qkv_width), ("hidden", spec.hidden_size), ("intermediate", spec.intermediate_size)):
+        if width % (BLOCKS * 8):
+            return f"the {name} width {width} does not split into {BLOCKS} blocks of whole 8-column tiles"
+    for name, depth in (("hidden", spec.hidden_size), ("attention", spec.num_heads * spec.head_dim),
+                        ("intermediate", spec.intermediate_size)):
+        if depth % (WARPS * 16):
+            return f"the {name} depth {depth} does not split into {WARPS} warps of whole 16-deep steps"
+    for layer in stack.layers:
+        if getattr(layer.mlp, "gate_up", None) is None or layer.self_attn.qkv is None:
+            return "a layer without fused q/k/v and gate/up projections (dense layers, fuse_projections first)"
+        if layer.self_attn.qkv.dtype != torch.bfloat16 or not layer.self_attn.qkv.is_cuda:
+            return "weights not bf16 on a GPU"
+    if shared_bytes(spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size, qkv_width) > 227 * 1024:
+        return "the weight shares need more than 227 KB of shared memory a block"
+    return None

@@ -1,0 +1,93 @@
+"""GPU: the code predictor's pass as one persistent kernel (`layers/persistent_pass.py`) against the eager layers and
+`small_batch`'s Triton kernels on the full-size shapes, eagerly and replayed from a CUDA graph. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.bench import FULL_CONFIG
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _random_stack() -> DecoderStack:
+    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.03) + (1.0 if p.dim() == 1 else 0.0))
+    return stack
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 32])
+def test_the_persistent_pass_equals_the_eager_layers_and_the_kernels(rows: int) -> None:
+    """Qwen3-Omni-30B's code predictor (5 layers, 1,024 wide, 16 query and 8 KV heads of 128), random bf16 weights,
+    a frame's first five passes (two tokens, then one; each with its own code head of 2,048 rows): the logits and
+    the keys and values written agree with the eager layers' and the Triton kernels' to bf16 rounding. The first pass
+    at 32 rows (64 rows x tokens) is past the kernel and runs the Triton kernels. A second launch gives the same
+    bits, and so does a graph replay."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    eager = _random_stack()
+    kernels, persistent = copy.deepcopy(eager), copy.deepcopy(eager)
+    eager.fuse_projections()
+    assert kernels.use_small_batch_kernels() and persistent.use_small_batch_kernels()
+    assert persistent.use_persistent_pass(2048)
+    caches = [SlotKVCache(5, 32, 17, 8, 128, torch.bfloat16, "cuda") for _ in range(3)]
+    slots = torch.arange(rows, device="cuda")
+    start, length = 0, 2
+    for _ in range(5):
+        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, 17, rows_are_slots=True)
+        batch.grouped_mask(2)
+        x = torch.randn(rows, length, 1024, device="cuda").to(torch.bfloat16)
+        head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+        cos, sin = eager.rotary((start + torch.arange(length, device="cuda"))[None].expand(rows, -1), torch.bfloat16)
+        assert persistent.persistent is not None
+        assert persistent.persistent.applies(x, batch) == (rows * length <= 32)
+        expected = eager.last_logits(x, caches[0].layers, batch, (cos, sin), head)
+        triton = kernels.last_logits(x, caches[1].layers, batch, (cos, sin), head)
+        got = persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
+        assert got.shape == (rows, 2048) and torch.isfinite(got).all()
+        assert _relative(got, expected) < 2e-2, _relative(got, expected)
+        assert _relative(got, triton) < 2e-2, _relative(got, triton)
+        written = slice(0, start + length)
+        for (k0, v0), (k2, v2) in zip(caches[0].layers, caches[2].layers):
+            assert _relative(k2[:rows, written], k0[:rows, written]) < 2e-2
+            assert _relative(v2[:rows, written], v0[:rows, written]) < 2e-2
+        start, length = start + length, 1
+
+    again = persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the capture stream's barrier counters, allocated outside the capture
+        persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        replayed = persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(replayed, got, rtol=0, atol=0)
+
+
+def test_a_stack_the_kernel_does_not_take_keeps_its_own_pass() -> None:
+    """A stack with head_dim 64 is refused (the kernel holds 128 dims a head): `use_persistent_pass` says so and
+    nothing changes."""
+    spec = DecoderSpec(num_layers=2, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-6,
+                       rope_theta=1e6, mrope_section=None, intermediate_size=3072)
+    stack = DecoderStack(spec).cuda().to(torch.bfloat16)
+    assert not stack.use_persistent_pass(2048)
+    assert stack.persistent is None

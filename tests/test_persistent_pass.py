@@ -1,0 +1,67 @@
+"""The persistent code-predictor pass without a GPU (`layers/persistent_pass.py`): its CUDA source builds for the
+H200 with nvcc where the machine has it (no spilled registers, no stack), its shared memory fits a block, and stacks
+it cannot run are refused with the reason. On a GPU: `test_gpu_persistent_pass.py`."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from omni_ray.bench import FULL_CONFIG
+from omni_ray.layers import persistent_pass
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+
+CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "INTER": 3072, "VOCAB": 2048}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
+def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path) -> None:
+    """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
+    reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local
+    memory), under the one-block-a-multiprocessor register limit."""
+    defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS}
+    command = ["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "pass.cubin"),
+               *(f"-D{k}={v}" for k, v in defines.items()), str(persistent_pass.SOURCE)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = done.stderr
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))  # type: ignore[union-attr]
+    assert registers <= 255
+
+
+def _code_predictor(**changes: int) -> DecoderStack:
+    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
+    spec = DecoderSpec.from_hf(cfg)
+    with torch.device("meta"):
+        return DecoderStack(spec.__class__(**{**spec.__dict__, **changes}))
+
+
+def test_the_code_predictors_shares_fit_a_blocks_shared_memory() -> None:
+    """Two weight buffers (gate/up's 48 rows of 1,024 and down's 8 rows of 3,072, each row padded by 16 bytes), the
+    warps' partial sums and their sums of squares: under the 227 KB a block may have on an H200."""
+    stack = _code_predictor()
+    spec = stack.spec
+    size = persistent_pass.shared_bytes(spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size,
+                                        (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim)
+    expected = 48 * 1032 * 2 + 8 * 3080 * 2 + 8 * 2 * 6 * 128 * 4 + 8 * 32 * 4
+    assert size == expected and size <= 227 * 1024
+
+
+def test_stacks_the_kernel_cannot_run_are_refused_with_the_reason() -> None:
+    """The code predictor on the meta device lacks only fused bf16 GPU weights; other shapes are refused for what
+    the kernel does not hold: a head_dim of 64, more layers than its parameters carry, a width that does not split
+    into its 128 blocks."""
+    assert "fused" in (persistent_pass.unsupported(_code_predictor()) or "")
+    assert "head_dim 64" in (persistent_pass.unsupported(_code_predictor(head_dim=64)) or "")
+    assert "layers" in (persistent_pass.unsupported(_code_predictor(num_layers=9)) or "")
+    assert "intermediate width" in (persistent_pass.unsupported(_code_predictor(intermediate_size=3000)) or "")
+    stack = _code_predictor()
+    with pytest.raises(ValueError, match="does not take this stack"):
+        persistent_pass.PersistentPass(stack)

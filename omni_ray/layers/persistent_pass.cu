@@ -83,15 +83,9 @@ __device__ __forceinline__ u32 pack_bf16(float low, float high) {  // round to n
 
 __device__ __forceinline__ float round_bf16(float x) { return low_half(pack_bf16(x, 0.0f)); }
 
-__device__ __forceinline__ u32 load_l2(const void* p) {  // data written inside this launch: skip L1
-    u32 v;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ void load_l2_x2(const void* p, u32& a, u32& b) {
-    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
-}
+// Plain loads: after a grid barrier (thread 0's acquire, then the block's barrier) they see every block's writes,
+// and the compiler may batch them (an asm volatile load could not be moved past another).
+__device__ __forceinline__ u32 load_u32(const void* p) { return *reinterpret_cast<const u32*>(p); }
 
 __device__ __forceinline__ void store_x2(void* p, u32 a, u32 b) {
     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(a), "r"(b) : "memory");
@@ -199,10 +193,10 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             const int low = m * 16 + group, high = low + 8;
-            a[m][0] = low < rows ? load_l2(x + low * x_stride + k) : 0u;
-            a[m][1] = high < rows ? load_l2(x + high * x_stride + k) : 0u;
-            a[m][2] = low < rows ? load_l2(x + low * x_stride + k + 8) : 0u;
-            a[m][3] = high < rows ? load_l2(x + high * x_stride + k + 8) : 0u;
+            a[m][0] = low < rows ? load_u32(x + low * x_stride + k) : 0u;
+            a[m][1] = high < rows ? load_u32(x + high * x_stride + k) : 0u;
+            a[m][2] = low < rows ? load_u32(x + low * x_stride + k + 8) : 0u;
+            a[m][3] = high < rows ? load_u32(x + high * x_stride + k + 8) : 0u;
         }
         if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
             const u32 scale_low = *reinterpret_cast<const u32*>(norm + k);
@@ -273,7 +267,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
         }
         const int col = col0 + tile * 8 + 2 * (unit_lane % 4);
         if (RESIDUAL) {
-            const u32 r = load_l2(residual + row * HIDDEN + col);
+            const u32 r = load_u32(residual + row * HIDDEN + col);
             v0 += low_half(r);
             v1 += high_half(r);
         }
@@ -301,9 +295,8 @@ __device__ __forceinline__ void gemm_rows(const bf16_t* x, long long x_stride, i
 __device__ __forceinline__ void head_norm_rope(const bf16_t* at, const bf16_t* norm, float eps, const bf16_t* cos,
                                                const bf16_t* sin, float (&out)[4]) {
     const int lane = threadIdx.x % 32, d = lane * 4, turned = (d + HEAD_DIM / 2) % HEAD_DIM;
-    u32 x01, x23, t01, t23;
-    load_l2_x2(at + d, x01, x23);
-    load_l2_x2(at + turned, t01, t23);
+    const uint2 xs = *reinterpret_cast<const uint2*>(at + d), ts = *reinterpret_cast<const uint2*>(at + turned);
+    const u32 x01 = xs.x, x23 = xs.y, t01 = ts.x, t23 = ts.y;
     const float x[4] = {low_half(x01), high_half(x01), low_half(x23), high_half(x23)};
     const float t[4] = {low_half(t01), high_half(t01), low_half(t23), high_half(t23)};
     const float inverse_rms = 1.0f / sqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) /
@@ -318,23 +311,33 @@ __device__ __forceinline__ void head_norm_rope(const bf16_t* at, const bf16_t* n
 }
 
 __device__ __forceinline__ void load4(const bf16_t* at, float (&out)[4]) {
-    u32 a, b;
-    load_l2_x2(at, a, b);
-    out[0] = low_half(a); out[1] = high_half(a); out[2] = low_half(b); out[3] = high_half(b);
+    const uint2 v = *reinterpret_cast<const uint2*>(at);
+    out[0] = low_half(v.x); out[1] = high_half(v.x); out[2] = low_half(v.y); out[3] = high_half(v.y);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
 }
 
 // One warp per (row, query head): the row's new keys and values (written by the first query head of each KV head),
-// then each new token's attention over the slot's positions up to its own.
-__device__ void attention(const Params& p, const LayerPointers& layer) {
+// then each new token's attention over the slot's positions up to its own. Lane p scores key position p (its whole
+// row in one batch of loads, the query from the warp's shared scratch); each lane then sums its four dims of the
+// values. `scratch`: (1 + MAX_TOKENS) x HEAD_DIM floats a warp.
+__device__ void attention(const Params& p, const LayerPointers& layer, float* scratch) {
     constexpr int GROUP = HEADS / KV_HEADS;
+    static_assert(MAX_KEYS <= 32, "a lane a key position");
     const int lane = threadIdx.x % 32, d = lane * 4;
     const int tokens = (int)p.tokens, kv_len = (int)p.kv_len;
     const float scale = (float)p.scale, eps = (float)p.qk_eps;
+    float* query_shared = scratch + (threadIdx.x / 32) * (1 + MAX_TOKENS) * HEAD_DIM;
+    float* keys_shared = query_shared + HEAD_DIM;  // this launch's new keys, [MAX_TOKENS][HEAD_DIM]
     for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * HEADS; item += gridDim.x * WARPS) {
         const int b = item / HEADS, head = item % HEADS, kv_head = head / GROUP;
         const long long slot = p.slots ? p.slots[b] : b;
-        const long long cache_row = slot * p.slot_stride + kv_head * HEAD_DIM + d;
-        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4];
+        const long long head_at = slot * p.slot_stride + kv_head * HEAD_DIM;  // + position * position_stride
+        float new_values[MAX_TOKENS][4];
         int written[MAX_TOKENS];
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
@@ -343,13 +346,15 @@ __device__ void attention(const Params& p, const LayerPointers& layer) {
             const int row = b * tokens + t;
             written[t] = (int)p.write_index[row];
             const bf16_t* qkv = p.qkv_out + (long long)row * QKV_N;
+            float key[4];
             head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + row * HEAD_DIM,
-                           p.sin + row * HEAD_DIM, new_keys[t]);
+                           p.sin + row * HEAD_DIM, key);
             load4(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d, new_values[t]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) keys_shared[t * HEAD_DIM + d + i] = key[i];
             if (head % GROUP == 0) {
-                const long long at = cache_row + (long long)written[t] * p.position_stride;
-                store_x2(layer.k_cache + at, pack_bf16(new_keys[t][0], new_keys[t][1]),
-                         pack_bf16(new_keys[t][2], new_keys[t][3]));
+                const long long at = head_at + (long long)written[t] * p.position_stride + d;
+                store_x2(layer.k_cache + at, pack_bf16(key[0], key[1]), pack_bf16(key[2], key[3]));
                 store_x2(layer.v_cache + at, pack_bf16(new_values[t][0], new_values[t][1]),
                          pack_bf16(new_values[t][2], new_values[t][3]));
             }
@@ -361,49 +366,59 @@ __device__ void attention(const Params& p, const LayerPointers& layer) {
             float query[4];
             head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
                            p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
-            float scores[MAX_KEYS];
-            float top = NEG_INF;
 #pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                scores[pos] = NEG_INF;
-                if (pos >= kv_len || pos > written[t]) continue;
-                float key[4];
-                const bool fresh0 = pos == written[0], fresh1 = pos == written[1];
-                if (fresh0 || fresh1) {  // this launch's own: from registers
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) key[i] = fresh0 ? new_keys[0][i] : new_keys[1][i];
+            for (int i = 0; i < 4; ++i) query_shared[d + i] = query[i];
+            __syncwarp();
+            const int pos = lane;
+            const bool visible = pos < kv_len && pos <= written[t];
+            float score = NEG_INF;
+            if (visible) {
+                float dot = 0.0f;
+                const int fresh = pos == written[0] ? 0 : (pos == written[1] ? 1 : -1);
+                if (fresh >= 0) {
+                    const float* key = keys_shared + fresh * HEAD_DIM;
+                    for (int j = 0; j < HEAD_DIM; ++j) dot += key[j] * query_shared[j];
                 } else {
-                    load4(layer.k_cache + cache_row + (long long)pos * p.position_stride, key);
-                }
-                scores[pos] = warp_sum(key[0] * query[0] + key[1] * query[1] + key[2] * query[2] +
-                                       key[3] * query[3]) * scale;
-                top = fmaxf(top, scores[pos]);
-            }
-            float total = 0.0f;
+                    const uint4* key = reinterpret_cast<const uint4*>(layer.k_cache + head_at +
+                                                                      (long long)pos * p.position_stride);
+                    uint4 chunks[HEAD_DIM / 8];
 #pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                scores[pos] = scores[pos] == NEG_INF ? 0.0f : expf(scores[pos] - top);
-                total += scores[pos];
+                    for (int c = 0; c < HEAD_DIM / 8; ++c) chunks[c] = key[c];  // the whole row in one batch
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 8; ++c) {
+                        const u32 words[4] = {chunks[c].x, chunks[c].y, chunks[c].z, chunks[c].w};
+#pragma unroll
+                        for (int w = 0; w < 4; ++w)
+                            dot += low_half(words[w]) * query_shared[c * 8 + 2 * w] +
+                                   high_half(words[w]) * query_shared[c * 8 + 2 * w + 1];
+                    }
+                }
+                score = dot * scale;
             }
+            const float top = warp_max(score);
+            const float e = visible ? expf(score - top) : 0.0f;
+            const float weight = e / warp_sum(e);
             float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                if (scores[pos] == 0.0f) continue;
+            for (int key_pos = 0; key_pos < MAX_KEYS; ++key_pos) {
+                const float w = __shfl_sync(0xffffffffu, weight, key_pos);
+                if (key_pos >= kv_len || key_pos > written[t]) continue;
                 float value[4];
-                const bool fresh0 = pos == written[0], fresh1 = pos == written[1];
+                const bool fresh0 = key_pos == written[0], fresh1 = key_pos == written[1];
                 if (fresh0 || fresh1) {  // this launch's own: from registers
 #pragma unroll
                     for (int i = 0; i < 4; ++i) value[i] = fresh0 ? new_values[0][i] : new_values[1][i];
                 } else {
-                    load4(layer.v_cache + cache_row + (long long)pos * p.position_stride, value);
+                    load4(layer.v_cache + head_at + (long long)key_pos * p.position_stride + d, value);
                 }
-                const float weight = scores[pos] / total;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) out[i] += weight * value[i];
+                for (int i = 0; i < 4; ++i) out[i] += w * value[i];
             }
             store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
                      pack_bf16(out[2], out[3]));
+            __syncwarp();  // the shared query is read by every lane before the next token's overwrites it
         }
+        __syncwarp();
     }
 }
 
@@ -435,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
                                                          partial_squares);
         grid_barrier(p.counters, ++generation);
         ask_weights(p, 4 * l + 2, buffer0, buffer1);  // gate/up streams in during attention and o
-        attention(p, layer);
+        attention(p, layer, partial);  // the GEMMs' scratch is free between them
         grid_barrier(p.counters, ++generation);
         copy_async_wait_all_but_last();
         __syncthreads();

@@ -13,7 +13,8 @@
 # whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
 # SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
 # tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
-# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), vocoder (window vs stateful vocoder;
+# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
+# code-predictor pass by difference: each part left out in turn), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
@@ -85,6 +86,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
       persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
+      persistentpass) run_step "$tag" python -m benchmarks.persistent_pass_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       gemv) run_step "$tag" python -m benchmarks.gemv_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       ncu) # hardware counters of the served decode kernels (benchmarks/kernel_counters.py), each launch measured alone

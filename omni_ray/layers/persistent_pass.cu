@@ -7,7 +7,9 @@
 // post-attention norm + gate/up + SiLU(gate) * up | down + residual; then the final norm + the head for each row's
 // last token. Sums run in fp32 and each phase rounds its output to bf16 once, as `small_batch`'s kernels do.
 //
-// Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS.
+// Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
+// by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
+// out (the results are then wrong); a served build sets none of them.
 // No #include: compiled by NVRTC (or nvcc) on its own.
 
 typedef unsigned short bf16_t;
@@ -140,6 +142,9 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
 template <int K>
 __device__ __forceinline__ void ask_rows(bf16_t* shared, const bf16_t* weight, long long first, int count) {
     constexpr int CHUNKS = K / 8;
+#ifdef SKIP_WEIGHTS
+    return;
+#endif
     for (int i = threadIdx.x; i < count * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, chunk = i % CHUNKS;
         copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
@@ -175,6 +180,9 @@ template <int MT, int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
 __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t* w, const bf16_t* norm, float eps,
                      const bf16_t* residual, bf16_t* out, long long out_stride, int col0, float* partial,
                      float* partial_squares) {
+#ifdef SKIP_GEMMS
+    return;
+#endif
     constexpr int STEPS = K / WARPS / 16;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
     float acc[MT][NT][4];
@@ -326,6 +334,9 @@ __device__ __forceinline__ float warp_max(float v) {
 // row in one batch of loads, the query from the warp's shared scratch); each lane then sums its four dims of the
 // values. `scratch`: (1 + MAX_TOKENS) x HEAD_DIM floats a warp.
 __device__ void attention(const Params& p, const LayerPointers& layer, float* scratch) {
+#ifdef SKIP_ATTENTION
+    return;
+#endif
     constexpr int GROUP = HEADS / KV_HEADS;
     static_assert(MAX_KEYS <= 32, "a lane a key position");
     const int lane = threadIdx.x % 32, d = lane * 4;

@@ -135,8 +135,9 @@ class PersistentPass:
         self.eps = float(layer0.input_layernorm.variance_epsilon)
         self.qk_eps = float(layer0.self_attn.q_norm.variance_epsilon)
 
-    def build(self, vocab: int) -> None:
-        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture)."""
+    def build(self, vocab: int, probe_defines: dict[str, int] | None = None) -> None:
+        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture). `probe_defines`:
+        the source's SKIP_* switches, for timing by difference only."""
         if self._function is not None:
             if vocab != self.vocab:
                 raise ValueError(f"built for a head of {self.vocab} rows, not {vocab}")
@@ -145,7 +146,7 @@ class PersistentPass:
             raise ValueError(f"a head of {vocab} rows does not split into {BLOCKS} blocks of whole 8-row tiles")
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
-                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS}
+                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS, **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
         lib = _driver()
         with torch.cuda.device(self.device):

@@ -1,0 +1,72 @@
+"""Where the persistent code-predictor pass (`omni_ray/layers/persistent_pass.py`) spends its time, by difference:
+the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
+phases, the GEMMs' products and epilogues, the weights' copies into shared memory; what is left then is the grid
+barriers and the rest), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import torch
+from transformers import Qwen3OmniMoeConfig
+
+from benchmarks.draw_bench import replay_ms
+from benchmarks.small_batch_bench import decode_step_inputs
+from omni_ray.bench import FULL_CONFIG, run_meta, write_results
+from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from omni_ray.layers.persistent_pass import PersistentPass
+
+VARIANTS: dict[str, dict[str, int]] = {
+    "as served": {},
+    "no attention": {"SKIP_ATTENTION": 1},
+    "no GEMM products": {"SKIP_GEMMS": 1},
+    "no weight copies": {"SKIP_WEIGHTS": 1},
+    "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
+}
+
+
+def probe(rows: list[int]) -> list[dict[str, Any]]:
+    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
+    torch.manual_seed(0)
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    stack.fuse_projections()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.03
+    kernels = {}
+    for name, defines in VARIANTS.items():
+        kernel = PersistentPass(stack)
+        kernel.build(cfg.vocab_size, defines)
+        kernels[name] = kernel
+    kernels_stack = copy.deepcopy(stack)
+    kernels_stack.use_small_batch_kernels()
+    out = []
+    for count in rows:
+        cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))
+        row: dict[str, Any] = {"rows": count, "Triton kernels": 1000 * replay_ms(
+            lambda: kernels_stack.last_logits(x, cache.layers, batch, (cos, sin), head))[0]}
+        for name, kernel in kernels.items():
+            row[name] = 1000 * replay_ms(lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0]
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    rows = probe([int(r) for r in args.rows.split(",")])
+    gpu = torch.cuda.get_device_name()
+    meta = run_meta("benchmarks.persistent_pass_probe", argv, gpu=gpu)
+    names = ["Triton kernels", *VARIANTS]
+    lines = [f"# The persistent code-predictor pass by difference, us per pass + head replayed from a CUDA graph: {gpu}, "
+             f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
+             "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+    write_results(args.out, "persistent_pass_probe", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,7 +20,7 @@ typedef unsigned int u32;
 #define MAX_KEYS 32
 #define MAX_ROWS 32
 #define NEG_INF __int_as_float(0xff800000)
-#define PAD 8  // bf16 elements after each weight row in shared memory: rows 16 bytes apart in bank order
+#define PAD 32  // bf16 elements after each weight row in shared memory: 16-byte reads of 8 rows x 4 lanes hit distinct banks
 
 #define THREADS (WARPS * 32)
 #define QKV_N ((HEADS + 2 * KV_HEADS) * HEAD_DIM)
@@ -183,7 +183,12 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
 #ifdef SKIP_GEMMS
     return;
 #endif
-    constexpr int STEPS = K / WARPS / 16;
+    // The MMA's 16-deep steps read k in any order both operands agree on: lane (group, pair) takes the 8
+    // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
+    // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
+    constexpr int CHUNKS = K / WARPS / 32;
+    constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;  // chunks whose loads are issued together
+    static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
     float acc[MT][NT][4];
     float squares[MT][2];
@@ -193,40 +198,56 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
 #pragma unroll
         for (int n = 0; n < NT; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
     }
-    const int k_first = warp * (K / WARPS);
-#pragma unroll 4
-    for (int step = 0; step < STEPS; ++step) {
-        const int k = k_first + step * 16 + 2 * pair;
-        u32 a[MT][4];
+    const int k_first = warp * (K / WARPS) + 8 * pair;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+#pragma unroll 1
+    for (int batch = 0; batch < CHUNKS; batch += IN_FLIGHT) {
+        uint4 xs[IN_FLIGHT][MT][2];  // rows group and group + 8 of each row tile
+        uint4 scales[IN_FLIGHT];
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const int low = m * 16 + group, high = low + 8;
-            a[m][0] = low < rows ? load_u32(x + low * x_stride + k) : 0u;
-            a[m][1] = high < rows ? load_u32(x + high * x_stride + k) : 0u;
-            a[m][2] = low < rows ? load_u32(x + low * x_stride + k + 8) : 0u;
-            a[m][3] = high < rows ? load_u32(x + high * x_stride + k + 8) : 0u;
-        }
-        if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
-            const u32 scale_low = *reinterpret_cast<const u32*>(norm + k);
-            const u32 scale_high = *reinterpret_cast<const u32*>(norm + k + 8);
+        for (int c = 0; c < IN_FLIGHT; ++c) {
+            const int k = k_first + (batch + c) * 32;
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float lo = low_half(a[m][i]), hi = high_half(a[m][i]);
-                    squares[m][i % 2] += lo * lo + hi * hi;
-                    const u32 scale = i < 2 ? scale_low : scale_high;
-                    a[m][i] = pack_bf16(lo * low_half(scale), hi * high_half(scale));
+                for (int h = 0; h < 2; ++h) {
+                    const int row = m * 16 + group + 8 * h;
+                    xs[c][m][h] = row < rows ? *reinterpret_cast<const uint4*>(x + row * x_stride + k) : zero;
                 }
             }
+            if (NORM) scales[c] = *reinterpret_cast<const uint4*>(norm + k);
         }
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const bf16_t* w_row = w + (n * 8 + group) * (K + PAD) + k;
-            const u32 b0 = *reinterpret_cast<const u32*>(w_row);
-            const u32 b1 = *reinterpret_cast<const u32*>(w_row + 8);
+        for (int c = 0; c < IN_FLIGHT; ++c) {
+            const int k = k_first + (batch + c) * 32;
+            if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
+                const u32 scale[4] = {scales[c].x, scales[c].y, scales[c].z, scales[c].w};
 #pragma unroll
-            for (int m = 0; m < MT; ++m) mma_bf16(acc[m][n], a[m], b0, b1);
+                for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        u32 words[4] = {xs[c][m][h].x, xs[c][m][h].y, xs[c][m][h].z, xs[c][m][h].w};
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float lo = low_half(words[i]), hi = high_half(words[i]);
+                            squares[m][h] += lo * lo + hi * hi;
+                            words[i] = pack_bf16(lo * low_half(scale[i]), hi * high_half(scale[i]));
+                        }
+                        xs[c][m][h] = {words[0], words[1], words[2], words[3]};
+                    }
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const uint4 wb = *reinterpret_cast<const uint4*>(w + (n * 8 + group) * (K + PAD) + k);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const u32 first[4] = {xs[c][m][0].x, xs[c][m][1].x, xs[c][m][0].y, xs[c][m][1].y};
+                    const u32 second[4] = {xs[c][m][0].z, xs[c][m][1].z, xs[c][m][0].w, xs[c][m][1].w};
+                    mma_bf16(acc[m][n], first, wb.x, wb.y);
+                    mma_bf16(acc[m][n], second, wb.z, wb.w);
+                }
+            }
         }
     }
     // the warps' partial sums, in fragment order, then added up in warp order (the same sums in every run)
@@ -300,27 +321,31 @@ __device__ __forceinline__ void gemm_rows(const bf16_t* x, long long x_stride, i
 
 // One head's 128 dims (four a lane, from `at`) RMS-normed by `norm` and rotated (rotate-half), each step rounded to
 // bf16 as the eager layer rounds it.
+__device__ __forceinline__ void unpack4(uint2 v, float (&out)[4]) {
+    out[0] = low_half(v.x); out[1] = high_half(v.x); out[2] = low_half(v.y); out[3] = high_half(v.y);
+}
+
+__device__ __forceinline__ uint2 load8(const bf16_t* at) { return *reinterpret_cast<const uint2*>(at); }
+
 __device__ __forceinline__ void head_norm_rope(const bf16_t* at, const bf16_t* norm, float eps, const bf16_t* cos,
                                                const bf16_t* sin, float (&out)[4]) {
     const int lane = threadIdx.x % 32, d = lane * 4, turned = (d + HEAD_DIM / 2) % HEAD_DIM;
-    const uint2 xs = *reinterpret_cast<const uint2*>(at + d), ts = *reinterpret_cast<const uint2*>(at + turned);
-    const u32 x01 = xs.x, x23 = xs.y, t01 = ts.x, t23 = ts.y;
-    const float x[4] = {low_half(x01), high_half(x01), low_half(x23), high_half(x23)};
-    const float t[4] = {low_half(t01), high_half(t01), low_half(t23), high_half(t23)};
+    float x[4], t[4], scale[4], turned_scale[4], c[4], s[4];
+    unpack4(load8(at + d), x);
+    unpack4(load8(at + turned), t);
+    unpack4(load8(norm + d), scale);
+    unpack4(load8(norm + turned), turned_scale);
+    unpack4(load8(cos + d), c);
+    unpack4(load8(sin + d), s);
     const float inverse_rms = 1.0f / sqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) /
                                            HEAD_DIM + eps);
     const float sign = d < HEAD_DIM / 2 ? -1.0f : 1.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float normed = round_bf16(x[i] * inverse_rms * bf16_to_float(norm[d + i]));
-        const float other = sign * round_bf16(t[i] * inverse_rms * bf16_to_float(norm[turned + i]));
-        out[i] = round_bf16(normed * bf16_to_float(cos[d + i]) + other * bf16_to_float(sin[d + i]));
+        const float normed = round_bf16(x[i] * inverse_rms * scale[i]);
+        const float other = sign * round_bf16(t[i] * inverse_rms * turned_scale[i]);
+        out[i] = round_bf16(normed * c[i] + other * s[i]);
     }
-}
-
-__device__ __forceinline__ void load4(const bf16_t* at, float (&out)[4]) {
-    const uint2 v = *reinterpret_cast<const uint2*>(at);
-    out[0] = low_half(v.x); out[1] = high_half(v.x); out[2] = low_half(v.y); out[3] = high_half(v.y);
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -329,26 +354,39 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// One step of a reduce-scatter over the warp: each lane keeps the half of partial[0 : 2 * OFFSET] its lane bit OFFSET
+// picks, adds the other lane's sums of it, and holds them in partial[0 : OFFSET].
+template <int OFFSET>
+__device__ __forceinline__ void reduce_scatter(float (&partial)[MAX_KEYS]) {
+    const bool upper = (threadIdx.x & OFFSET) != 0;
+#pragma unroll
+    for (int i = 0; i < OFFSET; ++i) {
+        const float send = upper ? partial[i] : partial[i + OFFSET];
+        const float keep = upper ? partial[i + OFFSET] : partial[i];
+        partial[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFFSET);
+    }
+}
+
 // One warp per (row, query head): the row's new keys and values (written by the first query head of each KV head),
-// then each new token's attention over the slot's positions up to its own. Lane p scores key position p (its whole
-// row in one batch of loads, the query from the warp's shared scratch); each lane then sums its four dims of the
-// values. `scratch`: (1 + MAX_TOKENS) x HEAD_DIM floats a warp.
-__device__ void attention(const Params& p, const LayerPointers& layer, float* scratch) {
+// then each new token's attention over the slot's positions up to its own. Every lane holds four dims: it loads them
+// for every cached position in one batch, forms its partial dot products, and a reduce-scatter across the warp (31
+// shuffles) leaves position p's score in lane p; the softmax's weights go back to every lane for the values.
+__device__ void attention(const Params& p, const LayerPointers& layer) {
 #ifdef SKIP_ATTENTION
     return;
 #endif
     constexpr int GROUP = HEADS / KV_HEADS;
-    static_assert(MAX_KEYS <= 32, "a lane a key position");
+    static_assert(MAX_KEYS == 32, "a lane a key position");
     const int lane = threadIdx.x % 32, d = lane * 4;
     const int tokens = (int)p.tokens, kv_len = (int)p.kv_len;
     const float scale = (float)p.scale, eps = (float)p.qk_eps;
-    float* query_shared = scratch + (threadIdx.x / 32) * (1 + MAX_TOKENS) * HEAD_DIM;
-    float* keys_shared = query_shared + HEAD_DIM;  // this launch's new keys, [MAX_TOKENS][HEAD_DIM]
+    const uint2 zero = {0u, 0u};
     for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * HEADS; item += gridDim.x * WARPS) {
         const int b = item / HEADS, head = item % HEADS, kv_head = head / GROUP;
         const long long slot = p.slots ? p.slots[b] : b;
-        const long long head_at = slot * p.slot_stride + kv_head * HEAD_DIM;  // + position * position_stride
-        float new_values[MAX_TOKENS][4];
+        const bf16_t* k_at = layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        const bf16_t* v_at = layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4];
         int written[MAX_TOKENS];
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
@@ -357,79 +395,69 @@ __device__ void attention(const Params& p, const LayerPointers& layer, float* sc
             const int row = b * tokens + t;
             written[t] = (int)p.write_index[row];
             const bf16_t* qkv = p.qkv_out + (long long)row * QKV_N;
-            float key[4];
             head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + row * HEAD_DIM,
-                           p.sin + row * HEAD_DIM, key);
-            load4(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d, new_values[t]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) keys_shared[t * HEAD_DIM + d + i] = key[i];
+                           p.sin + row * HEAD_DIM, new_keys[t]);
+            unpack4(load8(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d), new_values[t]);
             if (head % GROUP == 0) {
-                const long long at = head_at + (long long)written[t] * p.position_stride + d;
-                store_x2(layer.k_cache + at, pack_bf16(key[0], key[1]), pack_bf16(key[2], key[3]));
-                store_x2(layer.v_cache + at, pack_bf16(new_values[t][0], new_values[t][1]),
-                         pack_bf16(new_values[t][2], new_values[t][3]));
+                const long long at = (long long)written[t] * p.position_stride;
+                store_x2(layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
+                         pack_bf16(new_keys[t][0], new_keys[t][1]), pack_bf16(new_keys[t][2], new_keys[t][3]));
+                store_x2(layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
+                         pack_bf16(new_values[t][0], new_values[t][1]), pack_bf16(new_values[t][2], new_values[t][3]));
             }
         }
-#pragma unroll
-        for (int t = 0; t < MAX_TOKENS; ++t) {  // unrolled: the token's registers picked by constant indices
-            if (t >= tokens) break;
-            const int row = b * tokens + t;
+#pragma unroll 1
+        for (int t = 0; t < tokens; ++t) {
+            const int row = b * tokens + t, horizon = t == 0 ? written[0] : written[1];
             float query[4];
             head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
                            p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
+            uint2 cached[MAX_KEYS];  // this lane's dims of every cached key it may see, one batch of loads
 #pragma unroll
-            for (int i = 0; i < 4; ++i) query_shared[d + i] = query[i];
-            __syncwarp();
-            const int pos = lane;
-            const bool visible = pos < kv_len && pos <= written[t];
-            float score = NEG_INF;
-            if (visible) {
-                float dot = 0.0f;
-                const int fresh = pos == written[0] ? 0 : (pos == written[1] ? 1 : -1);
-                if (fresh >= 0) {
-                    const float* key = keys_shared + fresh * HEAD_DIM;
-                    for (int j = 0; j < HEAD_DIM; ++j) dot += key[j] * query_shared[j];
-                } else {
-                    const uint4* key = reinterpret_cast<const uint4*>(layer.k_cache + head_at +
-                                                                      (long long)pos * p.position_stride);
-                    uint4 chunks[HEAD_DIM / 8];
-#pragma unroll
-                    for (int c = 0; c < HEAD_DIM / 8; ++c) chunks[c] = key[c];  // the whole row in one batch
-#pragma unroll
-                    for (int c = 0; c < HEAD_DIM / 8; ++c) {
-                        const u32 words[4] = {chunks[c].x, chunks[c].y, chunks[c].z, chunks[c].w};
-#pragma unroll
-                        for (int w = 0; w < 4; ++w)
-                            dot += low_half(words[w]) * query_shared[c * 8 + 2 * w] +
-                                   high_half(words[w]) * query_shared[c * 8 + 2 * w + 1];
-                    }
-                }
-                score = dot * scale;
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
+                cached[pos] = load ? load8(k_at + (long long)pos * p.position_stride) : zero;
             }
+            float partial[MAX_KEYS];
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                float key[4];
+                unpack4(cached[pos], key);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) key[i] = pos == written[0] ? new_keys[0][i] : (pos == written[1] ? new_keys[1][i] : key[i]);
+                partial[pos] = key[0] * query[0] + key[1] * query[1] + key[2] * query[2] + key[3] * query[3];
+            }
+            reduce_scatter<16>(partial);
+            reduce_scatter<8>(partial);
+            reduce_scatter<4>(partial);
+            reduce_scatter<2>(partial);
+            reduce_scatter<1>(partial);
+            const bool visible = lane < kv_len && lane <= horizon;
+            const float score = visible ? partial[0] * scale : NEG_INF;
             const float top = warp_max(score);
             const float e = visible ? expf(score - top) : 0.0f;
             const float weight = e / warp_sum(e);
+            uint2 values[MAX_KEYS];
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
+                values[pos] = load ? load8(v_at + (long long)pos * p.position_stride) : zero;
+            }
             float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int key_pos = 0; key_pos < MAX_KEYS; ++key_pos) {
-                const float w = __shfl_sync(0xffffffffu, weight, key_pos);
-                if (key_pos >= kv_len || key_pos > written[t]) continue;
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const float w = __shfl_sync(0xffffffffu, weight, pos);
                 float value[4];
-                const bool fresh0 = key_pos == written[0], fresh1 = key_pos == written[1];
-                if (fresh0 || fresh1) {  // this launch's own: from registers
+                unpack4(values[pos], value);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) value[i] = fresh0 ? new_values[0][i] : new_values[1][i];
-                } else {
-                    load4(layer.v_cache + head_at + (long long)key_pos * p.position_stride + d, value);
+                for (int i = 0; i < 4; ++i) {
+                    value[i] = pos == written[0] ? new_values[0][i] : (pos == written[1] ? new_values[1][i] : value[i]);
+                    out[i] += w * value[i];
                 }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) out[i] += w * value[i];
             }
             store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
                      pack_bf16(out[2], out[3]));
-            __syncwarp();  // the shared query is read by every lane before the next token's overwrites it
         }
-        __syncwarp();
     }
 }
 
@@ -461,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
                                                          partial_squares);
         grid_barrier(p.counters, ++generation);
         ask_weights(p, 4 * l + 2, buffer0, buffer1);  // gate/up streams in during attention and o
-        attention(p, layer, partial);  // the GEMMs' scratch is free between them
+        attention(p, layer);
         grid_barrier(p.counters, ++generation);
         copy_async_wait_all_but_last();
         __syncthreads();

@@ -28,7 +28,7 @@ MAX_ROWS = 32  # rows x tokens
 MAX_TOKENS = 2
 MAX_KEYS = 32
 MAX_LAYERS = 8
-PAD = 8  # bf16 elements after each weight row in shared memory
+PAD = 32  # bf16 elements after each weight row in shared memory (the kernel's PAD)
 LAYER_FIELDS = 10  # pointers per layer in the kernel's parameters
 
 

@@ -9,7 +9,8 @@
 //
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
-// out (the results are then wrong); a served build sets none of them.
+// out (the results are then wrong), NO_L2_AHEAD drops the L2 prefetch of the share after next; a served build sets
+// none of them.
 // No #include: compiled by NVRTC (or nvcc) on its own.
 
 typedef unsigned short bf16_t;
@@ -125,8 +126,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(arrived, 1u);
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(arrived) : "memory");
         const u32 target = generation * gridDim.x;
         u32 seen;
         do {
@@ -138,37 +138,56 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
 
 // ------------------------------------------------------------------------------------------------ weight shares
 
-// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD, 16 bytes a copy.
-template <int K>
+// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD, 16 bytes a copy (L2_ONLY: only
+// asked of L2, a prefetch of one 128-byte line a thread at a time, nothing copied).
+template <int K, bool L2_ONLY>
 __device__ __forceinline__ void ask_rows(bf16_t* shared, const bf16_t* weight, long long first, int count) {
-    constexpr int CHUNKS = K / 8;
 #ifdef SKIP_WEIGHTS
     return;
 #endif
+    if (L2_ONLY) {
+        constexpr int LINES = K / 64;
+        for (int i = threadIdx.x; i < count * LINES; i += THREADS)
+            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(weight + (first + i / LINES) * K + (i % LINES) * 64));
+        return;
+    }
+    constexpr int CHUNKS = K / 8;
     for (int i = threadIdx.x; i < count * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, chunk = i % CHUNKS;
         copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
     }
 }
 
-// GEMM `index` of the pass: 4 per layer (q/k/v, o, gate/up, down), then the head. Even ones in buffer 0.
-__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
+// This block's share of GEMM `index` of the pass (4 per layer: q/k/v, o, gate/up, down; then the head) into its
+// buffer (even ones 0, odd ones 1), or (L2_ONLY) only asked of L2.
+template <bool L2_ONLY>
+__device__ __forceinline__ void ask_share(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
     const long long block = blockIdx.x;
     if (index < 4 * p.num_layers) {
         const LayerPointers& layer = p.layers[index / 4];
         switch (index % 4) {
-            case 0: ask_rows<HIDDEN>(buffer0, layer.qkv, block * QKV_C, QKV_C); break;
-            case 1: ask_rows<ATTN_W>(buffer1, layer.o, block * O_C, O_C); break;
+            case 0: ask_rows<HIDDEN, L2_ONLY>(buffer0, layer.qkv, block * QKV_C, QKV_C); break;
+            case 1: ask_rows<ATTN_W, L2_ONLY>(buffer1, layer.o, block * O_C, O_C); break;
             case 2:
-                ask_rows<HIDDEN>(buffer0, layer.gate_up, block * GU_C, GU_C);
-                ask_rows<HIDDEN>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C);
+                ask_rows<HIDDEN, L2_ONLY>(buffer0, layer.gate_up, block * GU_C, GU_C);
+                ask_rows<HIDDEN, L2_ONLY>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C);
                 break;
-            default: ask_rows<INTER>(buffer1, layer.down, block * DOWN_C, DOWN_C); break;
+            default: ask_rows<INTER, L2_ONLY>(buffer1, layer.down, block * DOWN_C, DOWN_C); break;
         }
     } else if (index == 4 * p.num_layers) {
-        ask_rows<HIDDEN>(buffer0, p.head, block * HEAD_C, HEAD_C);
+        ask_rows<HIDDEN, L2_ONLY>(buffer0, p.head, block * HEAD_C, HEAD_C);
     }
-    copy_async_commit();  // an empty group past the last GEMM keeps "all but the last group" meaning the current one
+}
+
+// GEMM `index`'s share copied into shared memory, and the share of the GEMM after it asked of L2, so that memory
+// stays busy while a buffer is not yet free. One cp.async group each call (empty past the last GEMM, which keeps
+// "all groups but the last" meaning the current GEMM's).
+__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
+    ask_share<false>(p, index, buffer0, buffer1);
+    copy_async_commit();
+#ifndef NO_L2_AHEAD
+    ask_share<true>(p, index + 1, buffer0, buffer1);
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------------- GEMMs

@@ -1,7 +1,8 @@
 """Where the persistent code-predictor pass (`omni_ray/layers/persistent_pass.py`) spends its time, by difference:
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
-phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the L2 prefetch of the share after next;
-what is left with the first three out is the grid barriers and the rest), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
+the first three out, what is left is the grid barriers and the rest) or one thing added (the share after next asked
+of L2), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no attention": {"SKIP_ATTENTION": 1},
     "no GEMM products": {"SKIP_GEMMS": 1},
     "no weight copies": {"SKIP_WEIGHTS": 1},
-    "no L2 prefetch ahead": {"NO_L2_AHEAD": 1},
+    "no waiting for the copies": {"NO_WAIT": 1},
+    "the share after next asked of L2": {"L2_AHEAD": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
 }
 

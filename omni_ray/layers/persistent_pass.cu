@@ -9,8 +9,8 @@
 //
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
-// out (the results are then wrong), NO_L2_AHEAD drops the L2 prefetch of the share after next; a served build sets
-// none of them.
+// out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); L2_AHEAD also asks
+// L2 for the share after next. A served build sets none of them.
 // No #include: compiled by NVRTC (or nvcc) on its own.
 
 typedef unsigned short bf16_t;
@@ -105,7 +105,11 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global) 
 }
 
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void copy_async_wait_all_but_last() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void copy_async_wait_all_but_last() {
+#ifndef NO_WAIT
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -179,13 +183,13 @@ __device__ __forceinline__ void ask_share(const Params& p, int index, bf16_t* bu
     }
 }
 
-// GEMM `index`'s share copied into shared memory, and the share of the GEMM after it asked of L2, so that memory
-// stays busy while a buffer is not yet free. One cp.async group each call (empty past the last GEMM, which keeps
-// "all groups but the last" meaning the current GEMM's).
+// GEMM `index`'s share copied into shared memory: one cp.async group each call (empty past the last GEMM, which
+// keeps "all groups but the last" meaning the current GEMM's). L2_AHEAD (measured slower, session 35): the share
+// after it asked of L2 as well.
 __device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
     ask_share<false>(p, index, buffer0, buffer1);
     copy_async_commit();
-#ifndef NO_L2_AHEAD
+#ifdef L2_AHEAD
     ask_share<true>(p, index + 1, buffer0, buffer1);
 #endif
 }

@@ -1,8 +1,8 @@
 """Where the persistent code-predictor pass (`omni_ray/layers/persistent_pass.py`) spends its time, by difference:
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
-the first three out, what is left is the grid barriers and the rest) or one thing added (the share after next asked
-of L2), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
+cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no GEMM products": {"SKIP_GEMMS": 1},
     "no weight copies": {"SKIP_WEIGHTS": 1},
     "no waiting for the copies": {"NO_WAIT": 1},
-    "the share after next asked of L2": {"L2_AHEAD": 1},
+    "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
 }
 

@@ -1,7 +1,7 @@
 // A dense decoder stack's decode pass at up to 32 rows, its final norm and its head, as one persistent kernel.
 //
 // Every block owns a share of each GEMM's output columns and keeps that share of the weights in shared memory. It
-// asks for the next GEMM's share (cp.async, L2 only) before it computes the current one, so the weights stream in
+// asks for the next GEMM's share (bulk copies) before it computes the current one, so the weights stream in
 // while the blocks wait for each other at grid barriers; after a barrier only the activations (at most 32 rows) are
 // read, from L2. Phases per layer: input norm + q/k/v | q/k norm + rotary + KV write + attention | o + residual |
 // post-attention norm + gate/up + SiLU(gate) * up | down + residual; then the final norm + the head for each row's
@@ -9,8 +9,8 @@
 //
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
-// out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); L2_AHEAD also asks
-// L2 for the share after next. A served build sets none of them.
+// out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); CP_ASYNC_COPIES
+// copies the weights as the first version did. A served build sets none of them.
 // No #include: compiled by NVRTC (or nvcc) on its own.
 
 typedef unsigned short bf16_t;
@@ -105,11 +105,6 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global) 
 }
 
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void copy_async_wait_all_but_last() {
-#ifndef NO_WAIT
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -142,56 +137,95 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
 
 // ------------------------------------------------------------------------------------------------ weight shares
 
-// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD, 16 bytes a copy (L2_ONLY: only
-// asked of L2, a prefetch of one 128-byte line a thread at a time, nothing copied).
-template <int K, bool L2_ONLY>
-__device__ __forceinline__ void ask_rows(bf16_t* shared, const bf16_t* weight, long long first, int count) {
-#ifdef SKIP_WEIGHTS
-    return;
-#endif
-    if (L2_ONLY) {
-        constexpr int LINES = K / 64;
-        for (int i = threadIdx.x; i < count * LINES; i += THREADS)
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(weight + (first + i / LINES) * K + (i % LINES) * 64));
-        return;
-    }
+// The weights' copies: by default bulk copies of whole rows on the multiprocessor's copy engine (one instruction a
+// row, issued by thread 0), counted on the buffer's mbarrier; CP_ASYNC_COPIES: 16-byte cp.async copies spread over
+// every thread (measured slower, session 35), counted in cp.async groups.
+
+__device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, u32 barrier) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(barrier) : "memory");
+}
+
+// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD.
+template <int K>
+__device__ __forceinline__ void copy_rows(bf16_t* shared, const bf16_t* weight, long long first, int count,
+                                          u32 barrier) {
+#ifdef CP_ASYNC_COPIES
     constexpr int CHUNKS = K / 8;
     for (int i = threadIdx.x; i < count * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, chunk = i % CHUNKS;
         copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
     }
+#else
+    if (threadIdx.x == 0)
+        for (int row = 0; row < count; ++row)
+            bulk_copy(shared + row * (K + PAD), weight + (first + row) * K, K * 2, barrier);
+#endif
 }
 
-// This block's share of GEMM `index` of the pass (4 per layer: q/k/v, o, gate/up, down; then the head) into its
-// buffer (even ones 0, odd ones 1), or (L2_ONLY) only asked of L2.
-template <bool L2_ONLY>
-__device__ __forceinline__ void ask_share(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
-    const long long block = blockIdx.x;
-    if (index < 4 * p.num_layers) {
-        const LayerPointers& layer = p.layers[index / 4];
-        switch (index % 4) {
-            case 0: ask_rows<HIDDEN, L2_ONLY>(buffer0, layer.qkv, block * QKV_C, QKV_C); break;
-            case 1: ask_rows<ATTN_W, L2_ONLY>(buffer1, layer.o, block * O_C, O_C); break;
-            case 2:
-                ask_rows<HIDDEN, L2_ONLY>(buffer0, layer.gate_up, block * GU_C, GU_C);
-                ask_rows<HIDDEN, L2_ONLY>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C);
-                break;
-            default: ask_rows<INTER, L2_ONLY>(buffer1, layer.down, block * DOWN_C, DOWN_C); break;
-        }
-    } else if (index == 4 * p.num_layers) {
-        ask_rows<HIDDEN, L2_ONLY>(buffer0, p.head, block * HEAD_C, HEAD_C);
+// GEMM `index` of the pass: 4 per layer (q/k/v, o, gate/up, down), then the head; even ones in buffer 0.
+__device__ __forceinline__ u32 share_bytes(const Params& p, int index) {
+    if (index == 4 * p.num_layers) return HEAD_C * HIDDEN * 2;
+    switch (index % 4) {
+        case 0: return QKV_C * HIDDEN * 2;
+        case 1: return O_C * ATTN_W * 2;
+        case 2: return 2 * GU_C * HIDDEN * 2;
+        default: return DOWN_C * INTER * 2;
     }
 }
 
-// GEMM `index`'s share copied into shared memory: one cp.async group each call (empty past the last GEMM, which
-// keeps "all groups but the last" meaning the current GEMM's). L2_AHEAD (measured slower, session 35): the share
-// after it asked of L2 as well.
-__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1) {
-    ask_share<false>(p, index, buffer0, buffer1);
-    copy_async_commit();
-#ifdef L2_AHEAD
-    ask_share<true>(p, index + 1, buffer0, buffer1);
+// This block's share of GEMM `index` copied into its buffer (nothing past the last GEMM).
+__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1,
+                                            const u32 (&barriers)[2]) {
+    const long long block = blockIdx.x;
+    const u32 barrier = barriers[index & 1];
+#ifndef SKIP_WEIGHTS
+    if (index <= 4 * p.num_layers) {
+#ifndef CP_ASYNC_COPIES
+        if (threadIdx.x == 0) {  // the buffer's last reads (before a block barrier) come before the copies' writes
+            unsigned long long state;
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                         : "=l"(state) : "r"(barrier), "r"(share_bytes(p, index)) : "memory");
+        }
 #endif
+        if (index == 4 * p.num_layers) {
+            copy_rows<HIDDEN>(buffer0, p.head, block * HEAD_C, HEAD_C, barrier);
+        } else {
+            const LayerPointers& layer = p.layers[index / 4];
+            switch (index % 4) {
+                case 0: copy_rows<HIDDEN>(buffer0, layer.qkv, block * QKV_C, QKV_C, barrier); break;
+                case 1: copy_rows<ATTN_W>(buffer1, layer.o, block * O_C, O_C, barrier); break;
+                case 2:
+                    copy_rows<HIDDEN>(buffer0, layer.gate_up, block * GU_C, GU_C, barrier);
+                    copy_rows<HIDDEN>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C,
+                                      barrier);
+                    break;
+                default: copy_rows<INTER>(buffer1, layer.down, block * DOWN_C, DOWN_C, barrier); break;
+            }
+        }
+    }
+#endif
+#ifdef CP_ASYNC_COPIES
+    copy_async_commit();  // a group each call, empty past the last GEMM: "all but the last" is the current GEMM's
+#endif
+}
+
+// Wait until GEMM `index`'s share is in its buffer (the next GEMM's copies already asked for), then the block's barrier.
+__device__ __forceinline__ void wait_weights(int index, const u32 (&barriers)[2]) {
+#if !defined(NO_WAIT) && !defined(SKIP_WEIGHTS)
+#ifdef CP_ASYNC_COPIES
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+#else
+    const u32 barrier = barriers[index & 1], parity = (index >> 1) & 1;  // the buffer's (index / 2)-th fill
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred full; mbarrier.try_wait.parity.shared::cta.b64 full, [%1], %2; selp.u32 %0, 1, 0, full; }"
+                     : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+    }
+#endif
+#endif
+    __syncthreads();
 }
 
 // ------------------------------------------------------------------------------------------------------- GEMMs
@@ -497,47 +531,51 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
     constexpr int PARTIAL_FLOATS = WARPS * 2 * (2 * GU_C / 8 > QKV_C / 8 ? 2 * GU_C / 8 : QKV_C / 8) * 128;
     float* partial_squares = partial + PARTIAL_FLOATS;
 
+    __shared__ __align__(8) unsigned long long fills[2];  // an mbarrier a weight buffer
+    const u32 barriers[2] = {shared_address(&fills[0]), shared_address(&fills[1])};
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(barriers[0]) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(barriers[1]) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
     const int rows = (int)(p.rows * p.tokens), layers = (int)p.num_layers;
     const float eps = (float)p.eps;
     u32 generation = 0;
-    ask_weights(p, 0, buffer0, buffer1);
+    ask_weights(p, 0, buffer0, buffer1, barriers);
     for (int l = 0; l < layers; ++l) {
         const LayerPointers& layer = p.layers[l];
         const bf16_t* x = l == 0 ? p.embeds : p.x_a;
-        ask_weights(p, 4 * l + 1, buffer0, buffer1);
-        copy_async_wait_all_but_last();
-        __syncthreads();
+        ask_weights(p, 4 * l + 1, buffer0, buffer1, barriers);
+        wait_weights(4 * l, barriers);
         gemm_rows<QKV_C / 8, HIDDEN, true, false, false>(x, HIDDEN, rows, buffer0, layer.input_norm, eps, nullptr,
                                                          p.qkv_out, QKV_N, blockIdx.x * QKV_C, partial,
                                                          partial_squares);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, 4 * l + 2, buffer0, buffer1);  // gate/up streams in during attention and o
+        ask_weights(p, 4 * l + 2, buffer0, buffer1, barriers);  // gate/up streams in during attention and o
         attention(p, layer);
         grid_barrier(p.counters, ++generation);
-        copy_async_wait_all_but_last();
-        __syncthreads();
+        wait_weights(4 * l + 1, barriers);
         gemm_rows<O_C / 8, ATTN_W, false, false, true>(p.attn_out, ATTN_W, rows, buffer1, nullptr, 0.0f, x, p.x_b,
                                                         HIDDEN, blockIdx.x * O_C, partial, partial_squares);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, 4 * l + 3, buffer0, buffer1);
-        copy_async_wait_all_but_last();
-        __syncthreads();
+        ask_weights(p, 4 * l + 3, buffer0, buffer1, barriers);
+        wait_weights(4 * l + 2, barriers);
         gemm_rows<2 * GU_C / 8, HIDDEN, true, true, false>(p.x_b, HIDDEN, rows, buffer0, layer.post_norm, eps,
                                                            nullptr, p.hidden, INTER, blockIdx.x * GU_C, partial,
                                                            partial_squares);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, 4 * l + 4, buffer0, buffer1);
-        copy_async_wait_all_but_last();
-        __syncthreads();
+        ask_weights(p, 4 * l + 4, buffer0, buffer1, barriers);
+        wait_weights(4 * l + 3, barriers);
         gemm_rows<DOWN_C / 8, INTER, false, false, true>(p.hidden, INTER, rows, buffer1, nullptr, 0.0f, p.x_b,
                                                          p.x_a, HIDDEN, blockIdx.x * DOWN_C, partial,
                                                          partial_squares);
         grid_barrier(p.counters, ++generation);
     }
     // the final norm and the head, over each row's last token
-    ask_weights(p, 4 * layers + 1, buffer0, buffer1);  // nothing left: an empty group
-    copy_async_wait_all_but_last();
-    __syncthreads();
+    ask_weights(p, 4 * layers + 1, buffer0, buffer1, barriers);  // nothing left
+    wait_weights(4 * layers, barriers);
     gemm_rows<HEAD_C / 8, HIDDEN, true, false, false>(p.x_a + (p.tokens - 1) * HIDDEN, p.tokens * HIDDEN,
                                                       (int)p.rows, buffer0, p.final_norm, (float)p.final_eps,
                                                       nullptr, p.logits, VOCAB, blockIdx.x * HEAD_C, partial,

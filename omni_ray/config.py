@@ -226,7 +226,10 @@ class TalkerSettings(EngineSettings):
         "and the code head) as one persistent CUDA kernel built with NVRTC at startup (`layers/persistent_pass.py`: "
         "128 blocks keep their share of each GEMM's weights in shared memory, the next share streaming in while "
         "they wait at grid barriers), at up to 32 rows x tokens; other passes keep the Triton kernels. It needs "
-        "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage)",
+        "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage). Opt-in: "
+        "faster per pass on an H200 (128-179 against 158-185 us at 1-32 rows), but in the 1-GPU service its blocks "
+        "slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant for a Talker "
+        "on a GPU of its own",
     )
 
 

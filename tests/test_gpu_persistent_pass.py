@@ -7,23 +7,12 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import FULL_CONFIG
+from _code_predictor import KV_LEN, frame_passes, random_code_predictor
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _random_stack() -> DecoderStack:
-    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
-    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.03) + (1.0 if p.dim() == 1 else 0.0))
-    return stack
 
 
 def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -39,33 +28,26 @@ def test_the_persistent_pass_equals_the_eager_layers_and_the_kernels(rows: int) 
     bits, and so does a graph replay."""
     pytest.importorskip("triton")
     torch.manual_seed(0)
-    eager = _random_stack()
+    eager = random_code_predictor()
     kernels, persistent = copy.deepcopy(eager), copy.deepcopy(eager)
     eager.fuse_projections()
     assert kernels.use_small_batch_kernels() and persistent.use_small_batch_kernels()
     assert persistent.use_persistent_pass(2048)
-    caches = [SlotKVCache(5, 32, 17, 8, 128, torch.bfloat16, "cuda") for _ in range(3)]
-    slots = torch.arange(rows, device="cuda")
-    start, length = 0, 2
-    for _ in range(5):
-        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, 17, rows_are_slots=True)
-        batch.grouped_mask(2)
-        x = torch.randn(rows, length, 1024, device="cuda").to(torch.bfloat16)
+    caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(3)]
+    for start, batch, x, cos, sin in frame_passes(eager, rows, 5):
         head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
-        cos, sin = eager.rotary((start + torch.arange(length, device="cuda"))[None].expand(rows, -1), torch.bfloat16)
         assert persistent.persistent is not None
-        assert persistent.persistent.applies(x, batch) == (rows * length <= 32)
+        assert persistent.persistent.applies(x, batch) == (rows * x.shape[1] <= 32)
         expected = eager.last_logits(x, caches[0].layers, batch, (cos, sin), head)
         triton = kernels.last_logits(x, caches[1].layers, batch, (cos, sin), head)
         got = persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
         assert got.shape == (rows, 2048) and torch.isfinite(got).all()
         assert _relative(got, expected) < 2e-2, _relative(got, expected)
         assert _relative(got, triton) < 2e-2, _relative(got, triton)
-        written = slice(0, start + length)
+        written = slice(0, start + x.shape[1])
         for (k0, v0), (k2, v2) in zip(caches[0].layers, caches[2].layers):
             assert _relative(k2[:rows, written], k0[:rows, written]) < 2e-2
             assert _relative(v2[:rows, written], v0[:rows, written]) < 2e-2
-        start, length = start + length, 1
 
     again = persistent.last_logits(x, caches[2].layers, batch, (cos, sin), head)
     torch.testing.assert_close(again, got, rtol=0, atol=0)

@@ -7,13 +7,10 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import FULL_CONFIG
+from _code_predictor import KV_LEN, frame_passes, random_code_predictor
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers import small_batch
-from omni_ray.layers.attention import AttentionBatch
-from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,23 +22,13 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(rows: int) -> None:
     with the eager layers to bf16 rounding, and a graph replay gives the kernels' eager output. So do the last
     position's logits with the final norm inside the code head's GEMM."""
     pytest.importorskip("triton")
-    cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
     torch.manual_seed(0)
-    eager = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        for p in eager.parameters():
-            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.03) + (1.0 if p.dim() == 1 else 0.0))
+    eager = random_code_predictor()
     fused = copy.deepcopy(eager)
     eager.fuse_projections()
     assert fused.use_small_batch_kernels()
-    caches = [SlotKVCache(5, 32, 17, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
-    slots = torch.arange(rows, device="cuda")
-    start, length = 0, 2
-    for _ in range(4):
-        batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, 17, rows_are_slots=True)
-        batch.grouped_mask(2)
-        x = torch.randn(rows, length, 1024, device="cuda").to(torch.bfloat16)
-        cos, sin = eager.rotary((start + torch.arange(length, device="cuda"))[None].expand(rows, -1), torch.bfloat16)
+    caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
+    for _, batch, x, cos, sin in frame_passes(eager, rows, 4):
         assert all(small_batch.applies(layer, x, batch) for layer in fused.layers)
         expected = eager(x, None, caches[0].layers, batch, rope=(cos, sin))[0].float()
         got = fused(x, None, caches[1].layers, batch, rope=(cos, sin))[0].float()
@@ -49,7 +36,6 @@ def test_kernels_equal_the_eager_code_predictor_on_the_gpu(rows: int) -> None:
         for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
             assert (k0.float() - k1.float()).abs().max().item() < 0.1
             assert (v0.float() - v1.float()).abs().max().item() < 0.1
-        start, length = start + length, 1
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -3,9 +3,11 @@
 The code predictor's pass as `small_batch`'s Triton kernels is a chain of 27 kernels of 4-7 us each (session 26 of
 `benchmarks/results/2026-11-30_issue4_summary.md`): about 150-180 us a pass where its weights take 37 us to stream.
 Here one kernel runs the whole pass on 128 blocks, one per multiprocessor. Each block keeps its share of a GEMM's
-weights in shared memory and asks for the next GEMM's share before it computes, so that the weights stream in while
-the blocks wait for each other between phases (grid barriers on a counter; every block must be resident at once,
-which 128 blocks of one per multiprocessor are on a GPU with at least 128).
+weights in shared memory and asks for the next GEMM's share (bulk copies) before it computes, so that the weights
+stream in while the blocks wait for each other between phases (grid barriers on a counter; every block must be
+resident at once, which 128 blocks of one per multiprocessor are on a GPU with at least 128). On an H200 a pass and
+its head took 128 / 138 / 149 / 179 us at 1 / 8 / 16 / 32 rows against the Triton kernels' 158 / 162 / 162 / 185
+(session 35; `benchmarks/persistent_pass_probe.py` times it with each part left out).
 
 Built at run time with NVRTC (the library PyTorch's CUDA build loads) through the CUDA driver API, both over ctypes:
 no compiler at install time and no extra package. Graph-capturable: a launch is a kernel on the current stream.
@@ -58,13 +60,14 @@ def _nvrtc() -> ctypes.CDLL:
 
 
 def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
-    """`source` compiled by NVRTC for `arch` (e.g. "sm_90") with `defines` as -D macros: the cubin's bytes."""
+    """`source` compiled by NVRTC for `arch` (e.g. "sm_90") with `defines` as -D macros and this folder as the
+    include path (the `persistent_pass_*.cuh` it includes): the cubin's bytes."""
     lib = _nvrtc()
     program = ctypes.c_void_p()
     status = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"persistent_pass.cu", 0, None, None)
     if status != 0:
         raise KernelBuildError(f"nvrtcCreateProgram failed ({status})")
-    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"--include-path={SOURCE.parent}".encode()]
     options += [f"-D{name}={value}".encode() for name, value in defines.items()]
     array = (ctypes.c_char_p * len(options))(*options)
     try:

@@ -33,6 +33,7 @@ from omni_ray.engine.sampler import (
 )
 from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
+from omni_ray.layers.persistent_pass import KernelBuildError
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
 
@@ -212,10 +213,19 @@ class TalkerRunner:
             stack.compile_layers()  # compiled on first use: with the kernels, only steps past them (over 64 rows)
             if code_predictor_kernels:
                 stack.use_small_batch_kernels()
-                if persistent_code_predictor and not stack.use_persistent_pass(self.mtp_vocab):
-                    log.warning("the persistent code-predictor pass does not take this model; Triton kernels it is")
+                if persistent_code_predictor:
+                    self._use_persistent_pass(stack)
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
+
+    def _use_persistent_pass(self, stack: Any) -> None:
+        """The code predictor's passes as one persistent kernel each, or (logged) the Triton kernels where the
+        kernel does not take the model or cannot be built here (no NVRTC, too few multiprocessors)."""
+        try:
+            if not stack.use_persistent_pass(self.mtp_vocab):
+                log.warning("the persistent code-predictor pass does not take this model: Triton kernels it is")
+        except KernelBuildError as exc:
+            log.warning("the persistent code-predictor pass could not be built (%s): Triton kernels it is", exc)
 
     @torch.inference_mode()
     def warmup(self, max_batch: int) -> None:

@@ -1,0 +1,295 @@
+// The persistent pass's phases: a GEMM over a block's column share (norm, gating and residual fused) and attention
+// over a few cached positions. Included by persistent_pass.cu.
+#pragma once
+
+#include "persistent_pass_common.cuh"
+
+// ------------------------------------------------------------------------------------------------------- GEMMs
+
+// out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
+// x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
+// tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
+template <int MT, int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+__device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t* w, const bf16_t* norm, float eps,
+                     const bf16_t* residual, bf16_t* out, long long out_stride, int col0, float* partial,
+                     float* partial_squares) {
+#ifdef SKIP_GEMMS
+    return;
+#endif
+    // The MMA's 16-deep steps read k in any order both operands agree on: lane (group, pair) takes the 8
+    // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
+    // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
+    constexpr int CHUNKS = K / WARPS / 32;
+    constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;  // chunks whose loads are issued together
+    static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+    float acc[MT][NT][4];
+    float squares[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        squares[m][0] = squares[m][1] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+    }
+    const int k_first = warp * (K / WARPS) + 8 * pair;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+#pragma unroll 1
+    for (int batch = 0; batch < CHUNKS; batch += IN_FLIGHT) {
+        uint4 xs[IN_FLIGHT][MT][2];  // rows group and group + 8 of each row tile
+        uint4 scales[IN_FLIGHT];
+#pragma unroll
+        for (int c = 0; c < IN_FLIGHT; ++c) {
+            const int k = k_first + (batch + c) * 32;
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = m * 16 + group + 8 * h;
+                    xs[c][m][h] = row < rows ? *reinterpret_cast<const uint4*>(x + row * x_stride + k) : zero;
+                }
+            }
+            if (NORM) scales[c] = *reinterpret_cast<const uint4*>(norm + k);
+        }
+#pragma unroll
+        for (int c = 0; c < IN_FLIGHT; ++c) {
+            const int k = k_first + (batch + c) * 32;
+            if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
+                const u32 scale[4] = {scales[c].x, scales[c].y, scales[c].z, scales[c].w};
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        u32 words[4] = {xs[c][m][h].x, xs[c][m][h].y, xs[c][m][h].z, xs[c][m][h].w};
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float lo = low_half(words[i]), hi = high_half(words[i]);
+                            squares[m][h] += lo * lo + hi * hi;
+                            words[i] = pack_bf16(lo * low_half(scale[i]), hi * high_half(scale[i]));
+                        }
+                        xs[c][m][h] = {words[0], words[1], words[2], words[3]};
+                    }
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const uint4 wb = *reinterpret_cast<const uint4*>(w + (n * 8 + group) * (K + PAD) + k);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const u32 first[4] = {xs[c][m][0].x, xs[c][m][1].x, xs[c][m][0].y, xs[c][m][1].y};
+                    const u32 second[4] = {xs[c][m][0].z, xs[c][m][1].z, xs[c][m][0].w, xs[c][m][1].w};
+                    mma_bf16(acc[m][n], first, wb.x, wb.y);
+                    mma_bf16(acc[m][n], second, wb.z, wb.w);
+                }
+            }
+        }
+    }
+    // the warps' partial sums, in fragment order, then added up in warp order (the same sums in every run)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float* at = partial + (((warp * MT + m) * NT + n) * 32 + lane) * 4;
+            at[0] = acc[m][n][0]; at[1] = acc[m][n][1]; at[2] = acc[m][n][2]; at[3] = acc[m][n][3];
+        }
+        if (NORM) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float s = squares[m][h];
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                if (pair == 0) partial_squares[warp * MAX_ROWS + m * 16 + group + 8 * h] = s;
+            }
+        }
+    }
+    __syncthreads();
+    constexpr int OUT_TILES = GATED ? NT / 2 : NT;
+    for (int unit = threadIdx.x; unit < MT * OUT_TILES * 64; unit += THREADS) {
+        const int h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % OUT_TILES, m = unit / 64 / OUT_TILES;
+        const int row = m * 16 + unit_lane / 4 + 8 * h;
+        if (row >= rows) continue;
+        float v0 = 0.0f, v1 = 0.0f, up0 = 0.0f, up1 = 0.0f, row_squares = 0.0f;
+        for (int wp = 0; wp < WARPS; ++wp) {
+            const float* at = partial + (((wp * MT + m) * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
+            v0 += at[0];
+            v1 += at[1];
+            if (GATED) {
+                const float* up = at + OUT_TILES * 32 * 4;
+                up0 += up[0];
+                up1 += up[1];
+            }
+            if (NORM) row_squares += partial_squares[wp * MAX_ROWS + row];
+        }
+        if (NORM) {
+            const float inverse_rms = 1.0f / sqrtf(row_squares / K + eps);
+            v0 *= inverse_rms; v1 *= inverse_rms; up0 *= inverse_rms; up1 *= inverse_rms;
+        }
+        if (GATED) {
+            v0 = v0 / (1.0f + expf(-v0)) * up0;
+            v1 = v1 / (1.0f + expf(-v1)) * up1;
+        }
+        const int col = col0 + tile * 8 + 2 * (unit_lane % 4);
+        if (RESIDUAL) {
+            const u32 r = load_u32(residual + row * HIDDEN + col);
+            v0 += low_half(r);
+            v1 += high_half(r);
+        }
+        *reinterpret_cast<u32*>(out + row * out_stride + col) = pack_bf16(v0, v1);
+    }
+}
+
+// The two row-tile counts, chosen at run time (one or two 16-row tiles).
+template <int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+__device__ __forceinline__ void gemm_rows(const bf16_t* x, long long x_stride, int rows, const bf16_t* w,
+                                          const bf16_t* norm, float eps, const bf16_t* residual, bf16_t* out,
+                                          long long out_stride, int col0, float* partial, float* partial_squares) {
+    if (rows > 16)
+        gemm<2, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
+                                              partial, partial_squares);
+    else
+        gemm<1, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
+                                              partial, partial_squares);
+}
+
+// --------------------------------------------------------------------------------------------------- attention
+
+// One head's 128 dims (four a lane, from `at`) RMS-normed by `norm` and rotated (rotate-half), each step rounded to
+// bf16 as the eager layer rounds it.
+__device__ __forceinline__ void unpack4(uint2 v, float (&out)[4]) {
+    out[0] = low_half(v.x); out[1] = high_half(v.x); out[2] = low_half(v.y); out[3] = high_half(v.y);
+}
+
+__device__ __forceinline__ uint2 load8(const bf16_t* at) { return *reinterpret_cast<const uint2*>(at); }
+
+__device__ __forceinline__ void head_norm_rope(const bf16_t* at, const bf16_t* norm, float eps, const bf16_t* cos,
+                                               const bf16_t* sin, float (&out)[4]) {
+    const int lane = threadIdx.x % 32, d = lane * 4, turned = (d + HEAD_DIM / 2) % HEAD_DIM;
+    float x[4], t[4], scale[4], turned_scale[4], c[4], s[4];
+    unpack4(load8(at + d), x);
+    unpack4(load8(at + turned), t);
+    unpack4(load8(norm + d), scale);
+    unpack4(load8(norm + turned), turned_scale);
+    unpack4(load8(cos + d), c);
+    unpack4(load8(sin + d), s);
+    const float inverse_rms = 1.0f / sqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) /
+                                           HEAD_DIM + eps);
+    const float sign = d < HEAD_DIM / 2 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float normed = round_bf16(x[i] * inverse_rms * scale[i]);
+        const float other = sign * round_bf16(t[i] * inverse_rms * turned_scale[i]);
+        out[i] = round_bf16(normed * c[i] + other * s[i]);
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// One step of a reduce-scatter over the warp: each lane keeps the half of partial[0 : 2 * OFFSET] its lane bit OFFSET
+// picks, adds the other lane's sums of it, and holds them in partial[0 : OFFSET].
+template <int OFFSET>
+__device__ __forceinline__ void reduce_scatter(float (&partial)[MAX_KEYS]) {
+    const bool upper = (threadIdx.x & OFFSET) != 0;
+#pragma unroll
+    for (int i = 0; i < OFFSET; ++i) {
+        const float send = upper ? partial[i] : partial[i + OFFSET];
+        const float keep = upper ? partial[i + OFFSET] : partial[i];
+        partial[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFFSET);
+    }
+}
+
+// One warp per (row, query head): the row's new keys and values (written by the first query head of each KV head),
+// then each new token's attention over the slot's positions up to its own. Every lane holds four dims: it loads them
+// for every cached position in one batch, forms its partial dot products, and a reduce-scatter across the warp (31
+// shuffles) leaves position p's score in lane p; the softmax's weights go back to every lane for the values.
+__device__ void attention(const Params& p, const LayerPointers& layer) {
+#ifdef SKIP_ATTENTION
+    return;
+#endif
+    constexpr int GROUP = HEADS / KV_HEADS;
+    static_assert(MAX_KEYS == 32, "a lane a key position");
+    const int lane = threadIdx.x % 32, d = lane * 4;
+    const int tokens = (int)p.tokens, kv_len = (int)p.kv_len;
+    const float scale = (float)p.scale, eps = (float)p.qk_eps;
+    const uint2 zero = {0u, 0u};
+    for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * HEADS; item += gridDim.x * WARPS) {
+        const int b = item / HEADS, head = item % HEADS, kv_head = head / GROUP;
+        const long long slot = p.slots ? p.slots[b] : b;
+        const bf16_t* k_at = layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        const bf16_t* v_at = layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4];
+        int written[MAX_TOKENS];
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; ++t) {
+            written[t] = -1;
+            if (t >= tokens) continue;
+            const int row = b * tokens + t;
+            written[t] = (int)p.write_index[row];
+            const bf16_t* qkv = p.qkv_out + (long long)row * QKV_N;
+            head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + row * HEAD_DIM,
+                           p.sin + row * HEAD_DIM, new_keys[t]);
+            unpack4(load8(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d), new_values[t]);
+            if (head % GROUP == 0) {
+                const long long at = (long long)written[t] * p.position_stride;
+                store_x2(layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
+                         pack_bf16(new_keys[t][0], new_keys[t][1]), pack_bf16(new_keys[t][2], new_keys[t][3]));
+                store_x2(layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
+                         pack_bf16(new_values[t][0], new_values[t][1]), pack_bf16(new_values[t][2], new_values[t][3]));
+            }
+        }
+#pragma unroll 1
+        for (int t = 0; t < tokens; ++t) {
+            const int row = b * tokens + t, horizon = t == 0 ? written[0] : written[1];
+            float query[4];
+            head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
+                           p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
+            uint2 cached[MAX_KEYS];  // this lane's dims of every cached key it may see, one batch of loads
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
+                cached[pos] = load ? load8(k_at + (long long)pos * p.position_stride) : zero;
+            }
+            float partial[MAX_KEYS];
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                float key[4];
+                unpack4(cached[pos], key);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) key[i] = pos == written[0] ? new_keys[0][i] : (pos == written[1] ? new_keys[1][i] : key[i]);
+                partial[pos] = key[0] * query[0] + key[1] * query[1] + key[2] * query[2] + key[3] * query[3];
+            }
+            reduce_scatter<16>(partial);
+            reduce_scatter<8>(partial);
+            reduce_scatter<4>(partial);
+            reduce_scatter<2>(partial);
+            reduce_scatter<1>(partial);
+            const bool visible = lane < kv_len && lane <= horizon;
+            const float score = visible ? partial[0] * scale : NEG_INF;
+            const float top = warp_max(score);
+            const float e = visible ? expf(score - top) : 0.0f;
+            const float weight = e / warp_sum(e);
+            uint2 values[MAX_KEYS];
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
+                values[pos] = load ? load8(v_at + (long long)pos * p.position_stride) : zero;
+            }
+            float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int pos = 0; pos < MAX_KEYS; ++pos) {
+                const float w = __shfl_sync(0xffffffffu, weight, pos);
+                float value[4];
+                unpack4(values[pos], value);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    value[i] = pos == written[0] ? new_values[0][i] : (pos == written[1] ? new_values[1][i] : value[i]);
+                    out[i] += w * value[i];
+                }
+            }
+            store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
+                     pack_bf16(out[2], out[3]));
+        }
+    }
+}

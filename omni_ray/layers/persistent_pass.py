@@ -129,6 +129,7 @@ class PersistentPass:
         self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
         self._function: ctypes.c_void_p | None = None
         self._module = ctypes.c_void_p()
+        self._lib: ctypes.CDLL | None = None  # the driver, once built
         self._weights = [
             (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight,
              layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.q_norm.weight,
@@ -184,12 +185,14 @@ class PersistentPass:
         """embeds [B, T, h] through every layer (their keys and values into `kv_caches` at `batch`'s positions),
         then the final norm and `head` [V, h] over each row's last token: logits [B, V] in bf16."""
         self.build(head.shape[0])
+        lib, function = self._lib, self._function
+        assert lib is not None and function is not None and self.vocab is not None
         rows, tokens, width = embeds.shape
         assert width == self.hidden and head.shape[1] == width and head.is_contiguous()
         embeds, cos, sin = embeds.contiguous(), cos.reshape(rows * tokens, -1).contiguous(), sin.reshape(
             rows * tokens, -1).contiguous()
         index = batch.write_index.reshape(-1).contiguous()
-        logits = torch.empty(rows, self.vocab, dtype=embeds.dtype, device=self.device)  # type: ignore[arg-type]
+        logits = torch.empty(rows, self.vocab, dtype=embeds.dtype, device=self.device)
         scratch = [torch.empty(MAX_ROWS, n, dtype=embeds.dtype, device=self.device)
                    for n in (self.hidden, self.hidden, self.qkv_width, self.heads * self.head_dim, self.inter)]
         counters = barrier_counters(self.device)
@@ -211,8 +214,8 @@ class PersistentPass:
             *words, *(ctypes.c_uint64.from_buffer_copy(ctypes.c_double(f)).value for f in floats))
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        _check(self._lib, self._lib.cuLaunchKernel(
-            self._function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None), "cuLaunchKernel")
+        _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
+               "cuLaunchKernel")
         return logits
 
 
@@ -235,8 +238,11 @@ def unsupported(stack: Any) -> str | None:
     for layer in stack.layers:
         if getattr(layer.mlp, "gate_up", None) is None or layer.self_attn.qkv is None:
             return "a layer without fused q/k/v and gate/up projections (dense layers, fuse_projections first)"
-        if layer.self_attn.qkv.dtype != torch.bfloat16 or not layer.self_attn.qkv.is_cuda:
+        weights = (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight)
+        if any(w.dtype != torch.bfloat16 or not w.is_cuda for w in weights):
             return "weights not bf16 on a GPU"
+        if not all(w.is_contiguous() for w in weights):
+            return "weights not contiguous (the kernel reads rows of [out, in] weights)"
     if shared_bytes(spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size, qkv_width) > 227 * 1024:
         return "the weight shares need more than 227 KB of shared memory a block"
     return None

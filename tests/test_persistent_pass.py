@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -34,6 +35,47 @@ def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path) -> None:
     assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
     registers = int(re.search(r"Used (\d+) registers", report).group(1))  # type: ignore[union-attr]
     assert registers <= 255
+
+
+def _struct_fields(name: str) -> list[tuple[str, str]]:
+    """(type, field) of each field of a struct in the kernel's common header, a declarator list split up."""
+    source = (persistent_pass.SOURCE.parent / "persistent_pass_common.cuh").read_text()
+    body = re.search(r"struct %s \{(.*?)\n\};" % name, source, re.S).group(1)  # type: ignore[union-attr]
+    fields = []
+    for line in body.splitlines():
+        declaration = line.split("//")[0].strip().rstrip(";")
+        if declaration:
+            kind, first = declaration.rsplit(" ", 1) if "," not in declaration else declaration.split(",")[0].rsplit(" ", 1)
+            names = [first] + [n.strip() for n in declaration.split(",")[1:]]
+            fields += [(kind.strip(), n.lstrip("*")) for n in names]
+    return fields
+
+
+def test_the_parameter_block_matches_the_kernels_params_struct() -> None:
+    """The host packs the kernel's `Params` as 64-bit words in the order `PersistentPass.logits` lists them (the
+    field names below): as many words as the struct's fields (its layers' pointers times MAX_LAYERS), every field
+    8 bytes wide (pointers, long long, double), layers past the stack's null, and the floats as doubles last."""
+    layer_fields = _struct_fields("LayerPointers")
+    params = _struct_fields("Params")
+    assert [name for _, name in layer_fields] == ["qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
+                                                  "k_norm", "k_cache", "v_cache"]
+    assert [name for _, name in params] == [
+        "layers[MAX_LAYERS]", "embeds", "cos", "sin", "write_index", "slots", "final_norm", "head", "logits", "x_a",
+        "x_b", "qkv_out", "attn_out", "hidden", "counters", "num_layers", "rows", "tokens", "kv_len", "slot_stride",
+        "position_stride", "eps", "final_eps", "qk_eps", "scale"]
+    assert len(layer_fields) == persistent_pass.LAYER_FIELDS
+    kinds = {kind for kind, _ in layer_fields + params[1:]}
+    assert all("*" in kind or kind in {"long long", "double"} for kind in kinds), kinds
+    doubles = [name for kind, name in params if kind == "double"]
+    integers = [name for kind, name in params if kind == "long long"]
+    pointers = [name for kind, name in params[1:] if "*" in kind]
+    block = persistent_pass.parameter_block(
+        [[7] * persistent_pass.LAYER_FIELDS] * 5, list(range(1, len(pointers) + 1)), [5] * len(integers),
+        [1e-6] * (len(doubles) - 1) + [128**-0.5])
+    assert len(block) == persistent_pass.MAX_LAYERS * persistent_pass.LAYER_FIELDS + len(params) - 1
+    assert list(block[: 5 * persistent_pass.LAYER_FIELDS]) == [7] * 5 * persistent_pass.LAYER_FIELDS
+    assert set(block[5 * persistent_pass.LAYER_FIELDS : persistent_pass.MAX_LAYERS * persistent_pass.LAYER_FIELDS]) == {0}
+    assert struct.unpack("<d", struct.pack("<Q", block[len(block) - 1]))[0] == 128**-0.5
 
 
 def _code_predictor(**changes: int) -> DecoderStack:

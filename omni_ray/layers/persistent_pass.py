@@ -97,6 +97,18 @@ def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int) -> in
     return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4
 
 
+def parameter_block(
+    layers: list[list[int]], pointers: list[int], integers: list[int], floats: list[float]
+) -> ctypes.Array[ctypes.c_uint64]:
+    """The kernel's `Params` as 64-bit words, in its field order: MAX_LAYERS x LAYER_FIELDS layer pointers (unused
+    layers null), then the pass's pointers, its integers, and its floats as doubles."""
+    assert len(layers) <= MAX_LAYERS and all(len(layer) == LAYER_FIELDS for layer in layers)
+    words = [word for layer in layers for word in layer] + [0] * (LAYER_FIELDS * (MAX_LAYERS - len(layers)))
+    words += pointers + integers
+    words += [ctypes.c_uint64.from_buffer_copy(ctypes.c_double(f)).value for f in floats]
+    return (ctypes.c_uint64 * len(words))(*words)
+
+
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -198,20 +210,14 @@ class PersistentPass:
         counters = barrier_counters(self.device)
         k_cache = kv_caches[0][0]
         assert all(k.stride() == k_cache.stride() == v.stride() for k, v in kv_caches)
-        words: list[int] = []
-        for i in range(MAX_LAYERS):
-            if i < len(self._weights):
-                k, v = kv_caches[i]
-                words += [t.data_ptr() for t in self._weights[i]] + [k.data_ptr(), v.data_ptr()]
-            else:
-                words += [0] * LAYER_FIELDS
-        words += [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
-                  0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
-                  head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr(),
-                  len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1)]
+        layers = [[t.data_ptr() for t in weights] + [k.data_ptr(), v.data_ptr()]
+                  for weights, (k, v) in zip(self._weights, kv_caches)]
+        pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
+                    0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
+                    head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr()]
+        integers = [len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1)]
         floats = [self.eps, float(self.stack.norm.variance_epsilon), self.qk_eps, self.head_dim**-0.5]
-        params = (ctypes.c_uint64 * (len(words) + len(floats)))(
-            *words, *(ctypes.c_uint64.from_buffer_copy(ctypes.c_double(f)).value for f in floats))
+        params = parameter_block(layers, pointers, integers, floats)
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),

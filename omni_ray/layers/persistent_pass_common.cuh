@@ -63,7 +63,6 @@ struct Params {
 
 // ---------------------------------------------------------------------------------------------------- helpers
 
-__device__ __forceinline__ float bf16_to_float(u32 bits16) { return __uint_as_float(bits16 << 16); }
 __device__ __forceinline__ float low_half(u32 pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float high_half(u32 pair) { return __uint_as_float(pair & 0xffff0000u); }
 

@@ -1,6 +1,6 @@
 """The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
-its hardware counters: a code-predictor pass (five kernels a layer) and one eight-kernel MoE layer of the Talker and
-the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
+its hardware counters: a code-predictor pass (five kernels a layer), the same pass and its head as the persistent
+kernel (`persistent_pass`) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
 the names of the steps are printed between ncu's own lines, in launch order."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from benchmarks.small_batch_bench import decode_step_inputs
 from omni_ray.bench import FULL_CONFIG
 from omni_ray.layers import small_batch_moe
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from omni_ray.layers.persistent_pass import PersistentPass
 
 Step = Callable[[], object]
 
@@ -32,6 +33,24 @@ def code_predictor_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[t
         steps.append((f"code predictor pass, {count} rows",
                       lambda cache=cache, batch=batch, x=x, rope=rope: stack(x, None, cache.layers, batch, rope=rope,
                                                                              normed=False)))
+    return steps
+
+
+def persistent_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[tuple[str, Step]]:
+    """The code predictor's pass and its head as one persistent kernel, per row count."""
+    cfg = config.talker_config.code_predictor_config
+    torch.manual_seed(0)
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    stack.fuse_projections()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.03
+    kernel = PersistentPass(stack)
+    kernel.build(cfg.vocab_size)
+    steps: list[tuple[str, Step]] = []
+    for count in rows:
+        cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))
+        steps.append((f"persistent pass + head, {count} rows",
+                      lambda cache=cache, batch=batch, x=x, cos=cos, sin=sin: kernel.logits(
+                          x, cache.layers, batch, cos, sin, head)))
     return steps
 
 
@@ -63,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage in args.stages.split(","):
         if stage == "code_predictor":
             steps += code_predictor_passes(config, rows)
+        elif stage == "persistent_pass":
+            steps += persistent_passes(config, rows)
         else:
             steps += moe_layer_steps(config, stage, rows)
     with torch.no_grad():

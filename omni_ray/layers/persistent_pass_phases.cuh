@@ -6,6 +6,15 @@
 
 // ------------------------------------------------------------------------------------------------------- GEMMs
 
+#ifndef LOADS_IN_FLIGHT
+#define LOADS_IN_FLIGHT 4  // 32-deep chunks of a 16-row tile whose operand loads a warp issues before it multiplies
+#endif
+
+// The largest divisor of n that is at most limit (at least 1): whole batches of chunks.
+__host__ __device__ constexpr int largest_divisor(int n, int limit) {
+    return limit <= 1 ? 1 : (n % limit == 0 ? limit : largest_divisor(n, limit - 1));
+}
+
 // out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
 // x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
 // tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
@@ -20,8 +29,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
     // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
     constexpr int CHUNKS = K / WARPS / 32;
-    constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;  // chunks whose loads are issued together
-    static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
+    constexpr int IN_FLIGHT = largest_divisor(CHUNKS, LOADS_IN_FLIGHT / MT);  // chunks whose loads go together
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
     float acc[MT][NT][4];
     float squares[MT][2];

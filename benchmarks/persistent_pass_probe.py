@@ -43,6 +43,9 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
         kernel = PersistentPass(stack)
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
+    served = kernels["as served"]
+    print("clusters of the served build resident at once:",
+          {size: served.max_active_clusters(size) for size in (1, 2, 4, 8)}, flush=True)
     kernels_stack = copy.deepcopy(stack)
     kernels_stack.use_small_batch_kernels()
     out = []

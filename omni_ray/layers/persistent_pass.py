@@ -109,6 +109,33 @@ def parameter_block(
     return (ctypes.c_uint64 * len(words))(*words)
 
 
+class LaunchAttribute(ctypes.Structure):
+    """The driver's CUlaunchAttribute: an id, padding, and a 64-byte value (here a cluster's x, y, z)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """The driver's CUlaunchConfig, for cuLaunchKernelEx and cuOccupancyMaxActiveClusters."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(LaunchAttribute)),
+                ("attribute_count", ctypes.c_uint)]
+
+
+CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
+
+def launch_config(blocks: int, threads: int, shared: int, stream: int | None, cluster: int) -> tuple[LaunchConfig, Any]:
+    """A launch of `blocks` x `threads` with `shared` dynamic bytes on `stream`, in clusters of `cluster` blocks
+    (1: no cluster attribute); also the attribute array, which must outlive the config."""
+    attributes = (LaunchAttribute * 1)()
+    attributes[0].id = CLUSTER_DIMENSION
+    attributes[0].value[0], attributes[0].value[1], attributes[0].value[2] = cluster, 1, 1
+    config = LaunchConfig((blocks, 1, 1), (threads, 1, 1), shared, stream, attributes, 1 if cluster > 1 else 0)
+    return config, attributes
+
+
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -180,6 +207,16 @@ class PersistentPass:
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
         self.vocab, self._function, self._lib = vocab, function, lib
+
+    def max_active_clusters(self, cluster: int) -> int:
+        """How many clusters of `cluster` blocks of this kernel the GPU holds at once (the driver's count)."""
+        assert self._lib is not None and self._function is not None
+        config, _attributes = launch_config(BLOCKS, WARPS * 32, self.smem, None, cluster)
+        count = ctypes.c_int()
+        with torch.cuda.device(self.device):
+            _check(self._lib, self._lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), self._function,
+                                                                     ctypes.byref(config)), "max active clusters")
+        return count.value
 
     def applies(self, embeds: torch.Tensor, batch: AttentionBatch) -> bool:
         """Whether `logits` takes this step: bf16 on the stack's GPU, at most 32 rows x tokens and 2 tokens a row,

@@ -27,8 +27,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
-    "8 loads in flight": {"LOADS_IN_FLIGHT": 8},
-    "16 loads in flight": {"LOADS_IN_FLIGHT": 16},
 }
 
 

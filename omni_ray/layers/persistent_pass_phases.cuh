@@ -41,6 +41,14 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     }
     const int k_first = warp * (K / WARPS) + 8 * pair;
     const uint4 zero = {0u, 0u, 0u, 0u};
+    // the residual this thread adds in the epilogue, asked for now (an output unit a thread: see the epilogue)
+    static_assert(!RESIDUAL || (GATED ? NT / 2 : NT) * MT * 64 <= THREADS, "a residual GEMM's units fit one pass");
+    u32 residual_pair = 0;
+    if (RESIDUAL) {
+        const int unit = threadIdx.x, h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % NT,
+                  m = unit / 64 / NT, row = m * 16 + unit_lane / 4 + 8 * h;
+        if (m < MT && row < rows) residual_pair = load_u32(residual + row * HIDDEN + col0 + tile * 8 + 2 * (unit_lane % 4));
+    }
 #pragma unroll 1
     for (int batch = 0; batch < CHUNKS; batch += IN_FLIGHT) {
         uint4 xs[IN_FLIGHT][MT][2];  // rows group and group + 8 of each row tile
@@ -137,9 +145,8 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
         }
         const int col = col0 + tile * 8 + 2 * (unit_lane % 4);
         if (RESIDUAL) {
-            const u32 r = load_u32(residual + row * HIDDEN + col);
-            v0 += low_half(r);
-            v1 += high_half(r);
+            v0 += low_half(residual_pair);
+            v1 += high_half(residual_pair);
         }
         *reinterpret_cast<u32*>(out + row * out_stride + col) = pack_bf16(v0, v1);
     }
@@ -208,96 +215,103 @@ __device__ __forceinline__ void reduce_scatter(float (&partial)[MAX_KEYS]) {
     }
 }
 
-// One warp per (row, query head): the row's new keys and values (written by the first query head of each KV head),
-// then each new token's attention over the slot's positions up to its own. Every lane holds four dims: it loads them
-// for every cached position in one batch, forms its partial dot products, and a reduce-scatter across the warp (31
-// shuffles) leaves position p's score in lane p; the softmax's weights go back to every lane for the values.
+// One warp per (row, new token, query head), in two rounds of loads: first the row's slot, the cache positions of the
+// token and the row's tokens before it, and their new q/k/v heads (normed and rotated); then this lane's four dims of
+// every cached key and value the token sees. A reduce-scatter across the warp (31 shuffles) leaves position p's score
+// in lane p; the new keys' scores are warp sums put in their positions' lanes; the softmax's weights go back to every
+// lane for the values, the new tokens' values added last. The first query head of each KV head writes the token's
+// new key and value.
 __device__ void attention(const Params& p, const LayerPointers& layer) {
 #ifdef SKIP_ATTENTION
     return;
 #endif
     constexpr int GROUP = HEADS / KV_HEADS;
-    static_assert(MAX_KEYS == 32, "a lane a key position");
-    const int lane = threadIdx.x % 32, d = lane * 4;
-    const int tokens = (int)p.tokens, kv_len = (int)p.kv_len;
+    static_assert(MAX_KEYS == 32 && MAX_TOKENS == 2, "a lane a key position; at most two new tokens a row");
+    const int lane = threadIdx.x % 32, d = lane * 4, kv_len = (int)p.kv_len, tokens = (int)p.tokens;
     const float scale = (float)p.scale, eps = (float)p.qk_eps;
-    const uint2 zero = {0u, 0u};
-    for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * HEADS; item += gridDim.x * WARPS) {
-        const int b = item / HEADS, head = item % HEADS, kv_head = head / GROUP;
+    for (int item = blockIdx.x * WARPS + threadIdx.x / 32; item < p.rows * tokens * HEADS;
+         item += gridDim.x * WARPS) {
+        const int head = item % HEADS, kv_head = head / GROUP, row = item / HEADS, b = row / tokens,
+                  t = row % tokens;
         const long long slot = p.slots ? p.slots[b] : b;
-        const bf16_t* k_at = layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
-        const bf16_t* v_at = layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
-        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4];
-        int written[MAX_TOKENS];
+        float new_keys[MAX_TOKENS][4], new_values[MAX_TOKENS][4], query[4];
+        int written[MAX_TOKENS] = {-1, -1};
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; ++t) {
-            written[t] = -1;
-            if (t >= tokens) continue;
-            const int row = b * tokens + t;
-            written[t] = (int)p.write_index[row];
-            const bf16_t* qkv = p.qkv_out + (long long)row * QKV_N;
-            head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + row * HEAD_DIM,
-                           p.sin + row * HEAD_DIM, new_keys[t]);
-            unpack4(load8(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d), new_values[t]);
-            if (head % GROUP == 0) {
-                const long long at = (long long)written[t] * p.position_stride;
-                store_x2(layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
-                         pack_bf16(new_keys[t][0], new_keys[t][1]), pack_bf16(new_keys[t][2], new_keys[t][3]));
-                store_x2(layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d + at,
-                         pack_bf16(new_values[t][0], new_values[t][1]), pack_bf16(new_values[t][2], new_values[t][3]));
-            }
+        for (int n = 0; n < MAX_TOKENS; ++n) {  // this token and the row's tokens before it
+            if (n > t) break;
+            const int source = b * tokens + n;
+            written[n] = (int)p.write_index[source];
+            const bf16_t* qkv = p.qkv_out + (long long)source * QKV_N;
+            head_norm_rope(qkv + (HEADS + kv_head) * HEAD_DIM, layer.k_norm, eps, p.cos + source * HEAD_DIM,
+                           p.sin + source * HEAD_DIM, new_keys[n]);
+            unpack4(load8(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d), new_values[n]);
         }
-#pragma unroll 1
-        for (int t = 0; t < tokens; ++t) {
-            const int row = b * tokens + t, horizon = t == 0 ? written[0] : written[1];
-            float query[4];
-            head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
-                           p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
-            uint2 cached[MAX_KEYS];  // this lane's dims of every cached key it may see, one batch of loads
+        head_norm_rope(p.qkv_out + (long long)row * QKV_N + head * HEAD_DIM, layer.q_norm, eps,
+                       p.cos + row * HEAD_DIM, p.sin + row * HEAD_DIM, query);
+        const int horizon = t == 0 ? written[0] : written[1];
+        bf16_t* k_at = layer.k_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        bf16_t* v_at = layer.v_cache + slot * p.slot_stride + kv_head * HEAD_DIM + d;
+        uint2 cached_keys[MAX_KEYS], cached_values[MAX_KEYS];  // one batch of loads; zeros at the new positions
+        const uint2 zero = {0u, 0u};
 #pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
-                cached[pos] = load ? load8(k_at + (long long)pos * p.position_stride) : zero;
+        for (int pos = 0; pos < MAX_KEYS; ++pos) {
+            const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
+            cached_keys[pos] = load ? load8(k_at + pos * p.position_stride) : zero;
+            cached_values[pos] = load ? load8(v_at + pos * p.position_stride) : zero;
+        }
+        float partial[MAX_KEYS];
+#pragma unroll
+        for (int pos = 0; pos < MAX_KEYS; ++pos) {
+            float key[4];
+            unpack4(cached_keys[pos], key);
+            partial[pos] = key[0] * query[0] + key[1] * query[1] + key[2] * query[2] + key[3] * query[3];
+        }
+        reduce_scatter<16>(partial);
+        reduce_scatter<8>(partial);
+        reduce_scatter<4>(partial);
+        reduce_scatter<2>(partial);
+        reduce_scatter<1>(partial);
+        float score = partial[0];
+#pragma unroll
+        for (int n = 0; n < MAX_TOKENS; ++n) {
+            if (n > t) break;
+            const float dot = warp_sum(new_keys[n][0] * query[0] + new_keys[n][1] * query[1] +
+                                       new_keys[n][2] * query[2] + new_keys[n][3] * query[3]);
+            score = lane == written[n] ? dot : score;
+        }
+        const bool visible = lane < kv_len && lane <= horizon;
+        score = visible ? score * scale : NEG_INF;
+        const float top = warp_max(score);
+        const float e = visible ? expf(score - top) : 0.0f;
+        const float weight = e / warp_sum(e);
+        float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int pos = 0; pos < MAX_KEYS; ++pos) {
+            const float w = __shfl_sync(0xffffffffu, weight, pos);
+            float value[4];
+            unpack4(cached_values[pos], value);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[i] += w * value[i];
+        }
+#pragma unroll
+        for (int n = 0; n < MAX_TOKENS; ++n) {
+            if (n > t) break;
+            const float w = __shfl_sync(0xffffffffu, weight, written[n]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[i] += w * new_values[n][i];
+        }
+        store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
+                 pack_bf16(out[2], out[3]));
+        if (head % GROUP == 0) {
+            float key[4], value[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                key[i] = t == 0 ? new_keys[0][i] : new_keys[1][i];
+                value[i] = t == 0 ? new_values[0][i] : new_values[1][i];
             }
-            float partial[MAX_KEYS];
-#pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                float key[4];
-                unpack4(cached[pos], key);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) key[i] = pos == written[0] ? new_keys[0][i] : (pos == written[1] ? new_keys[1][i] : key[i]);
-                partial[pos] = key[0] * query[0] + key[1] * query[1] + key[2] * query[2] + key[3] * query[3];
-            }
-            reduce_scatter<16>(partial);
-            reduce_scatter<8>(partial);
-            reduce_scatter<4>(partial);
-            reduce_scatter<2>(partial);
-            reduce_scatter<1>(partial);
-            const bool visible = lane < kv_len && lane <= horizon;
-            const float score = visible ? partial[0] * scale : NEG_INF;
-            const float top = warp_max(score);
-            const float e = visible ? expf(score - top) : 0.0f;
-            const float weight = e / warp_sum(e);
-            uint2 values[MAX_KEYS];
-#pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                const bool load = pos < kv_len && pos <= horizon && pos != written[0] && pos != written[1];
-                values[pos] = load ? load8(v_at + (long long)pos * p.position_stride) : zero;
-            }
-            float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int pos = 0; pos < MAX_KEYS; ++pos) {
-                const float w = __shfl_sync(0xffffffffu, weight, pos);
-                float value[4];
-                unpack4(values[pos], value);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    value[i] = pos == written[0] ? new_values[0][i] : (pos == written[1] ? new_values[1][i] : value[i]);
-                    out[i] += w * value[i];
-                }
-            }
-            store_x2(p.attn_out + (long long)row * ATTN_W + head * HEAD_DIM + d, pack_bf16(out[0], out[1]),
-                     pack_bf16(out[2], out[3]));
+            const long long at = (long long)horizon * p.position_stride;
+            store_x2(k_at + at, pack_bf16(key[0], key[1]), pack_bf16(key[2], key[3]));
+            store_x2(v_at + at, pack_bf16(value[0], value[1]), pack_bf16(value[2], value[3]));
         }
     }
 }

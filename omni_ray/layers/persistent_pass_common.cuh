@@ -125,8 +125,8 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
 
 // ------------------------------------------------------------------------------------------------ weight shares
 
-// The weights' copies: by default bulk copies of whole rows on the multiprocessor's copy engine (one instruction a
-// row, issued by thread 0), counted on the buffer's mbarrier; CP_ASYNC_COPIES: 16-byte cp.async copies spread over
+// The weights' copies: by default bulk copies of whole rows on the multiprocessor's copy engine (a row a lane of the
+// first warp), counted on the buffer's mbarrier; CP_ASYNC_COPIES: 16-byte cp.async copies spread over
 // every thread (measured slower, session 35), counted in cp.async groups.
 
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, u32 barrier) {
@@ -145,8 +145,8 @@ __device__ __forceinline__ void copy_rows(bf16_t* shared, const bf16_t* weight, 
         copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
     }
 #else
-    if (threadIdx.x == 0)
-        for (int row = 0; row < count; ++row)
+    if (threadIdx.x < 32)  // the first warp's lanes a row each: one instruction issues 32 rows' copies
+        for (int row = threadIdx.x; row < count; row += 32)
             bulk_copy(shared + row * (K + PAD), weight + (first + row) * K, K * 2, barrier);
 #endif
 }
@@ -170,10 +170,12 @@ __device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* 
 #ifndef SKIP_WEIGHTS
     if (index <= 4 * p.num_layers) {
 #ifndef CP_ASYNC_COPIES
-        if (threadIdx.x == 0) {  // the buffer's last reads (before a block barrier) come before the copies' writes
+        if (threadIdx.x < 32) {  // the buffer's last reads (before a block barrier) come before the copies' writes
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                         :: "r"(barrier), "r"(share_bytes(p, index)) : "memory");
+            if (threadIdx.x == 0)  // the bytes expected, before any copy of them completes
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                             :: "r"(barrier), "r"(share_bytes(p, index)) : "memory");
+            __syncwarp();
         }
 #endif
         if (index == 4 * p.num_layers) {

@@ -96,7 +96,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
            # shellcheck disable=SC2086
            run_step "$tag" "$NCU" --clock-control none --profile-from-start off --cache-control all \
              --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-             --section MemoryWorkloadAnalysis --section SchedulerStats \
+             --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters --import-source yes \
              --metrics dram__bytes_read.sum,lts__t_bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
              --export "$OUT/results/$tag/counters" --force-overwrite \
              python -m benchmarks.kernel_counters ${!extra_var:-}
@@ -104,7 +104,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
              gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block,sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum \
              > "$OUT/results/$tag/counters.csv" 2>> "$OUT/logs/$tag.log"
            [ "${DRY_RUN:-0}" = 1 ] || "$NCU" --import "$OUT/results/$tag/counters.ncu-rep" --page details --print-details all \
-             > "$OUT/results/$tag/counters.txt" 2>> "$OUT/logs/$tag.log" ;;
+             > "$OUT/results/$tag/counters.txt" 2>> "$OUT/logs/$tag.log"
+           # per source line (kernels built with line info, as the persistent pass is): instructions and stall samples
+           [ "${DRY_RUN:-0}" = 1 ] || "$NCU" --import "$OUT/results/$tag/counters.ncu-rep" --page source --csv \
+             --print-source cuda > "$OUT/results/$tag/source_lines.csv" 2>> "$OUT/logs/$tag.log" ;;
       # shellcheck disable=SC2086
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086

@@ -67,7 +67,8 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
     status = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"persistent_pass.cu", 0, None, None)
     if status != 0:
         raise KernelBuildError(f"nvrtcCreateProgram failed ({status})")
-    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"--include-path={SOURCE.parent}".encode()]
+    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"--include-path={SOURCE.parent}".encode(),
+               b"--generate-line-info"]  # source lines for profilers; the code is the same
     options += [f"-D{name}={value}".encode() for name, value in defines.items()]
     array = (ctypes.c_char_p * len(options))(*options)
     try:

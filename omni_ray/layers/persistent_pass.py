@@ -64,7 +64,7 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
     include path (the `persistent_pass_*.cuh` it includes): the cubin's bytes."""
     lib = _nvrtc()
     program = ctypes.c_void_p()
-    status = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"persistent_pass.cu", 0, None, None)
+    status = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), str(SOURCE).encode(), 0, None, None)
     if status != 0:
         raise KernelBuildError(f"nvrtcCreateProgram failed ({status})")
     options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"--include-path={SOURCE.parent}".encode(),

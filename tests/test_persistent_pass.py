@@ -61,7 +61,7 @@ def test_the_parameter_block_matches_the_kernels_params_struct() -> None:
                                                   "k_norm", "k_cache", "v_cache"]
     assert [name for _, name in params] == [
         "layers[MAX_LAYERS]", "embeds", "cos", "sin", "write_index", "slots", "final_norm", "head", "logits", "x_a",
-        "x_b", "qkv_out", "attn_out", "hidden", "counters", "num_layers", "rows", "tokens", "kv_len", "slot_stride",
+        "x_b", "qkv_out", "attn_out", "hidden", "x_a_scaled", "x_b_scaled", "row_squares", "counters", "num_layers", "rows", "tokens", "kv_len", "slot_stride",
         "position_stride", "eps", "final_eps", "qk_eps", "scale"]
     assert len(layer_fields) == persistent_pass.LAYER_FIELDS
     kinds = {kind for kind, _ in layer_fields + params[1:]}
@@ -99,11 +99,12 @@ def test_the_code_predictors_shares_fit_a_blocks_shared_memory() -> None:
 def test_stacks_the_kernel_cannot_run_are_refused_with_the_reason() -> None:
     """The code predictor on the meta device lacks only fused bf16 GPU weights; other shapes are refused for what
     the kernel does not hold: a head_dim of 64, more layers than its parameters carry, a width that does not split
-    into its 128 blocks."""
+    into its 128 blocks, a hidden width other than one 8-column tile a block."""
     assert "fused" in (persistent_pass.unsupported(_code_predictor()) or "")
     assert "head_dim 64" in (persistent_pass.unsupported(_code_predictor(head_dim=64)) or "")
     assert "layers" in (persistent_pass.unsupported(_code_predictor(num_layers=9)) or "")
     assert "intermediate width" in (persistent_pass.unsupported(_code_predictor(intermediate_size=3000)) or "")
+    assert "hidden width 2048" in (persistent_pass.unsupported(_code_predictor(hidden_size=2048)) or "")
     stack = _code_predictor()
     with pytest.raises(ValueError, match="does not take this stack"):
         persistent_pass.PersistentPass(stack)

@@ -244,7 +244,9 @@ class PersistentPass:
         index = batch.write_index.reshape(-1).contiguous()
         logits = torch.empty(rows, self.vocab, dtype=embeds.dtype, device=self.device)
         scratch = [torch.empty(MAX_ROWS, n, dtype=embeds.dtype, device=self.device)
-                   for n in (self.hidden, self.hidden, self.qkv_width, self.heads * self.head_dim, self.inter)]
+                   for n in (self.hidden, self.hidden, self.qkv_width, self.heads * self.head_dim, self.inter,
+                             self.hidden, self.hidden)]
+        scratch.append(torch.empty(BLOCKS, MAX_ROWS, dtype=torch.float32, device=self.device))  # sums of squares
         counters = barrier_counters(self.device)
         k_cache = kv_caches[0][0]
         assert all(k.stride() == k_cache.stride() == v.stride() for k, v in kv_caches)
@@ -272,6 +274,8 @@ def unsupported(stack: Any) -> str | None:
     if spec.head_dim != 128:
         return f"head_dim {spec.head_dim} (the kernel holds 128)"
     qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    if spec.hidden_size != BLOCKS * 8:
+        return f"hidden width {spec.hidden_size} (the kernel's residual phases hold one 8-column tile a block: {BLOCKS * 8})"
     for name, width in (("q/k/v", qkv_width), ("hidden", spec.hidden_size), ("intermediate", spec.intermediate_size)):
         if width % (BLOCKS * 8):
             return f"the {name} width {width} does not split into {BLOCKS} blocks of whole 8-column tiles"

@@ -56,6 +56,9 @@ struct Params {
     bf16_t* qkv_out;               // scratch [MAX_ROWS, QKV_N]
     bf16_t* attn_out;              // scratch [MAX_ROWS, ATTN_W]
     bf16_t* hidden;                // scratch [MAX_ROWS, INTER]
+    bf16_t* x_a_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_a times the next norm's scale
+    bf16_t* x_b_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_b times the post-attention norm's scale
+    float* row_squares;            // scratch [BLOCKS, MAX_ROWS]: each block's sums of squares of x_a's or x_b's rows
     u32* counters;                 // [2], zero between launches
     long long num_layers, rows, tokens, kv_len, slot_stride, position_stride;
     double eps, final_eps, qk_eps, scale;

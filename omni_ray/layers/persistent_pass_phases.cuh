@@ -15,13 +15,32 @@ __host__ __device__ constexpr int largest_divisor(int n, int limit) {
     return limit <= 1 ? 1 : (n % limit == 0 ? limit : largest_divisor(n, limit - 1));
 }
 
+// How a GEMM's input is normed: not at all; here (x is the residual stream: each block sums its rows' squares and
+// scales them in its prologue); or ahead (x is already the residual stream times the norm's scale, written by the
+// phase before with every block's sums of squares over its columns, which each block adds up here).
+enum Norm { NO_NORM = 0, NORM_HERE = 1, NORM_AHEAD = 2 };
+
+// Every block's sums of squares over its columns, [BLOCKS, MAX_ROWS]: x's row r sums at row r * step + offset.
+struct RowSquares {
+    const float* partials;
+    int step, offset;
+};
+
+// A residual GEMM's output also written times the next norm's scale (`out`), with this block's sums of squares of
+// its columns (`squares`, [BLOCKS, MAX_ROWS]), for the next GEMM to norm ahead; no norm: nothing written.
+struct ScaledCopy {
+    const bf16_t* norm;
+    bf16_t* out;
+    float* squares;
+};
+
 // out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
 // x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
 // tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
-template <int MT, int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+template <int MT, int NT, int K, int NORM, bool GATED, bool RESIDUAL>
 __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t* w, const bf16_t* norm, float eps,
-                     const bf16_t* residual, bf16_t* out, long long out_stride, int col0, float* partial,
-                     float* partial_squares) {
+                     RowSquares ahead, const bf16_t* residual, bf16_t* out, long long out_stride, int col0,
+                     float* partial, float* partial_squares, ScaledCopy scaled) {
 #ifdef SKIP_GEMMS
     return;
 #endif
@@ -43,11 +62,23 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     const uint4 zero = {0u, 0u, 0u, 0u};
     // the residual this thread adds in the epilogue, asked for now (an output unit a thread: see the epilogue)
     static_assert(!RESIDUAL || (GATED ? NT / 2 : NT) * MT * 64 <= THREADS, "a residual GEMM's units fit one pass");
-    u32 residual_pair = 0;
+    static_assert(!RESIDUAL || NT == 1, "a residual GEMM's block holds one 8-column tile (its scaled copy's sums)");
+    u32 residual_pair = 0, scale_pair = 0;
     if (RESIDUAL) {
-        const int unit = threadIdx.x, h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % NT,
-                  m = unit / 64 / NT, row = m * 16 + unit_lane / 4 + 8 * h;
-        if (m < MT && row < rows) residual_pair = load_u32(residual + row * HIDDEN + col0 + tile * 8 + 2 * (unit_lane % 4));
+        const int unit = threadIdx.x, h = unit % 2, unit_lane = (unit / 2) % 32, m = unit / 64,
+                  row = m * 16 + unit_lane / 4 + 8 * h, col = col0 + 2 * (unit_lane % 4);
+        if (m < MT && row < rows) residual_pair = load_u32(residual + row * HIDDEN + col);
+        if (m < MT && scaled.norm) scale_pair = load_u32(scaled.norm + col);
+    }
+    // normed ahead: each warp adds up its stretch of the blocks' sums of squares for row `lane`, after its products
+    constexpr int SQUARE_BLOCKS = NORM == NORM_AHEAD ? BLOCKS / WARPS : 1;
+    float block_squares[SQUARE_BLOCKS];
+    if (NORM == NORM_AHEAD) {
+        static_assert(BLOCKS % WARPS == 0 && MAX_ROWS == 32, "a warp's share of the blocks; a lane a row");
+#pragma unroll
+        for (int i = 0; i < SQUARE_BLOCKS; ++i)
+            block_squares[i] = lane < rows ? ahead.partials[(warp * SQUARE_BLOCKS + i) * MAX_ROWS + lane * ahead.step +
+                                                            ahead.offset] : 0.0f;
     }
 #pragma unroll 1
     for (int batch = 0; batch < CHUNKS; batch += IN_FLIGHT) {
@@ -64,12 +95,12 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
                     xs[c][m][h] = row < rows ? *reinterpret_cast<const uint4*>(x + row * x_stride + k) : zero;
                 }
             }
-            if (NORM) scales[c] = *reinterpret_cast<const uint4*>(norm + k);
+            if (NORM == NORM_HERE) scales[c] = *reinterpret_cast<const uint4*>(norm + k);
         }
 #pragma unroll
         for (int c = 0; c < IN_FLIGHT; ++c) {
             const int k = k_first + (batch + c) * 32;
-            if (NORM) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
+            if (NORM == NORM_HERE) {  // (x * scale) in bf16 now, each row times its inverse RMS after the products
                 const u32 scale[4] = {scales[c].x, scales[c].y, scales[c].z, scales[c].w};
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
@@ -107,7 +138,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
             float* at = partial + (((warp * MT + m) * NT + n) * 32 + lane) * 4;
             at[0] = acc[m][n][0]; at[1] = acc[m][n][1]; at[2] = acc[m][n][2]; at[3] = acc[m][n][3];
         }
-        if (NORM) {
+        if (NORM == NORM_HERE) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float s = squares[m][h];
@@ -117,12 +148,19 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
             }
         }
     }
+    if (NORM == NORM_AHEAD) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SQUARE_BLOCKS; ++i) sum += block_squares[i];
+        partial_squares[warp * MAX_ROWS + lane] = sum;
+    }
     __syncthreads();
     constexpr int OUT_TILES = GATED ? NT / 2 : NT;
     for (int unit = threadIdx.x; unit < MT * OUT_TILES * 64; unit += THREADS) {
         const int h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % OUT_TILES, m = unit / 64 / OUT_TILES;
         const int row = m * 16 + unit_lane / 4 + 8 * h;
-        if (row >= rows) continue;
+        const bool valid = row < rows;  // the others still take part in the scaled copy's shuffles
+        if (!valid && !(RESIDUAL && scaled.norm)) continue;
         float v0 = 0.0f, v1 = 0.0f, up0 = 0.0f, up1 = 0.0f, row_squares = 0.0f;
         for (int wp = 0; wp < WARPS; ++wp) {
             const float* at = partial + (((wp * MT + m) * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
@@ -133,9 +171,9 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
                 up0 += up[0];
                 up1 += up[1];
             }
-            if (NORM) row_squares += partial_squares[wp * MAX_ROWS + row];
+            if (NORM != NO_NORM) row_squares += partial_squares[wp * MAX_ROWS + row];
         }
-        if (NORM) {
+        if (NORM != NO_NORM) {
             const float inverse_rms = 1.0f / sqrtf(row_squares / K + eps);
             v0 *= inverse_rms; v1 *= inverse_rms; up0 *= inverse_rms; up1 *= inverse_rms;
         }
@@ -148,21 +186,33 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
             v0 += low_half(residual_pair);
             v1 += high_half(residual_pair);
         }
-        *reinterpret_cast<u32*>(out + row * out_stride + col) = pack_bf16(v0, v1);
+        const u32 stored = pack_bf16(v0, v1);
+        if (valid) *reinterpret_cast<u32*>(out + row * out_stride + col) = stored;
+        if (RESIDUAL && scaled.norm) {  // one unit a thread (see the residual's load): the row's 4 units in 8 lanes
+            const float r0 = low_half(stored), r1 = high_half(stored);
+            if (valid)
+                *reinterpret_cast<u32*>(scaled.out + row * HIDDEN + col) =
+                    pack_bf16(r0 * low_half(scale_pair), r1 * high_half(scale_pair));
+            float sum = valid ? r0 * r0 + r1 * r1 : 0.0f;
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+            if (valid && unit_lane % 4 == 0) scaled.squares[blockIdx.x * MAX_ROWS + row] = sum;
+        }
     }
 }
 
 // The two row-tile counts, chosen at run time (one or two 16-row tiles).
-template <int NT, int K, bool NORM, bool GATED, bool RESIDUAL>
+template <int NT, int K, int NORM, bool GATED, bool RESIDUAL>
 __device__ __forceinline__ void gemm_rows(const bf16_t* x, long long x_stride, int rows, const bf16_t* w,
-                                          const bf16_t* norm, float eps, const bf16_t* residual, bf16_t* out,
-                                          long long out_stride, int col0, float* partial, float* partial_squares) {
+                                          const bf16_t* norm, float eps, RowSquares ahead, const bf16_t* residual,
+                                          bf16_t* out, long long out_stride, int col0, float* partial,
+                                          float* partial_squares, ScaledCopy scaled) {
     if (rows > 16)
-        gemm<2, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
-                                              partial, partial_squares);
+        gemm<2, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, ahead, residual, out, out_stride, col0,
+                                              partial, partial_squares, scaled);
     else
-        gemm<1, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, residual, out, out_stride, col0,
-                                              partial, partial_squares);
+        gemm<1, NT, K, NORM, GATED, RESIDUAL>(x, x_stride, rows, w, norm, eps, ahead, residual, out, out_stride, col0,
+                                              partial, partial_squares, scaled);
 }
 
 // --------------------------------------------------------------------------------------------------- attention

@@ -105,9 +105,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
              > "$OUT/results/$tag/counters.csv" 2>> "$OUT/logs/$tag.log"
            [ "${DRY_RUN:-0}" = 1 ] || "$NCU" --import "$OUT/results/$tag/counters.ncu-rep" --page details --print-details all \
              > "$OUT/results/$tag/counters.txt" 2>> "$OUT/logs/$tag.log"
-           # per source line (kernels built with line info, as the persistent pass is): instructions and stall samples
+           # per source line and its SASS (kernels built with line info, as the persistent pass is): instructions and
+           # stall samples
            [ "${DRY_RUN:-0}" = 1 ] || "$NCU" --import "$OUT/results/$tag/counters.ncu-rep" --page source --csv \
-             --print-source cuda > "$OUT/results/$tag/source_lines.csv" 2>> "$OUT/logs/$tag.log" ;;
+             --print-source cuda,sass > "$OUT/results/$tag/source_lines.csv" 2>> "$OUT/logs/$tag.log" ;;
       # shellcheck disable=SC2086
       smallbatch) run_step "$tag" python -m benchmarks.small_batch_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086

@@ -227,9 +227,17 @@ class TalkerSettings(EngineSettings):
         "128 blocks keep their share of each GEMM's weights in shared memory, the next share streaming in while "
         "they wait at grid barriers), at up to 32 rows x tokens; other passes keep the Triton kernels. It needs "
         "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage). Opt-in: "
-        "faster per pass on an H200 (128-179 against 158-185 us at 1-32 rows), but in the 1-GPU service its blocks "
-        "slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant for a Talker "
-        "on a GPU of its own",
+        "faster per pass on an H200 (122-165 against 158-184 us at 1-32 rows, session 36), but in the 1-GPU service "
+        "its blocks slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant "
+        "for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a shared one",
+    )
+    persistent_code_predictor_max_rows: int = Field(
+        default=32,
+        ge=1,
+        le=32,
+        description="with `persistent_code_predictor`: the most rows (streams in a Talker step) a pass may have to run "
+        "as the persistent kernel; larger passes keep the Triton kernels, whose short launches leave multiprocessors "
+        "to a stage sharing the GPU between them",
     )
 
 

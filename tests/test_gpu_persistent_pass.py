@@ -73,3 +73,26 @@ def test_a_stack_the_kernel_does_not_take_keeps_its_own_pass() -> None:
     stack = DecoderStack(spec).cuda().to(torch.bfloat16)
     assert not stack.use_persistent_pass(2048)
     assert stack.persistent is None
+
+
+def test_passes_past_max_rows_keep_the_triton_kernels() -> None:
+    """With `max_rows=1` (a Talker sharing its GPU), a one-row pass runs the persistent kernel and an 8-row pass the
+    Triton kernels: the same bits as a stack without the persistent kernel."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    capped = random_code_predictor()
+    kernels = copy.deepcopy(capped)
+    assert kernels.use_small_batch_kernels() and capped.use_small_batch_kernels()
+    assert capped.use_persistent_pass(2048, max_rows=1)
+    assert capped.persistent is not None and capped.persistent.max_rows == 1
+    head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+    for rows in (1, 8):
+        caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
+        for _, batch, x, cos, sin in frame_passes(kernels, rows, 2):
+            assert capped.persistent.applies(x, batch) == (rows == 1)
+            triton = kernels.last_logits(x, caches[0].layers, batch, (cos, sin), head)
+            got = capped.last_logits(x, caches[1].layers, batch, (cos, sin), head)
+            if rows == 1:
+                assert _relative(got, triton) < 2e-2, _relative(got, triton)
+            else:
+                torch.testing.assert_close(got, triton, rtol=0, atol=0)

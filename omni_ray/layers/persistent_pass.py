@@ -152,9 +152,13 @@ def barrier_counters(device: torch.device) -> torch.Tensor:
 class PersistentPass:
     """One dense `DecoderStack`'s pass (fused projections, head_dim 128, bf16) on one GPU as `persistent_pass.cu`:
     `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
-    token's logits by a head, all in one launch."""
+    token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
+    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels)."""
 
-    def __init__(self, stack: Any) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS) -> None:
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
+        self.max_rows = max_rows
         spec = stack.spec
         layer0 = stack.layers[0]
         self.device = layer0.input_layernorm.weight.device
@@ -220,11 +224,12 @@ class PersistentPass:
         return count.value
 
     def applies(self, embeds: torch.Tensor, batch: AttentionBatch) -> bool:
-        """Whether `logits` takes this step: bf16 on the stack's GPU, at most 32 rows x tokens and 2 tokens a row,
-        a decode over at most 32 cached positions (not a from-zero prefill)."""
+        """Whether `logits` takes this step: bf16 on the stack's GPU, at most `max_rows` rows, 32 rows x tokens and
+        2 tokens a row, a decode over at most 32 cached positions (not a from-zero prefill)."""
         rows, tokens, _ = embeds.shape
         return (
-            embeds.device == self.device and embeds.dtype == torch.bfloat16 and rows * tokens <= MAX_ROWS
+            embeds.device == self.device and embeds.dtype == torch.bfloat16 and rows <= self.max_rows
+            and rows * tokens <= MAX_ROWS
             and tokens <= MAX_TOKENS and batch.kv_len <= MAX_KEYS and not batch.from_zero
         )
 

@@ -255,7 +255,8 @@ class TalkerStage(StageBase):
                                   engine.compile_layers, engine.sampling_kernel,
                                   engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens,
                                   moe_layer_kernels=engine.moe_layer_kernels,
-                                  persistent_code_predictor=engine.persistent_code_predictor)
+                                  persistent_code_predictor=engine.persistent_code_predictor,
+                                  persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

@@ -55,8 +55,11 @@ def test_gpu_layouts_place_stages_as_documented() -> None:
         assert two.talker.resources.num_gpus == 1.0
         assert sum(getattr(two, s).resources.num_gpus for s in ("thinker", "encoder", "vocoder")) == 1.0
         assert two.talker.relay == "host"  # codec frames to the vocoder's GPU: no NCCL kernel waiting on the Thinker's
-    one = PipelineConfig.from_yaml(ROOT / "deployments/qwen3_omni_30b_1gpu.yaml").stages
-    assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0
+    for layout in ("deployments/qwen3_omni_30b_1gpu.yaml", "benchmarks/serve_30b_random_1gpu.yaml"):
+        one = PipelineConfig.from_yaml(ROOT / layout).stages
+        assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0
+        # the persistent code-predictor pass holds every SM: on a GPU shared with the Thinker, one-row passes only
+        assert one.talker.engine.persistent_code_predictor and one.talker.engine.persistent_code_predictor_max_rows == 1
 
 
 def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:

@@ -1,6 +1,7 @@
 """The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
 its hardware counters: a code-predictor pass (five kernels a layer), the same pass and its head as the persistent
-kernel (`persistent_pass`) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
+kernel (`persistent_pass`) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under
+`ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
 the names of the steps are printed between ncu's own lines, in launch order."""
 
 from __future__ import annotations

@@ -281,7 +281,8 @@ def unsupported(stack: Any) -> str | None:
         return f"head_dim {spec.head_dim} (the kernel holds 128)"
     qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     if spec.hidden_size != BLOCKS * 8:
-        return f"hidden width {spec.hidden_size} (the kernel's residual phases hold one 8-column tile a block: {BLOCKS * 8})"
+        return (f"hidden width {spec.hidden_size} (the kernel's residual phases hold one 8-column tile a block: "
+                f"{BLOCKS * 8})")
     for name, width in (("q/k/v", qkv_width), ("hidden", spec.hidden_size), ("intermediate", spec.intermediate_size)):
         if width % (BLOCKS * 8):
             return f"the {name} width {width} does not split into {BLOCKS} blocks of whole 8-column tiles"

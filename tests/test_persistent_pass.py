@@ -110,3 +110,6 @@ def test_stacks_the_kernel_cannot_run_are_refused_with_the_reason() -> None:
     stack = _code_predictor()
     with pytest.raises(ValueError, match="does not take this stack"):
         persistent_pass.PersistentPass(stack)
+    for max_rows in (0, 33):  # a row cap past what the kernel holds is refused before anything else
+        with pytest.raises(ValueError, match=f"max_rows {max_rows}"):
+            persistent_pass.PersistentPass(stack, max_rows)

@@ -6,15 +6,6 @@
 
 // ------------------------------------------------------------------------------------------------------- GEMMs
 
-#ifndef LOADS_IN_FLIGHT
-#define LOADS_IN_FLIGHT 4  // 32-deep chunks of a 16-row tile whose operand loads a warp issues before it multiplies
-#endif
-
-// The largest divisor of n that is at most limit (at least 1): whole batches of chunks.
-__host__ __device__ constexpr int largest_divisor(int n, int limit) {
-    return limit <= 1 ? 1 : (n % limit == 0 ? limit : largest_divisor(n, limit - 1));
-}
-
 // How a GEMM's input is normed: not at all; here (x is the residual stream: each block sums its rows' squares and
 // scales them in its prologue); or ahead (x is already the residual stream times the norm's scale, written by the
 // phase before with every block's sums of squares over its columns, which each block adds up here).
@@ -48,7 +39,9 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
     // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
     constexpr int CHUNKS = K / WARPS / 32;
-    constexpr int IN_FLIGHT = largest_divisor(CHUNKS, LOADS_IN_FLIGHT / MT);  // chunks whose loads go together
+    // chunks whose loads a warp issues together (8 or 16 a 16-row tile measured no faster, session 36)
+    constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;
+    static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
     float acc[MT][NT][4];
     float squares[MT][2];

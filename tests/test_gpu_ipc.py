@@ -1,6 +1,7 @@
 """One GPU, two processes: the CUDA IPC relay delivers every step's tensors bitwise and in order, on the consumer's
-device (in `auto` mode, small steps on the host path in between, still in order), and the 1-GPU pipeline with every edge on CUDA IPC gives the CPU pipeline's tokens and codes. Skipped
-without CUDA."""
+device (in `auto` mode, small steps on the host path in between, still in order), and the 1-GPU pipeline with every edge
+on CUDA IPC gives the CPU pipeline's tokens and codes. A buffer a receiver hands over is not refilled while a consumer's
+queued read of it waits. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -138,3 +139,32 @@ def test_one_gpu_pipeline_over_cuda_ipc_matches_the_cpu(pipeline: Any) -> None:
     assert thinker["ipc_shared"] > 0 and talker["ipc_received"] > 0  # Thinker → Talker went over CUDA IPC
     assert over_ipc.token_ids == on_cpu.token_ids
     assert torch.equal(over_ipc.codes.cpu(), on_cpu.codes.cpu())
+
+
+@pytest.mark.parametrize("handed_over", [True, False])
+def test_a_handed_over_buffer_is_not_refilled_before_the_consumers_queued_read(handed_over: bool) -> None:
+    """A receiver fills a buffer on its own stream and hands it over; the consumer's read of it is queued behind
+    other work on the default stream (a step launched ahead) and the consumer drops it. The receiver's next buffer
+    must not take that memory before the read has run: written at once on the receiver's stream, it would change
+    what the read sees. Without the hand-over, the allocator gives the next buffer the same memory at once (the
+    hazard this guards against)."""
+    endpoint = RelayEndpoint()
+    receiving = torch.cuda.Stream()
+    with torch.cuda.stream(receiving):
+        first = torch.full((4096,), 1, dtype=torch.uint8, device="cuda")
+        receiving.synchronize()
+    if handed_over:
+        endpoint.hand_over(first)
+    address = first.data_ptr()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of the default stream: the consumer is behind
+    read = first.to(torch.int32).sum()  # queued behind it
+    del first
+    with torch.cuda.stream(receiving):
+        second = torch.empty(4096, dtype=torch.uint8, device="cuda")
+        second.fill_(2)  # at once: the receiving stream is idle
+    if handed_over:
+        assert second.data_ptr() != address
+        assert int(read) == 4096  # what the first buffer held
+    else:
+        assert second.data_ptr() == address
+    torch.cuda.synchronize()

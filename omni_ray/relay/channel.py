@@ -128,6 +128,20 @@ class RelayEndpoint:
         self._remember_closed = remember_closed
         self._control_handlers: dict[str, Callable[[RelayMessage], None]] = {}  # by control op
         self._hold_back: Callable[[RelayMessage], bool] | None = None
+        # the CUDA streams besides the device's default one that the consumer reads delivered tensors on (a Talker's
+        # lanes): see `hand_over`
+        self.reader_streams: list[torch.cuda.Stream] = []
+
+    def hand_over(self, buffer: torch.Tensor) -> None:
+        """A device buffer that a transport allocated and filled on a stream of its own becomes the consumer's: its
+        memory goes back to the transport only after the work that the consumer's streams had queued when it was
+        freed. A consumer launches steps ahead, so a delivered tensor it has dropped may not have been read yet;
+        without this, the transport's next buffer could take the same memory and be written while that read still
+        waits (seen as a device-side assert on a Talker fed over NCCL, session 37)."""
+        if not buffer.is_cuda or buffer.numel() == 0:
+            return
+        for stream in [torch.cuda.default_stream(buffer.device), *self.reader_streams]:
+            buffer.record_stream(stream)
 
     def hold_back_with(self, hook: Callable[[RelayMessage], bool]) -> None:
         """`hook(message)` sees each item message as it arrives and returns True when it keeps the message, to hand

@@ -166,8 +166,10 @@ class _Pair:
                 self.stream.synchronize()
 
     def recv(self, nbytes: int) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        """The next payload, in a buffer allocated on the pair's stream (the receiver hands it over to the
+        consumer's streams: `RelayEndpoint.hand_over`)."""
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             work = self.group.recv([buffer], 1 - self.rank, 0)
             if not work.wait(self.timeout):
                 raise TimeoutError(f"relay payload from the peer did not arrive within {self.timeout}")
@@ -285,6 +287,7 @@ class CollectiveReceiver:
             if pair.broken is not None:
                 raise pair.broken
             buffer = pair.recv(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8, device=self.device)
+            self.endpoint.hand_over(buffer)
             message = unpack(header, buffer)  # in the pair's order, even when it carries no tensors
         except Exception as exc:  # the producer died or stalled: fail these requests, drop the pair
             log.warning("relay receive on pair %s failed: %s", pair.pair_id, exc)

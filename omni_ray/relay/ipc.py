@@ -256,6 +256,7 @@ class IpcReceiver:
                 buffer = self._copy_out(handle)
             else:
                 buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+            self.endpoint.hand_over(buffer)  # copied out on this receiver's stream, read on the consumer's
             message = unpack(header, buffer)
             self.received += 1
         except Exception as exc:  # the producer's memory could not be opened: fail these requests, keep serving

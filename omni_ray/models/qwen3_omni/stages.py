@@ -250,6 +250,8 @@ class TalkerStage(StageBase):
         loops = []
         for lane in range(engine.lanes):  # one lane: the plain engine loop, on the default stream
             stream = torch.cuda.Stream(self.device) if engine.lanes > 1 and self.device.type == "cuda" else None
+            if stream is not None:  # this lane reads the Thinker's relayed tensors on its own stream
+                self.endpoint.reader_streams.append(stream)
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
             runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
                                   engine.compile_layers, engine.sampling_kernel,
@@ -378,6 +380,8 @@ class VocoderStage(StageBase):
                                       streaming.aligned_chunks)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
                               max_streams=streaming.max_streams if streaming.stateful else 0)
+        if codec.stream is not None:  # relayed codes may be read on the vocoder's own stream
+            self.endpoint.reader_streams.append(codec.stream)
         self.codec: BatchingCodec | BatchingStatefulCodec
         with self.startup_phase("warmup"):  # the graphs of every decode shape the chunk schedule makes
             if streaming.stateful:

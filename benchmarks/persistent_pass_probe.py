@@ -2,8 +2,7 @@
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
-cp.async copies by every thread instead of bulk copies) or the grid barriers waiting on a flag per block instead of
-one counter, at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
-    "flag barriers": {"FLAG_BARRIER": 1},
-    "flag barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1, "FLAG_BARRIER": 1},
 }
 
 

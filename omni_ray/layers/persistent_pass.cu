@@ -12,8 +12,7 @@
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
 // out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); CP_ASYNC_COPIES
-// copies the weights as the first version did, and FLAG_BARRIER waits at grid barriers on a flag per block instead
-// of one counter. A served build sets none of them.
+// copies the weights as the first version did. A served build sets none of them.
 // No system headers: NVRTC (or nvcc) builds it with this folder as the include path.
 
 #include "persistent_pass_common.cuh"
@@ -99,9 +98,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
         if (atomicAdd(p.counters + 1, 1u) == gridDim.x - 1) {
             p.counters[0] = 0;
             p.counters[1] = 0;
-#ifdef FLAG_BARRIER
-            for (int block = 0; block < BLOCKS; ++block) p.counters[2 + block] = 0;
-#endif
             __threadfence();
         }
     }

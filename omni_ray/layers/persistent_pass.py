@@ -141,12 +141,11 @@ _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def barrier_counters(device: torch.device) -> torch.Tensor:
-    """The zeroed counters [2 + BLOCKS] a launch's grid barriers count on (two counters, then a flag per block for
-    the FLAG_BARRIER variant), one set per device and stream (every launch leaves them at zero; launches on one
-    stream run one after the other)."""
+    """The two zeroed counters a launch's grid barriers count on, one pair per device and stream (every launch
+    leaves them at zero; launches on one stream run one after the other)."""
     key = (device, torch.cuda.current_stream(device).stream_id)
     if key not in _counters:
-        _counters[key] = torch.zeros(2 + BLOCKS, dtype=torch.int32, device=device)
+        _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return _counters[key]
 
 

@@ -59,7 +59,7 @@ struct Params {
     bf16_t* x_a_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_a times the next norm's scale
     bf16_t* x_b_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_b times the post-attention norm's scale
     float* row_squares;            // scratch [BLOCKS, MAX_ROWS]: each block's sums of squares of x_a's or x_b's rows
-    u32* counters;                 // [2 + BLOCKS], zero between launches (FLAG_BARRIER: the blocks' flags after two)
+    u32* counters;                 // [2], zero between launches
     long long num_layers, rows, tokens, kv_len, slot_stride, position_stride;
     double eps, final_eps, qk_eps, scale;
 };
@@ -112,22 +112,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // All blocks wait here until each has arrived `generation` times. Thread 0 releases the block's writes and acquires
-// the others'; the block's barriers order its other threads around that. FLAG_BARRIER (a probe variant): each block
-// releases its own flag instead of adding to one counter, and thread t acquires block t's flag.
+// the others'; the block's barriers order its other threads around that. (A flag per block, each released by its
+// block and acquired by thread t for block t, measured 2.4 times as slow: session 37.)
 __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
     __syncthreads();
-#ifdef FLAG_BARRIER
-    static_assert(BLOCKS <= THREADS, "a thread a block's flag");
-    u32* flags = arrived + 2;
-    if (threadIdx.x == 0)
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(flags + blockIdx.x), "r"(generation) : "memory");
-    if (threadIdx.x < gridDim.x) {
-        u32 seen;
-        do {
-            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(flags + threadIdx.x) : "memory");
-        } while (seen < generation);
-    }
-#else
     if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(arrived) : "memory");
         const u32 target = generation * gridDim.x;
@@ -136,7 +124,6 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
             asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
         } while (seen < target);
     }
-#endif
     __syncthreads();
 }
 

@@ -2,7 +2,8 @@
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
-cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code
+predictor, random bf16 weights."""
 
 from __future__ import annotations
 

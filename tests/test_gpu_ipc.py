@@ -150,8 +150,10 @@ def test_a_handed_over_buffer_is_not_refilled_before_the_consumers_queued_read(h
     hazard this guards against)."""
     endpoint = RelayEndpoint()
     receiving = torch.cuda.Stream()
-    warm = torch.ones(4096, dtype=torch.uint8, device="cuda")  # every kernel below loaded once: loading one
-    torch.cuda._sleep(1000)  # lazily took longer than the sleep (the first run's read had finished before the free)
+    # every kernel below loaded once first: loading them lazily took longer than the sleep, so the read had run
+    # before the free (this test's first version, session 37)
+    warm = torch.ones(4096, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(1000)
     warm.fill_(2)
     assert int(warm.to(torch.int32).sum()) == 8192
     with torch.cuda.stream(receiving):

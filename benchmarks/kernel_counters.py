@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from benchmarks.moe_layer_bench import KEYS, Step as LayerInputs, stage_stack, step_inputs
-from benchmarks.small_batch_bench import decode_step_inputs
+from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG
 from omni_ray.layers import small_batch_moe
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
@@ -40,10 +40,7 @@ def code_predictor_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[t
 def persistent_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[tuple[str, Step]]:
     """The code predictor's pass and its head as one persistent kernel, per row count."""
     cfg = config.talker_config.code_predictor_config
-    torch.manual_seed(0)
-    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
-    stack.fuse_projections()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.03
+    stack, head = code_predictor_with_head(cfg)
     kernel = PersistentPass(stack)
     kernel.build(cfg.vocab_size)
     steps: list[tuple[str, Step]] = []

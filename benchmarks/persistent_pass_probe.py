@@ -15,9 +15,8 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from benchmarks.draw_bench import replay_ms
-from benchmarks.small_batch_bench import decode_step_inputs
+from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
-from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.persistent_pass import PersistentPass
 
 VARIANTS: dict[str, dict[str, int]] = {
@@ -33,10 +32,7 @@ VARIANTS: dict[str, dict[str, int]] = {
 
 def probe(rows: list[int]) -> list[dict[str, Any]]:
     cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
-    torch.manual_seed(0)
-    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
-    stack.fuse_projections()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.03
+    stack, head = code_predictor_with_head(cfg)
     kernels = {}
     for name, defines in VARIANTS.items():
         kernel = PersistentPass(stack)

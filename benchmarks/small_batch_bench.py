@@ -125,6 +125,16 @@ def attention_rows(cfg: Any, rows: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def code_predictor_with_head(cfg: Any) -> tuple[DecoderStack, torch.Tensor]:
+    """The code predictor's layers (seed 0, bf16, projections fused) and a random code head [vocab, hidden], on the
+    GPU: what the persistent pass's probes run."""
+    torch.manual_seed(0)
+    stack = DecoderStack(DecoderSpec.from_hf(cfg)).cuda().to(torch.bfloat16)
+    stack.fuse_projections()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.03
+    return stack, head
+
+
 def decode_step_inputs(
     cfg: Any, stack: DecoderStack, count: int, layers: int
 ) -> tuple[SlotKVCache, AttentionBatch, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

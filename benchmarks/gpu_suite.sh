@@ -13,7 +13,9 @@
 # whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
 # SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
 # tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
-# persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
+# experts (the distinct experts a Thinker decode step reads with random weights, and the floor at that count;
+# benchmarks/expert_reads.py), talkerhost (where a Talker step's host time goes, per stretch of its launch;
+# benchmarks/talker_host_time.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
 # code-predictor pass by difference: each part left out in turn), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
@@ -115,6 +117,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
       moelayer) run_step "$tag" python -m benchmarks.moe_layer_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       vocoder) run_step "$tag" python -m benchmarks.vocoder_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      # shellcheck disable=SC2086
+      experts) run_step "$tag" python -m benchmarks.expert_reads ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      # shellcheck disable=SC2086
+      talkerhost) run_step "$tag" python -m benchmarks.talker_host_time ${!extra_var:-} --out "$OUT/results/$tag" ;;
       dilatedconv) run_step dilatedconv python -m benchmarks.dilated_conv_probe --out "$OUT/results/dilatedconv" ;;
       vocoder_autotune) run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;

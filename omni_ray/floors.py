@@ -42,8 +42,10 @@ def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
     return module.get_submodule(parameter_name.rsplit(".", 1)[0]) if "." in parameter_name else module
 
 
-def step_bytes(config: Any, stage: str, batch: int) -> float:
-    """Weight bytes one decode step of `stage` (thinker | talker, the Talker with its whole frame) reads at `batch`."""
+def step_bytes(config: Any, stage: str, batch: int, expert_share: float | None = None) -> float:
+    """Weight bytes one decode step of `stage` (thinker | talker, the Talker with its whole frame) reads at `batch`;
+    `expert_share`: the share of each MoE layer's experts the step reads, measured (`benchmarks/expert_reads.py`),
+    instead of the count for independently routed rows."""
     with torch.device("meta"):
         if stage == "thinker":
             text = config.thinker_config.text_config
@@ -61,12 +63,16 @@ def step_bytes(config: Any, stage: str, batch: int) -> float:
             repeated = stack * (int(config.talker_config.num_code_groups) - 1) + heads
     num_experts = int(getattr(text, "num_experts", 0) or 0)
     share = distinct_experts(num_experts, int(text.num_experts_per_tok), batch) / num_experts if num_experts else 0.0
+    if expert_share is not None:
+        share = expert_share
     return BYTES_PER_PARAM * (dense + repeated + share * experts)
 
 
-def floor_ms(config: Any, stage: str, batch: int, bandwidth: float = H200_BANDWIDTH) -> float:
-    """The step's bandwidth floor in milliseconds."""
-    return 1000.0 * step_bytes(config, stage, batch) / bandwidth
+def floor_ms(
+    config: Any, stage: str, batch: int, bandwidth: float = H200_BANDWIDTH, expert_share: float | None = None,
+) -> float:
+    """The step's bandwidth floor in milliseconds (`expert_share`: as `step_bytes`)."""
+    return 1000.0 * step_bytes(config, stage, batch, expert_share) / bandwidth
 
 
 def frame_seconds(config: Any, sample_rate: int = 24000) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from load_tests.client import load_prompts
 from load_tests.loadgen import LoadConfig, run_load
 from omni_ray.bench import run_meta, write_results
 from omni_ray.config import PipelineConfig
@@ -27,6 +28,7 @@ from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
 PROMPT_FILE = HERE / "prompt_100_tokens.txt"
+DISTINCT_PROMPTS_FILE = HERE / "prompts_100_tokens_distinct.txt"
 URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
@@ -161,9 +163,10 @@ def wait_ready(timeout: float) -> None:
     raise TimeoutError("the service did not become ready")
 
 
-def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None) -> tuple[dict[str, Any], float]:
+def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None,
+         prompt_file: Path = PROMPT_FILE) -> tuple[dict[str, Any], float]:
     cfg = LoadConfig(url=URL, scenario="chat", concurrency=concurrency, requests=requests, max_tokens=max_tokens,
-                     prompt_file=str(PROMPT_FILE), ignore_eos=True, progress=False, plots=False, timeout=600,
+                     prompt_file=str(prompt_file), ignore_eos=True, progress=False, plots=False, timeout=600,
                      out_dir=str(out_dir) if out_dir else None)
     _, records, wall = asyncio.run(run_load(cfg))
     return aggregate(records, wall), wall
@@ -193,7 +196,9 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
     return used
 
 
-def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path) -> list[dict[str, Any]]:
+def serve_and_measure(
+    serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = PROMPT_FILE,
+) -> list[dict[str, Any]]:
     import ray
     from ray import serve
 
@@ -208,12 +213,12 @@ def serve_and_measure(serve_config: str, levels: list[int], rounds: int, max_tok
     rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}]
     # warm-up: one request alone, then the largest level once (captures the CUDA graphs those batches use)
     for concurrency in (1, max(levels)):
-        summary, wall = load(concurrency, concurrency, max_tokens, None)
+        summary, wall = load(concurrency, concurrency, max_tokens, None, prompt_file)
         rows.append({"phase": "warmup", "concurrency": concurrency, "ok": summary["ok"], "wall_s": wall})
     time.sleep(1.0)  # the warm-up's samples are posted before the first level's baseline is scraped
     for concurrency in levels:
         before, cpu_before = scrape(), service_cpu_seconds()
-        summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}")
+        summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}", prompt_file)
         cpu = {name: (used - cpu_before.get(name, 0.0)) / wall for name, used in service_cpu_seconds().items()}
         time.sleep(1.0)  # every ingress replica has posted its last replies' samples (each posts every 0.25 s)
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
@@ -246,6 +251,14 @@ def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
     return None if ttfa is None or way_in is None or sent is None else 1000 * ttfa - way_in - sent
 
 
+def prompts_text(meta: dict[str, Any]) -> str:
+    """The workload's prompts, as the table's header says them (results written before `--prompt-file`: W's one)."""
+    name, count = meta.get("prompt_file", PROMPT_FILE.name), meta.get("prompts", 1)
+    if count == 1:
+        return f"the ~100-token prompt of `benchmarks/{name}` for every request"
+    return f"{count} prompts of about 100 tokens from `benchmarks/{name}`, so that concurrent streams differ"
+
+
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> str:
     lines = [f"# End to end through HTTP ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
@@ -253,7 +266,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
              + "".join(f"; {startup_text(r)}" for r in rows if r["phase"] == "startup"),
              "",
-             f"Workload: the ~100-token prompt of `benchmarks/prompt_100_tokens.txt`, {meta['max_tokens']} Thinker tokens, "
+             f"Workload: {prompts_text(meta)}, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
              "the level's requests (TTFA: and their mean, in brackets); server-side ones are means from `/metrics`, from the ingress submitting the request; "
@@ -325,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the layout's application args, e.g. pipeline.stages.vocoder.streaming.stateful=true, or a "
                         "deployment's options, e.g. deployments.talker.num_replicas=2")
+    parser.add_argument("--prompt-file", default=str(PROMPT_FILE),
+                        help="one prompt per line, request i takes them in a seed-shuffled cycle (default: workload W's "
+                        f"one prompt for every request; {DISTINCT_PROMPTS_FILE.name}: 32 prompts of 91-115 tokens, so "
+                        "that concurrent streams differ)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
@@ -334,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     floors = level_rtf_floors(layout, levels, args.max_tokens)
-    rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out)
+    rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out, Path(args.prompt_file))
     for row in rows:
         if row["phase"] == "measure":
             row["rtf_floor"] = floors[row["concurrency"]]
@@ -343,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
     meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, overrides=args.set,
-                    max_tokens=args.max_tokens, mps=mps_running(),
+                    max_tokens=args.max_tokens, mps=mps_running(), prompt_file=Path(args.prompt_file).name,
+                    prompts=len(load_prompts(args.prompt_file)),
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
     failed = sum(int(row.get("errors") or 0) for row in rows if row["phase"] == "measure")

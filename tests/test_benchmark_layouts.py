@@ -143,6 +143,25 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
             "talker: warm-up 41 s)") in table
+    assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # written before
+    distinct = markdown({**meta, "prompt_file": "prompts_100_tokens_distinct.txt", "prompts": 32}, rows, None)
+    assert "32 prompts of about 100 tokens from `benchmarks/prompts_100_tokens_distinct.txt`" in distinct
+
+
+def test_the_distinct_prompts_are_32_different_prompts_of_about_100_tokens(tiny_checkpoint: Path) -> None:
+    """What `e2e_serve --prompt-file` sends so that concurrent streams differ: as long as W's one prompt, in the
+    service's tokenizer (the tiny model's)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.e2e_serve import DISTINCT_PROMPTS_FILE, PROMPT_FILE
+    from load_tests.client import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    prompts = load_prompts(str(DISTINCT_PROMPTS_FILE))
+    assert len(set(prompts)) == len(prompts) == 32
+    lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    assert all(90 <= n <= 120 for n in lengths), lengths
+    assert len(tokenizer(load_prompts(str(PROMPT_FILE))[0]).input_ids) in range(min(lengths), max(lengths) + 1)
 
 
 def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> None:

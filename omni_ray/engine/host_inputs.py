@@ -10,24 +10,30 @@ import torch
 
 from omni_ray.engine.profiling import host_range
 
+UPLOAD_ALIGNMENT = 16  # bytes: every dtype's element size divides it
+
 
 def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The same tensors on `device`: views of one buffer per dtype (on a CPU device too, where nothing is copied
-    further, so the packing is the same everywhere)."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
+    """The same tensors on `device`: views of one byte buffer, whatever their dtypes (one pinned staging copy and one
+    host-to-device copy per step; also on a CPU device, where nothing is copied further, so the packing is the same
+    everywhere). Each tensor starts at a multiple of `UPLOAD_ALIGNMENT` bytes."""
+    pieces: list[torch.Tensor] = []
+    offsets: dict[str, int] = {}
+    size = 0
     for name, tensor in tensors.items():
-        by_dtype.setdefault(tensor.dtype, []).append(name)
+        offsets[name] = size
+        data = tensor.detach().reshape(-1).cpu().view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        padding = -data.numel() % UPLOAD_ALIGNMENT
+        pieces += [data, data.new_zeros(padding)] if padding else [data]
+        size += data.numel() + padding
+    staged = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    if device.type == "cuda":
+        staged = staged.pin_memory()
+    flat = staged.to(device, non_blocking=True)  # the host allocator keeps `staged` until the copy is done
     moved: dict[str, torch.Tensor] = {}
-    for dtype, names in by_dtype.items():
-        staged = torch.cat([tensors[name].reshape(-1).cpu() for name in names])
-        if device.type == "cuda":
-            staged = staged.pin_memory()
-        flat = staged.to(device, non_blocking=True)  # the host allocator keeps `staged` until the copy is done
-        offset = 0
-        for name in names:
-            numel = tensors[name].numel()
-            moved[name] = flat[offset : offset + numel].view(tensors[name].shape)
-            offset += numel
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        moved[name] = flat[offsets[name] : offsets[name] + nbytes].view(tensor.dtype).view(tensor.shape)
     return moved
 
 

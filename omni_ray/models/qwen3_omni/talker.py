@@ -90,7 +90,6 @@ class TalkerSequence:
     num_cached: int = 0
     steps: int = 0  # decode steps done
     frames: int = 0
-    feedback: torch.Tensor | None = None  # summed codec embedding of the last frame
     finish_reason: str | None = None
     noise: NoiseSource | None = None  # group-0 draws
     mtp_noise: NoiseSource | None = None  # code-predictor draws
@@ -185,7 +184,9 @@ class TalkerRunner:
         self.seen = torch.zeros(cache.rows, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
         with torch.inference_mode():  # the codec input of a prompt's last position (early prefill decodes it)
             self.codec_bos = self.model.model.codec_embedding(torch.tensor(int(tc.codec_bos_id), device=self.device))
-        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen,))
+        # per slot, the summed codec embedding of its last frame: the codec input of its next decode step
+        self.feedback = torch.zeros(cache.rows, self.codec_bos.shape[-1], dtype=self.codec_bos.dtype, device=self.device)
+        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen, self.feedback))
         cp = tc.code_predictor_config
         self.mtp_vocab = int(cp.vocab_size)
         self.mtp_cache = SlotKVCache(
@@ -301,25 +302,27 @@ class TalkerRunner:
         # per dtype: the host then runs ahead of the GPU until the frame's codes are read.
         with host_range("talker: step inputs"):
             host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
-            kv_len = 0
+            kv_len, texts = 0, []
             if decoding:
                 host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
                 host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
+                host["text_rows"], texts = self._trailing_texts(decoding)
+                if texts and all(t.device.type == "cpu" for t in texts):  # all relayed on the host path: one upload
+                    host["texts"], texts = torch.stack(texts), []
             inputs = upload(host, self.device)
         hiddens = []
         if prefilling:
             hiddens.append(self._prefill(prefilling))
         if decoding:
             with host_range("talker: decode"):
-                hiddens.append(self._decode(decoding, inputs["positions"], kv_len, inputs["decode_rows"]))
+                hiddens.append(self._decode(decoding, inputs, kv_len, texts))
         with host_range("talker: frames"):
-            codes, feedback = self._frames(stepping, torch.cat(hiddens), inputs)
+            codes = self._frames(stepping, torch.cat(hiddens), inputs)
         if not any(seq.frames for seq in self.slots.sequences()):  # none has spoken yet: the clock starts again
             self.frame_steps = 0
         pending.codes, pending.step = Download(codes), self.frame_steps
         self.frame_steps += 1
-        for i, seq in enumerate(stepping):
-            seq.feedback = feedback[i]
+        for seq in stepping:
             if seq.frames == 0:
                 seq.first_frame_launched = launched
             seq.frames += 1
@@ -397,51 +400,65 @@ class TalkerRunner:
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
             if early:
-                seq.steps, seq.feedback = -1, self.codec_bos
+                seq.steps = -1
+                self.feedback[seq.slot] = self.codec_bos
                 self.early_prefills += 1
         return last_positions(out["hidden"], list(range(len(seqs))), [p.shape[0] for p in prompts])
 
-    def _trailing_texts(self, seqs: list[TalkerSequence]) -> torch.Tensor:
+    def _trailing_texts(self, seqs: list[TalkerSequence]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Text input of each row's decode step `steps`: reply token steps+2 (projected), then tts_eos once,
-        then tts_pad (an early sequence's step -1, its prompt's last position: the first reply token). [B, h]"""
-        index = [s.steps + 1 for s in seqs]
-        rows = [self.assets.tts_eos if i == len(s.text_embeds) else self.assets.tts_pad for s, i in zip(seqs, index)]
-        pending = [j for j, (s, i) in enumerate(zip(seqs, index)) if i < len(s.text_embeds)]
-        if pending:
-            # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
-            raw = stack_on_device([seqs[j].text_embeds[index[j]] for j in pending], self.device)
-            for j, projected in zip(pending, self.model.text_projection(raw.to(dtype=self.assets.tts_pad.dtype))):
-                rows[j] = projected
-        return torch.stack(rows)
+        then tts_pad (an early sequence's step -1, its prompt's last position: the first reply token). As the reply
+        tokens' Thinker embeddings still to project (P of them) and, per row, where its input sits in those P
+        projected rows followed by tts_eos and tts_pad: one gather on the device, whatever the batch."""
+        texts: list[torch.Tensor] = []
+        rows: list[int] = []
+        for seq in seqs:
+            index = seq.steps + 1
+            if index < len(seq.text_embeds):
+                rows.append(len(texts))
+                texts.append(seq.text_embeds[index])
+            else:
+                rows.append(-2 if index == len(seq.text_embeds) else -1)  # counted from the end: tts_eos, tts_pad
+        return torch.tensor([r % (len(texts) + 2) for r in rows], dtype=torch.long), texts
 
     def _decode_forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
         return {"hidden": decode_forward(self.model.model, self.cache, embeds, positions, kv_len)}
 
-    def _decode(self, seqs: list[TalkerSequence], positions: torch.Tensor, kv_len: int, rows: torch.Tensor) -> torch.Tensor:
-        """Decode over the first slots of the cache (row r = slot r, `rows` = the slots of `seqs`, `positions` and
-        `kv_len` from `decode_positions`); returns the hidden states of `seqs` in order."""
-        pad = self.assets.tts_pad
-        embeds = torch.zeros(positions.shape[0], 1, pad.shape[-1], dtype=pad.dtype, device=self.device)
-        embeds[rows, 0] = torch.stack([s.feedback for s in seqs]) + self._trailing_texts(seqs)  # type: ignore[misc]
+    def _decode(
+        self, seqs: list[TalkerSequence], inputs: dict[str, torch.Tensor], kv_len: int, texts: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Decode over the first slots of the cache (row r = slot r; `inputs`: the uploaded step inputs, with the slots
+        of `seqs` as `decode_rows`, `positions` and `kv_len` from `decode_positions`, and `text_rows` and the reply
+        tokens' embeddings from `_trailing_texts`: as `texts`, or uploaded as `inputs["texts"]` when all came on the
+        host path); returns the hidden states of `seqs` in order."""
+        positions, rows = inputs["positions"], inputs["decode_rows"]
+        a = self.assets
+        choices = [a.tts_eos[None], a.tts_pad[None]]
+        # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
+        raw = inputs.get("texts") if not texts else stack_on_device(texts, self.device)
+        if raw is not None:
+            choices.insert(0, self.model.text_projection(raw.to(dtype=a.tts_pad.dtype)))
+        embeds = torch.zeros(positions.shape[0], 1, a.tts_pad.shape[-1], dtype=a.tts_pad.dtype, device=self.device)
+        embeds[rows, 0] = self.feedback[rows] + torch.cat(choices)[inputs["text_rows"]]
         out = run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
         for s in seqs:
             s.num_cached += 1
             s.steps += 1
         return out["hidden"][rows]
 
-    def _frames(
-        self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame per row, on the device: codes [B, G] and the summed codec embeddings the next decode step reads,
-        both copied out of the graph's buffers (the next replay overwrites them). `host`: `_frame_host_inputs(seqs,
-        rows)`, uploaded."""
+    def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One frame per row, on the device: codes [B, G], and each row's summed codec embedding (which its next
+        decode step reads) put into `feedback` at its slot. The codes are the graph's buffer, which the next replay
+        overwrites: read them (a copy queued on this stream) before launching another frame. `host`:
+        `_frame_host_inputs(seqs, rows)`, uploaded."""
         count, rows = len(seqs), bucket_pow2(len(seqs))
         inputs = self._frame_inputs(hidden, rows, host)
         mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
         out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         # outside the graph: capture must not change what it reads
         mark_seen(self.seen, inputs["slots"], out["codes"][:, 0])
-        return out["codes"][:count].clone(), out["feedback"][:count].clone()
+        self.feedback[inputs["slots"][:count]] = out["feedback"][:count]
+        return out["codes"][:count]
 
     def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:
         """What the frame graph reads that the host decides, for `seqs` padded to `rows` (padding rows: scratch

@@ -42,11 +42,13 @@ STRETCHES = (
 
 
 class SectionClock:
-    """Wraps callables on objects with a host clock: `seconds[name]` and `calls[name]` accumulate while `running`."""
+    """Wraps callables on objects with a host clock: `seconds[name]` and `calls[name]` accumulate while `running`,
+    `longest[name]` is the slowest call."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.longest: dict[str, float] = defaultdict(float)
         self.running = False
 
     def wrap(self, owner: Any, attribute: str, name: str) -> None:
@@ -59,14 +61,17 @@ class SectionClock:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                took = time.perf_counter() - started
+                self.seconds[name] += took
                 self.calls[name] += 1
+                self.longest[name] = max(self.longest[name], took)
 
         setattr(owner, attribute, timed)
 
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.longest.clear()
 
 
 def launched_ahead(runner: TalkerRunner, seqs: list[Any], steps: int) -> None:
@@ -84,7 +89,7 @@ def measure(config: Any, device: str, dtype: torch.dtype, batches: list[int], pr
     text = config.talker_config.text_config
     runner = TalkerRunner(
         load_talker(None, config, device, dtype), config,
-        SlotKVCache(text.num_hidden_layers, max(batches), prompt + 4 * steps + 64, text.num_key_value_heads,
+        SlotKVCache(text.num_hidden_layers, max(batches), prompt + 2 * steps + 64, text.num_key_value_heads,
                     text.head_dim, dtype, device),
         max(batches), compile_layers=True, persistent_code_predictor=persistent,
     )
@@ -94,24 +99,25 @@ def measure(config: Any, device: str, dtype: torch.dtype, batches: list[int], pr
         clock.wrap(owners[where], attribute, name)
     rows = []
     for batch in batches:
-        seqs = _talker_seqs(config, batch, prompt, 2 * steps, DEFAULT_TALKER_SAMPLING, device, dtype)
-        for seq in seqs:
-            runner.admit(seq)
-        runner.step(seqs)  # the prefill
-        launched_ahead(runner, seqs, steps)  # captures this batch's graphs
-        clock.reset()
-        clock.running = True
-        torch.cuda.synchronize() if device.startswith("cuda") else None
-        started = time.perf_counter()
-        launched_ahead(runner, seqs, steps)
-        torch.cuda.synchronize() if device.startswith("cuda") else None
-        wall = time.perf_counter() - started
-        clock.running = False
-        for seq in seqs:
-            runner.release(seq)
+        for timed in (False, True):  # the untimed pass captures every graph the timed one replays (same key ranges)
+            seqs = _talker_seqs(config, batch, prompt, 2 * steps, DEFAULT_TALKER_SAMPLING, device, dtype)
+            for seq in seqs:
+                runner.admit(seq)
+            runner.step(seqs)  # the prefill
+            clock.reset()
+            clock.running = timed
+            torch.cuda.synchronize() if device.startswith("cuda") else None
+            started = time.perf_counter()
+            launched_ahead(runner, seqs, steps)
+            torch.cuda.synchronize() if device.startswith("cuda") else None
+            wall = time.perf_counter() - started
+            clock.running = False
+            for seq in seqs:
+                runner.release(seq)
         rows.append({"batch": batch, "steps": steps, "step_ms": 1000 * wall / steps,
                      "ms_per_step": {name: 1000 * clock.seconds[name] / steps for name, _, _ in STRETCHES},
-                     "calls_per_step": {name: clock.calls[name] / steps for name, _, _ in STRETCHES}})
+                     "calls_per_step": {name: clock.calls[name] / steps for name, _, _ in STRETCHES},
+                     "slowest_call_ms": {name: 1000 * clock.longest[name] for name, _, _ in STRETCHES}})
         print(rows[-1], flush=True)
     return rows
 
@@ -121,14 +127,15 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, compiled layers, CUDA "
              f"graphs, the served sampling{', persistent code-predictor pass' if meta['persistent'] else ''}; steps "
              "launched ahead as the engine loop runs them", "",
-             "Host ms per step in each stretch (nested ones count in their callers too); step: the wall time per "
-             "launched-ahead step.", "",
+             "Host ms per step in each stretch (nested ones count in their callers too), its calls per step and its "
+             "slowest call (ms); step: the wall time per launched-ahead step.", "",
              "| stretch | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |",
              "|---|" + "---|" * len(rows)]
     lines.append("| step (wall) | " + " | ".join(f"{r['step_ms']:.2f}" for r in rows) + " |")
     for name, _, _ in STRETCHES:
         lines.append(f"| {name} | " + " | ".join(
-            f"{r['ms_per_step'][name]:.3f} ({r['calls_per_step'][name]:g}x)" for r in rows) + " |")
+            f"{r['ms_per_step'][name]:.3f} ({r['calls_per_step'][name]:g}x, max {r['slowest_call_ms'][name]:.2f})"
+            for r in rows) + " |")
     return "\n".join(lines) + "\n"
 
 

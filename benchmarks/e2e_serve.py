@@ -164,7 +164,7 @@ def wait_ready(timeout: float) -> None:
 
 
 def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None,
-         prompt_file: Path = PROMPT_FILE) -> tuple[dict[str, Any], float]:
+         prompt_file: Path = DISTINCT_PROMPTS_FILE) -> tuple[dict[str, Any], float]:
     cfg = LoadConfig(url=URL, scenario="chat", concurrency=concurrency, requests=requests, max_tokens=max_tokens,
                      prompt_file=str(prompt_file), ignore_eos=True, progress=False, plots=False, timeout=600,
                      out_dir=str(out_dir) if out_dir else None)
@@ -197,7 +197,7 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
 
 
 def serve_and_measure(
-    serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = PROMPT_FILE,
+    serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = DISTINCT_PROMPTS_FILE,
 ) -> list[dict[str, Any]]:
     import ray
     from ray import serve
@@ -338,10 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the layout's application args, e.g. pipeline.stages.vocoder.streaming.stateful=true, or a "
                         "deployment's options, e.g. deployments.talker.num_replicas=2")
-    parser.add_argument("--prompt-file", default=str(PROMPT_FILE),
-                        help="one prompt per line, request i takes them in a seed-shuffled cycle (default: workload W's "
-                        f"one prompt for every request; {DISTINCT_PROMPTS_FILE.name}: 32 prompts of 91-115 tokens, so "
-                        "that concurrent streams differ)")
+    parser.add_argument("--prompt-file", default=str(DISTINCT_PROMPTS_FILE),
+                        help="one prompt per line, request i takes them in a seed-shuffled cycle (default: 32 prompts of "
+                        f"91-115 tokens, so that concurrent streams differ; {PROMPT_FILE.name}: one prompt for every "
+                        "request, as runs before session 38 sent, whose streams with random weights decode nearly the "
+                        "same tokens and share most experts)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch

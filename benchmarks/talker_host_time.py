@@ -38,6 +38,10 @@ STRETCHES = (
     ("frame inputs", "runner", "_frame_inputs"),
     ("graph replays", "graphs", "run"),
     ("codes download", "module", "Download"),
+    # torch's own, wherever the launch calls them (the upload's staging, pinning and copy among them)
+    ("torch.cat, all calls", "torch", "cat"),
+    ("Tensor.pin_memory, all calls", "tensor", "pin_memory"),
+    ("Tensor.to, all calls", "tensor", "to"),
 )
 
 
@@ -50,6 +54,7 @@ class SectionClock:
         self.calls: dict[str, int] = defaultdict(int)
         self.longest: dict[str, float] = defaultdict(float)
         self.running = False
+        self._wrapped: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner: Any, attribute: str, name: str) -> None:
         inner: Callable[..., Any] = getattr(owner, attribute)
@@ -66,7 +71,17 @@ class SectionClock:
                 self.calls[name] += 1
                 self.longest[name] = max(self.longest[name], took)
 
+        self._wrapped.append((owner, attribute, owner.__dict__.get(attribute) if isinstance(owner, type) else inner))
         setattr(owner, attribute, timed)
+
+    def unwrap_all(self) -> None:
+        """Put back what `wrap` replaced (a class's inherited method by deleting the wrapper)."""
+        for owner, attribute, original in reversed(self._wrapped):
+            if original is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
+        self._wrapped.clear()
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -94,9 +109,17 @@ def measure(config: Any, device: str, dtype: torch.dtype, batches: list[int], pr
         max(batches), compile_layers=True, persistent_code_predictor=persistent,
     )
     clock = SectionClock()
-    owners = {"runner": runner, "module": talker_module, "graphs": runner.graphs}
+    owners = {"runner": runner, "module": talker_module, "graphs": runner.graphs, "torch": torch, "tensor": torch.Tensor}
     for name, where, attribute in STRETCHES:
         clock.wrap(owners[where], attribute, name)
+    try:
+        return _measure_batches(runner, clock, config, device, dtype, batches, prompt, steps)
+    finally:
+        clock.unwrap_all()
+
+
+def _measure_batches(runner: TalkerRunner, clock: SectionClock, config: Any, device: str, dtype: torch.dtype,
+                     batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for batch in batches:
         for timed in (False, True):  # the untimed pass captures every graph the timed one replays (same key ranges)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_ray.engine.host_inputs import Download, StepDone, to_device
+from omni_ray.engine.host_inputs import Download, StepDone, to_device, upload
 from omni_ray.relay import RelayItem
 from omni_ray.stages.base import host_copies, host_copy, warm_host_copy
 
@@ -41,6 +41,10 @@ def _calls_that_waited() -> list[str]:
         check("Download.result")
         uploaded = to_device(torch.tensor([5, 6, 7]), device)
         check("to_device")
+        step_inputs = {"flags": torch.tensor([True, False, True]), "texts": torch.arange(6.0).reshape(2, 3).bfloat16(),
+                       "none": torch.zeros(0, dtype=torch.long), "keys": torch.arange(4).reshape(2, 2)}
+        packed = upload(step_inputs, device)  # every dtype in one pinned staging buffer, one copy
+        check("upload")
         copied = host_copy(RelayItem("r", tensors={"x": made}))
         check("host_copy")
         assert torch.equal(copied.tensors["x"], torch.arange(12).float())
@@ -56,6 +60,8 @@ def _calls_that_waited() -> list[str]:
     finally:
         stream.synchronize()
     assert torch.equal(uploaded.cpu(), torch.tensor([5, 6, 7]))
+    for name, tensor in step_inputs.items():
+        assert packed[name].is_cuda and packed[name].dtype == tensor.dtype and torch.equal(packed[name].cpu(), tensor)
     return waited
 
 

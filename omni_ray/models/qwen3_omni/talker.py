@@ -298,8 +298,9 @@ class TalkerRunner:
             self._prefill(early, early=True)
         if not stepping:
             return pending
-        # Every small input of the step goes to the device before the first graph launch, in one non-blocking copy
-        # per dtype: the host then runs ahead of the GPU until the frame's codes are read.
+        # Every small input of the step (and the reply tokens' embeddings that came on the host path) goes to the
+        # device before the first graph launch, in one non-blocking copy: the host then runs ahead of the GPU until
+        # the frame's codes are read.
         with host_range("talker: step inputs"):
             host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
             kv_len, texts = 0, []

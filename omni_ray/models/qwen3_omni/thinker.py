@@ -318,7 +318,7 @@ class ThinkerRunner:
         self.prefills.add(len(seqs))
         mm_masks = [torch.isin(torch.tensor(s.prompt_ids), self.multimodal_ids) for s in seqs]
         places = {i: talker_prefix_positions(s.prompt_ids, self.config) for i, s in enumerate(seqs) if s.for_talker}
-        # Every host-built input of the batch in one upload (one copy per dtype, not a few per sequence).
+        # Every host-built input of the batch in one upload (one copy, not a few per sequence).
         host = {"ids": torch.tensor([token for s in seqs for token in s.prompt_ids], dtype=torch.long)}
         for i, (positions, _) in places.items():
             host[f"mm_mask/{i}"], host[f"positions/{i}"] = mm_masks[i], positions

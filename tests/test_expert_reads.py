@@ -12,9 +12,7 @@ from benchmarks import expert_reads
 from omni_ray.floors import floor_ms
 
 
-def test_counts_lie_between_one_rows_picks_and_every_rows(
-    tiny_checkpoint: Path, tmp_path: Path,
-) -> None:
+def test_counts_lie_between_one_rows_picks_and_every_rows(tiny_checkpoint: Path, tmp_path: Path) -> None:
     config_file = tiny_checkpoint / "config.json"
     expert_reads.main(["--config", str(config_file), "--device", "cpu", "--dtype", "float32", "--batches", "1,4",
                        "--prompt", "12", "--steps", "4", "--out", str(tmp_path)])

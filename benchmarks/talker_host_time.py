@@ -2,8 +2,9 @@
 
 The engine benchmark gives the host's whole time per launched-ahead step; this splits it. The runner is the
 service's (compiled layers, Triton kernels, CUDA graphs, the served sampling), fed as `omni_ray.bench` feeds it, and
-its steps are launched ahead as the engine loop launches them. Each named stretch is a runner method or a function
-the runner calls, wrapped with a clock; nested stretches count in their callers too.
+its steps are launched ahead as the engine loop launches them. Each named stretch is a runner method, a function
+the runner calls or one of torch's own (every call of it in the timed steps), wrapped with a clock and put back
+afterwards; nested stretches count in their callers too.
 
     python -m benchmarks.talker_host_time --batches 1,8,32 --steps 100 --out results/
 """

@@ -54,20 +54,27 @@ def stage_stack(config: Any, stage: str) -> DecoderStack:
     return stack
 
 
-def step_inputs(stack: DecoderStack, rows: int, keys: int) -> Step:
-    """`rows` rows (slots 0..rows-1), each at a random position in the upper half of a `keys`-position range."""
+def step_inputs(stack: DecoderStack, rows: int, keys: int, distinct_inputs: int = 0) -> Step:
+    """`rows` rows (slots 0..rows-1), each at a random position in the upper half of a `keys`-position range.
+    `distinct_inputs` > 0: the rows are that many rows over again (row i the (i mod n)-th: its hidden state, position
+    and cached keys and values, so that its attention's output, and so its routing, are the same too): they pick
+    fewer experts, as a step of the service's rows does: with random weights 32 rows with a prompt
+    each hit about 51 of the Thinker's 128 experts a layer (`benchmarks/expert_reads.py`), as 8 independent rows do."""
     spec = stack.spec
     cache = SlotKVCache(COPIES, rows, keys, spec.num_kv_heads, spec.head_dim, torch.bfloat16, "cuda")
     for k, v in cache.layers:
         k.normal_()
         v.normal_()
     slots = torch.arange(rows, device="cuda")
-    starts = torch.randint(keys // 2, keys - 1, (rows,), device="cuda")
+    like = slots % distinct_inputs if distinct_inputs else slots  # the row each row repeats
+    for k, v in cache.layers:
+        k[:rows], v[:rows] = k[like], v[like]
+    starts = torch.randint(keys // 2, keys - 1, (rows,), device="cuda")[like]
     batch = AttentionBatch.from_tensors(slots, starts, 1, keys, rows_are_slots=True)
     positions = starts[:, None]
     positions = positions.unsqueeze(0).expand(3, -1, -1) if spec.mrope_section else positions
     cos, sin = stack.rotary(positions, torch.bfloat16)
-    x = torch.randn(rows, 1, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 1, spec.hidden_size, device="cuda", dtype=torch.bfloat16)[like]
     return Step(stack, cache, batch, x, cos, sin)
 
 
@@ -213,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--sections", default="layer,attention,route,experts")
+    parser.add_argument("--distinct-inputs", type=int, default=0,
+                        help="the rows' hidden states are this many vectors over again (0: every row its own), so that "
+                        "they hit fewer experts: 8 at 32 rows hits about the 51 experts of a service step's rows")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = stage_stack(config, stage)
         found: dict[str, list[dict[str, Any]]] = {"layer": [], "attention": [], "route": [], "experts": []}
         for rows in (int(r) for r in args.rows.split(",")):
-            step = step_inputs(stack, rows, KEYS[stage])
+            step = step_inputs(stack, rows, KEYS[stage], args.distinct_inputs)
             if "layer" in sections:
                 found["layer"].append(layer_row(step, rows))
             if "attention" in sections:

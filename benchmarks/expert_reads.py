@@ -1,10 +1,11 @@
-"""How many distinct experts the Thinker's decode steps really read with random weights, and the floor that gives.
+"""How many distinct experts the Thinker's and Talker's decode steps really read with random weights, and the floor
+that gives.
 
-`floors.py` counts the experts a batch reads as if its rows were routed independently (about 112 of 128 at 32 rows).
-This probe runs the Thinker's decode steps eagerly, hooks every MoE router, and counts the experts each layer's step
-picks, in two workloads: one prompt per row (as the engine benchmark's rows) and one prompt for every row, each row
-sampled with its own seed (as the service benchmark's load test sends workload W). The floor at the measured count is
-the bound a step can reach with these weights.
+`floors.py` counts the experts a batch reads as if its rows were routed independently (about 112 of the Thinker's
+128 at 32 rows). This probe runs a stage's decode steps eagerly, hooks every MoE router, and counts the experts each
+layer's step picks, in two workloads: one prompt per row (as the engine benchmark's rows) and one prompt for every
+row, each row sampled with its own seed (as the service benchmark sent workload W before session 38). The floor at the
+measured count is the bound a step can reach with these weights.
 
     python -m benchmarks.expert_reads --batches 1,8,32 --steps 32 --out results/
 """
@@ -19,10 +20,13 @@ from typing import Any
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import DTYPES, FULL_CONFIG, SERVED_THINKER, benchmark_prompt_ids, run_meta, write_results
+from omni_ray.bench import DTYPES, FULL_CONFIG, SERVED_THINKER, _talker_seqs, benchmark_prompt_ids, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.floors import floor_ms
 from omni_ray.layers.moe import Router
+from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
+from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
+from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 WORKLOADS = ("a prompt per row", "one prompt, a seed per row")
@@ -50,14 +54,8 @@ class ExpertTally:
         return counts
 
 
-def count_thinker_experts(
-    runner: ThinkerRunner, tally: ExpertTally, config: Any, batch: int, prompt: int, steps: int, workload: str,
-) -> list[int]:
-    """Distinct experts per (layer, decode step) over `steps` decode steps of `batch` rows after their prefill."""
-    one_prompt = workload == WORKLOADS[1]
-    seqs = [ThinkerSequence(f"e{i}", benchmark_prompt_ids(config, prompt, 0 if one_prompt else i),
-                            SERVED_THINKER.model_copy(update={"seed": i}), steps + 2, frozenset(), ignore_eos=True)
-            for i in range(batch)]
+def count_experts(runner: Any, tally: ExpertTally, seqs: list[Any], steps: int) -> list[int]:
+    """Distinct experts per (layer, decode step) over `steps` decode steps of `seqs` after their prefill."""
     for seq in seqs:
         runner.admit(seq)
     runner.step(seqs)  # prefill, not counted
@@ -70,41 +68,79 @@ def count_thinker_experts(
     return tally.take()
 
 
-def measure(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int) -> list[dict[str, Any]]:
-    text = config.thinker_config.text_config
-    model = load_thinker(None, config, device, dtype)
-    cache = SlotKVCache(text.num_hidden_layers, max(batches), prompt + steps + 8, text.num_key_value_heads,
-                        text.head_dim, dtype, device)
-    runner = ThinkerRunner(model, config, cache, cuda_graphs=False, moe_kernels=False, moe_layer_kernels=False)
-    tally = ExpertTally(model)
-    experts = int(text.num_experts)
+def thinker_rows(config: Any, batch: int, prompt: int, steps: int, workload: str) -> list[ThinkerSequence]:
+    one_prompt = workload == WORKLOADS[1]
+    return [ThinkerSequence(f"e{i}", benchmark_prompt_ids(config, prompt, 0 if one_prompt else i),
+                            SERVED_THINKER.model_copy(update={"seed": i}), steps + 2, frozenset(), ignore_eos=True)
+            for i in range(batch)]
+
+
+def talker_rows(config: Any, batch: int, prompt: int, steps: int, workload: str, device: str,
+                dtype: torch.dtype) -> list[TalkerSequence]:
+    """Talker requests fed as `omni_ray.bench` feeds them (random Thinker states, a prompt's and reply's worth per
+    row), sampled as served with a seed per row; one prompt: every row gets the first row's Thinker states."""
+    seqs = _talker_seqs(config, batch, prompt, steps, DEFAULT_TALKER_SAMPLING, device, dtype)
+    for i, seq in enumerate(seqs):
+        seq.sampling = DEFAULT_TALKER_SAMPLING.model_copy(update={"seed": i})
+        if workload == WORKLOADS[1]:
+            seq.prefix, seq.text_embeds = seqs[0].prefix, seqs[0].text_embeds
+    return seqs
+
+
+def stage_runner(config: Any, stage: str, device: str, dtype: torch.dtype, rows: int, positions: int) -> Any:
+    """The stage's runner, eager (no graphs, no MoE kernels: every router runs as a module the tally hooks)."""
+    if stage == "thinker":
+        text = config.thinker_config.text_config
+        cache = SlotKVCache(text.num_hidden_layers, rows, positions, text.num_key_value_heads, text.head_dim, dtype,
+                            device)
+        return ThinkerRunner(load_thinker(None, config, device, dtype), config, cache, cuda_graphs=False,
+                             moe_kernels=False, moe_layer_kernels=False)
+    text = config.talker_config.text_config
+    cache = SlotKVCache(text.num_hidden_layers, rows, positions, text.num_key_value_heads, text.head_dim, dtype, device)
+    return TalkerRunner(load_talker(None, config, device, dtype), config, cache, rows, cuda_graphs=False,
+                        moe_kernels=False, moe_layer_kernels=False)
+
+
+def measure(config: Any, device: str, dtype: torch.dtype, stages: list[str], batches: list[int], prompt: int,
+            steps: int) -> list[dict[str, Any]]:
     rows = []
-    for workload in WORKLOADS:
-        for batch in batches:
-            counts = count_thinker_experts(runner, tally, config, batch, prompt, steps, workload)
-            share = statistics.mean(counts) / experts
-            rows.append({"workload": workload, "batch": batch, "experts": experts,
-                         "distinct_mean": statistics.mean(counts), "distinct_min": min(counts),
-                         "distinct_max": max(counts), "steps": steps, "layers": len(tally.routers),
-                         "floor_ms_independent": floor_ms(config, "thinker", batch),
-                         "floor_ms_measured": floor_ms(config, "thinker", batch, expert_share=share)})
-            print(rows[-1], flush=True)
+    for stage in stages:
+        runner = stage_runner(config, stage, device, dtype, max(batches), prompt + 2 * steps + 24)
+        tally = ExpertTally(runner.model)
+        experts = int(tally.routers[0].weight.shape[0])
+        for workload in WORKLOADS:
+            for batch in batches:
+                seqs = (thinker_rows(config, batch, prompt, steps, workload) if stage == "thinker"
+                        else talker_rows(config, batch, prompt, steps, workload, device, dtype))
+                counts = count_experts(runner, tally, seqs, steps)
+                share = statistics.mean(counts) / experts
+                rows.append({"stage": stage, "workload": workload, "batch": batch, "experts": experts,
+                             "distinct_mean": statistics.mean(counts), "distinct_min": min(counts),
+                             "distinct_max": max(counts), "steps": steps, "layers": len(tally.routers),
+                             "floor_ms_independent": floor_ms(config, stage, batch),
+                             "floor_ms_measured": floor_ms(config, stage, batch, expert_share=share)})
+                print(rows[-1], flush=True)
+        del runner, tally
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [f"# Experts a Thinker decode step reads, random weights ({meta['device']}, {meta['date']})", "",
+    lines = [f"# Experts a decode step reads, random weights ({meta['device']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, dtype {meta['dtype']}, a {meta['prompt']}-token "
-             f"prompt, {meta['steps']} decode steps counted after the prefill, each row sampled at temperature 0.7 "
-             "with its own seed (the load test's)", "",
+             f"prompt, {meta['steps']} decode steps counted after the prefill, each row sampled with its own seed: the "
+             "Thinker at temperature 0.7 (the load test's), the Talker as served, fed random Thinker states as the "
+             "engine benchmark feeds it (one prompt: the same states for every row)", "",
              "Distinct experts: per MoE layer and decode step, the experts any of the batch's rows picked (mean, min, "
              "max over every layer and step). Floors (4.3 TB/s): with `floors.py`'s count for independently routed "
              "rows, and with the measured mean.", "",
-             f"| workload | batch | distinct experts of {rows[0]['experts']}: mean (min-max) | floor, independent routing (ms) | "
-             "floor, measured routing (ms) |", "|---|---|---|---|---|"]
+             "| stage | workload | batch | distinct experts: mean (min-max) of all | floor, independent routing (ms) | "
+             "floor, measured routing (ms) |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['batch']} | {r['distinct_mean']:.1f} ({r['distinct_min']}-{r['distinct_max']})"
-                     f" | {r['floor_ms_independent']:.2f} | {r['floor_ms_measured']:.2f} |")
+        lines.append(f"| {r['stage']} | {r['workload']} | {r['batch']} | {r['distinct_mean']:.1f} ({r['distinct_min']}-"
+                     f"{r['distinct_max']}) of {r['experts']} | {r['floor_ms_independent']:.2f} | "
+                     f"{r['floor_ms_measured']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default=str(FULL_CONFIG), help="a Qwen3-Omni config.json (default: the full 30B)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--stages", default="thinker,talker")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens per row")
     ap.add_argument("--steps", type=int, default=32, help="decode steps counted per batch")
@@ -122,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     config = Qwen3OmniMoeConfig.from_json_file(a.config)
     batches = [int(b) for b in a.batches.split(",")]
     with torch.inference_mode():
-        rows = measure(config, a.device, DTYPES[a.dtype], batches, a.prompt, a.steps)
+        rows = measure(config, a.device, DTYPES[a.dtype], a.stages.split(","), batches, a.prompt, a.steps)
     device = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     meta = run_meta("benchmarks.expert_reads", argv, device=device, dtype=a.dtype, prompt=a.prompt, steps=a.steps)
     write_results(Path(a.out), a.stem, {**meta, "rows": rows}, markdown(meta, rows))

@@ -13,7 +13,7 @@
 # whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
 # SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
 # tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
-# experts (the distinct experts a Thinker decode step reads with random weights, and the floor at that count;
+# experts (the distinct experts a Thinker and a Talker decode step read with random weights, and the floors then;
 # benchmarks/expert_reads.py), talkerhost (where a Talker step's host time goes, per stretch of its launch;
 # benchmarks/talker_host_time.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
 # code-predictor pass by difference: each part left out in turn), vocoder (window vs stateful vocoder;

@@ -1,4 +1,5 @@
-"""The expert-count probe on the tiny model, on the CPU: it counts what each router picks, per layer and decode step."""
+"""The expert-count probe on the tiny model, on the CPU: it counts what each router picks, per layer and decode step,
+for the Thinker and the Talker."""
 
 from __future__ import annotations
 
@@ -14,22 +15,22 @@ from omni_ray.floors import floor_ms
 
 def test_counts_lie_between_one_rows_picks_and_every_rows(tiny_checkpoint: Path, tmp_path: Path) -> None:
     config_file = tiny_checkpoint / "config.json"
+    config = Qwen3OmniMoeConfig.from_json_file(str(config_file))
     expert_reads.main(["--config", str(config_file), "--device", "cpu", "--dtype", "float32", "--batches", "1,4",
                        "--prompt", "12", "--steps", "4", "--out", str(tmp_path)])
     document = json.loads((tmp_path / "expert_reads.json").read_text())
-    text = Qwen3OmniMoeConfig.from_json_file(str(config_file)).thinker_config.text_config
-    top_k, experts, layers = int(text.num_experts_per_tok), int(text.num_experts), int(text.num_hidden_layers)
-    rows = {(r["workload"], r["batch"]): r for r in document["rows"]}
-    assert len(rows) == 4
-    for (_, batch), row in rows.items():
+    rows = {(r["stage"], r["workload"], r["batch"]): r for r in document["rows"]}
+    assert len(rows) == 8
+    texts = {"thinker": config.thinker_config.text_config, "talker": config.talker_config.text_config}
+    for (stage, _, batch), row in rows.items():
+        top_k, layers = int(texts[stage].num_experts_per_tok), int(texts[stage].num_hidden_layers)
         assert row["layers"] == layers
-        assert top_k <= row["distinct_min"] <= row["distinct_max"] <= min(experts, top_k * batch)
+        assert top_k <= row["distinct_min"] <= row["distinct_max"] <= min(row["experts"], top_k * batch)
         if batch == 1:  # one row reads its k experts, as the independent count says
             assert row["distinct_mean"] == top_k
             assert row["floor_ms_measured"] == pytest.approx(row["floor_ms_independent"])
-    distinct, shared = rows[(expert_reads.WORKLOADS[0], 4)], rows[(expert_reads.WORKLOADS[1], 4)]
-    assert distinct["distinct_mean"] > top_k  # different prompts pick different experts
-    assert shared["distinct_mean"] > top_k  # so do one prompt's rows, sampled with seeds of their own
-    assert distinct["floor_ms_measured"] < floor_ms(Qwen3OmniMoeConfig.from_json_file(str(config_file)), "thinker", 4,
-                                                    expert_share=1.0)
-    assert "| a prompt per row | 4 |" in (tmp_path / "expert_reads.md").read_text()
+        else:  # rows sampled with seeds of their own pick more than one row's experts
+            assert row["distinct_mean"] > top_k
+            assert row["floor_ms_measured"] <= floor_ms(config, stage, batch, expert_share=1.0)
+    table = (tmp_path / "expert_reads.md").read_text()
+    assert "| thinker | a prompt per row | 4 |" in table and "| talker | one prompt, a seed per row | 4 |" in table

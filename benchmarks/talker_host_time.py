@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.bench import DTYPES, FULL_CONFIG, _talker_seqs, run_meta, write_results
+from omni_ray.bench import DTYPES, FULL_CONFIG, _talker_seqs, launched_ahead, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.models.qwen3_omni import talker as talker_module
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
@@ -90,16 +90,6 @@ class SectionClock:
         self.longest.clear()
 
 
-def launched_ahead(runner: TalkerRunner, seqs: list[Any], steps: int) -> None:
-    """As the engine loop: step N+1 is launched before step N is collected."""
-    pending = runner.launch(seqs)
-    for _ in range(steps - 1):
-        launched = runner.launch(seqs)
-        runner.collect(pending)
-        pending = launched
-    runner.collect(pending)
-
-
 def measure(config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int,
             persistent: bool) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
@@ -132,7 +122,7 @@ def _measure_batches(runner: TalkerRunner, clock: SectionClock, config: Any, dev
             clock.running = timed
             torch.cuda.synchronize() if device.startswith("cuda") else None
             started = time.perf_counter()
-            launched_ahead(runner, seqs, steps)
+            launched_ahead(runner.launch, runner.collect, seqs, steps)  # the launch as wrapped
             torch.cuda.synchronize() if device.startswith("cuda") else None
             wall = time.perf_counter() - started
             clock.running = False

@@ -126,14 +126,15 @@ class _LaunchClock:
                         else f"{filename}:{lineno}"] += 1
 
 
-def _launched_ahead(clock: _LaunchClock, seqs: list[Any], steps: int) -> None:
+def launched_ahead(launch: Callable[[list[Any]], Any], collect: Callable[[Any], Any], seqs: list[Any],
+                   steps: int) -> None:
     """`steps` steps as the engine loop runs a runner with launch/collect: step N+1 is queued before step N is read."""
-    pending = clock.launch(seqs)
+    pending = launch(seqs)
     for _ in range(steps - 1):
-        launched = clock.launch(seqs)
-        clock.runner.collect(pending)
+        launched = launch(seqs)
+        collect(pending)
         pending = launched
-    clock.runner.collect(pending)
+    collect(pending)
 
 
 def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, device: str, stage: str) -> dict[str, Any]:
@@ -149,7 +150,8 @@ def _run_batch(runner: Any, make_seqs: Callable[[], list[Any]], steps: int, devi
         prefill_ms = _timed(lambda: runner.step(seqs), device)
         times = [_timed(lambda: runner.step(seqs), device) for _ in range(steps)]
         clock = _LaunchClock(runner, count_syncs=not timed and device.startswith("cuda"))
-        ahead_ms = _timed(lambda: _launched_ahead(clock, seqs, steps), device) / steps if pipelined else None
+        ahead_ms = (_timed(lambda: launched_ahead(clock.launch, runner.collect, seqs, steps), device) / steps
+                    if pipelined else None)
         if not timed:
             syncs, sync_sites = clock.syncs, dict(clock.sync_sites)
         for seq in seqs:

@@ -62,9 +62,10 @@ def step_bytes(config: Any, stage: str, batch: int, expert_share: float | None =
             dense -= stack + heads + prefill_only
             repeated = stack * (int(config.talker_config.num_code_groups) - 1) + heads
     num_experts = int(getattr(text, "num_experts", 0) or 0)
-    share = distinct_experts(num_experts, int(text.num_experts_per_tok), batch) / num_experts if num_experts else 0.0
     if expert_share is not None:
         share = expert_share
+    else:
+        share = distinct_experts(num_experts, int(text.num_experts_per_tok), batch) / num_experts if num_experts else 0.0
     return BYTES_PER_PARAM * (dense + repeated + share * experts)
 
 

@@ -14,7 +14,7 @@ from transformers import Qwen3OmniMoeConfig
 from benchmarks.draw_bench import replay_ms
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.layers import small_batch_moe
+from omni_ray.layers import picked_experts, small_batch_moe
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.moe_kernels import ExpertMatmulConfig
@@ -156,7 +156,7 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
     weights = [layer.mlp.experts.stacked or (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)
                for layer in layers]
     hits = sum(int(hit_count) for _, _, _, hit_count in routes) / len(routes)
-    hidden = [small_batch_moe.picked_expert_matmul(flat, w[0], p, hl, h, gated=True, per_pick=False,
+    hidden = [picked_experts.picked_expert_matmul(flat, w[0], p, hl, h, gated=True, per_pick=False,
                                                    norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
               for w, (p, _, hl, h) in zip(weights, routes)]
     out = []
@@ -164,15 +164,15 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
         expert_bytes = weights[0][0 if gated else 1][0].numel() * 2
         row: dict[str, Any] = {"rows": rows, "gemm": name, "experts hit": hits,
                                "floor": hits * expert_bytes / BANDWIDTH * 1e6,
-                               "default": str(list(small_batch_moe.picked_expert_config(gated, rows)))}
+                               "default": str(list(picked_experts.picked_expert_config(gated, rows)))}
         for config in EXPERT_CONFIGS:
             def call(i: int, config: ExpertMatmulConfig = config, gated: bool = gated) -> torch.Tensor:
                 picks, _, hit_list, hit_count = routes[i]
                 if gated:
-                    return small_batch_moe.picked_expert_matmul(
+                    return picked_experts.picked_expert_matmul(
                         flat, weights[i][0], picks, hit_list, hit_count, gated=True, per_pick=False,
                         norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares, config=config)
-                return small_batch_moe.picked_expert_matmul(hidden[i], weights[i][1], picks, hit_list, hit_count,
+                return picked_experts.picked_expert_matmul(hidden[i], weights[i][1], picks, hit_list, hit_count,
                                                             gated=False, per_pick=True, config=config)
             try:
                 row[str(list(config))] = per_call_us([lambda i=i: call(i) for i in range(len(layers))])
@@ -184,8 +184,9 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
 
 
 def layer_row(step: Step, rows: int) -> dict[str, Any]:
-    """A whole layer's decode step (eight kernels), µs per layer, against the bytes it must read at 4.3 TB/s: its
-    attention and router weights, the picked experts' weights and each row's keys and values."""
+    """A whole layer's decode step (eight kernels; and seven, the combine inside the down projection's kernel), µs
+    per layer, against the bytes it must read at 4.3 TB/s: its attention and router weights, the picked experts'
+    weights and each row's keys and values."""
     layers = step.stack.layers
     moe = layers[0].mlp
     dense = sum(p.numel() * 2 for name, p in layers[0].named_parameters() if "experts" not in name)
@@ -196,10 +197,12 @@ def layer_row(step: Step, rows: int) -> dict[str, Any]:
     spec = step.stack.spec
     kv_bytes = rows * written * spec.num_kv_heads * spec.head_dim * 2 * 2
     floor = (dense + hits * per_expert + kv_bytes) / BANDWIDTH * 1e6
-    us = per_call_us([lambda arrivals, i=i: small_batch_moe.decoder_layer(
-        layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch, None, arrivals)[0]
-        for i in range(len(layers))], step)
-    return {"rows": rows, "layer": us, "floor": floor, "experts hit": hits}
+    row: dict[str, Any] = {"rows": rows}
+    for name, combine_in_down in (("layer", False), ("layer, combine in down", True)):
+        row[name] = per_call_us([lambda arrivals, i=i, combined=combine_in_down: small_batch_moe.decoder_layer(
+            layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch, None, arrivals, combined)[0]
+            for i in range(len(layers))], step)
+    return row | {"floor": floor, "experts hit": hits}
 
 
 def table(title: str, rows: list[dict[str, Any]]) -> list[str]:

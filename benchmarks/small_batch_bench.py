@@ -21,7 +21,7 @@ from omni_ray.layers import moe_kernels, small_batch
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.layers.moe import ROUTER_ROWS_MULTIPLE, Experts
-from omni_ray.layers.small_batch_moe import COMBINE_BLOCK_N
+from omni_ray.layers.picked_experts import COMBINE_BLOCK_N
 
 CONFIGS: list[small_batch.MatmulConfig] = [
     (16, 256, 3, 4, 1), (32, 256, 3, 4, 1), (16, 128, 4, 4, 1), (16, 256, 2, 4, 2), (32, 256, 2, 4, 2),

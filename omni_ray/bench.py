@@ -23,6 +23,7 @@ from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.floors import floor_ms
+from omni_ray.layers import small_batch_moe
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
                         help="MoE layers' decode steps as the layers' own code instead of eight Triton kernels each "
                         "(`engine.moe_layer_kernels: false`)")
+    parser.add_argument("--combine-in-down", action="store_true",
+                        help="MoE layers' decode steps in seven kernels: the combine inside the down projection's "
+                        "kernel (`small_batch_moe.COMBINE_IN_DOWN`)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS,
                         help="prefill batches whose bucket holds more padded tokens run without a graph, unbucketed "
                         "(`engine.prefill_graph_tokens`, the service's default; -1: every prefill from a graph)")
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.prefill_graph_tokens = None if args.prefill_graph_tokens < 0 else args.prefill_graph_tokens
+    small_batch_moe.COMBINE_IN_DOWN = args.combine_in_down
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
@@ -321,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
+                    + (", the MoE combine inside the down projection's kernel" if args.combine_in_down else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"
                        if args.prefill_graph_tokens is not None else ", every prefill from a graph")
                     + f", KV slots of {args.max_seq_len} positions",

@@ -36,28 +36,32 @@ for dtype, rows_are_slots, shared, heads, dim, programs, key_block in CASES:
     fused = copy.deepcopy(eager)
     eager.fuse_projections()
     assert fused.use_moe_layer_kernels()
-    caches = [SlotKVCache(2, 5, CACHE, 2, dim, dtype, "cpu") for _ in range(2)]
+    caches = [SlotKVCache(2, 5, CACHE, 2, dim, dtype, "cpu") for _ in range(3)]
     for k, v in caches[0].layers:  # stale keys past each row's position: the kernel must not read them
         k.normal_(); v.normal_()
-    for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
-        k1.copy_(k0); v1.copy_(v0)
+    for (k0, v0), (k1, v1), (k2, v2) in zip(*[c.layers for c in caches]):
+        k1.copy_(k0); v1.copy_(v0); k2.copy_(k0); v2.copy_(v0)
     rows = 3
     slots = torch.arange(rows) if rows_are_slots else torch.tensor([4, 0, 2])
     starts = torch.tensor([5, 63, 130])
-    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0}
+    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0, "combined in down": 0.0}
     for step in range(3):
         batch = AttentionBatch.from_tensors(slots, starts, 1, int(starts.max()) + 1, rows_are_slots=rows_are_slots)
         x = torch.randn(rows, 1, 64).to(dtype)
         cos, sin = eager.rotary(starts[:, None], dtype)
         outs = []
-        for stack, cache in zip((eager, fused), caches):
-            if stack is fused:
+        for i, (stack, cache) in enumerate(zip((eager, fused, fused), caches)):
+            if i == 1:
                 worst["used"] += sum(int(small_batch_moe.applies(layer, x, batch)) for layer in stack.layers)
+            small_batch_moe.COMBINE_IN_DOWN = i == 2  # the third run: seven kernels, the combine in the down GEMM's
             outs.append(stack(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
+        small_batch_moe.COMBINE_IN_DOWN = False
         worst["hidden"] = max(worst["hidden"], (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item())
-        for (k0, v0), (k1, v1) in zip(*[c.layers for c in caches]):
+        worst["combined in down"] = max(worst["combined in down"], (outs[1] - outs[2]).abs().max().item())
+        for (k0, v0), (k1, v1), (k2, v2) in zip(*[c.layers for c in caches]):
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
         starts = starts + 1
     worst["splits"] = small_batch_moe.attention_splits(rows, 2, -(-batch.kv_len // key_block))
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}-"
@@ -84,7 +88,9 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     programs (some with no block of a row's; the last to finish merging). The kernels' outputs and the keys and values
     they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to
     its rounding, for every layer of every step: the second layer's input norm reads the sums of squares the first
-    layer's combine left. Steps of two tokens a row, prefills and steps of more than 64 rows keep the layers' own code."""
+    layer's combine left. With the combine inside the down projection's kernel (`COMBINE_IN_DOWN`) the outputs equal
+    the eight kernels' bit for bit. Steps of two tokens a row, prefills and steps of more than 64 rows keep the
+    layers' own code."""
     results = run_interpreted(CHECK)
     # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels
     assert results.pop("fallbacks") == [False, False, False, True]
@@ -95,6 +101,7 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
         bf16 = "bfloat16" in case
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
+        assert worst["combined in down"] == 0.0, (case, worst)
 
 
 ROUTE_CHECK = r"""
@@ -138,6 +145,48 @@ def test_routing_kernel_picks_weights_and_lists_the_hit_experts() -> None:
         assert found["weights"] <= 2**-7 and found["shared weights"] <= 2**-7, (case, found)
 
 
+DOWN_AND_COMBINE_CHECK = r"""
+import json, torch
+from omni_ray.layers import picked_experts, small_batch, small_batch_moe
+
+torch.manual_seed(0)
+results = {}
+for rows, experts, top_k, n, depth, dtype in ((3, 8, 3, 64, 32, torch.float32), (5, 8, 5, 96, 32, torch.bfloat16),
+                                              (32, 16, 6, 192, 48, torch.float32), (1, 128, 8, 128, 32, torch.bfloat16)):
+    launches = []
+    for launch in range(2):  # the second launch routes otherwise: the counters the first left must be zeros again
+        picks, weights, hit_list, hits = small_batch_moe.route(torch.randn(rows, experts).to(dtype), top_k, True,
+                                                               experts, 0)
+        hidden = torch.randn(rows * top_k, depth).to(dtype)
+        down = (torch.randn(experts, n, depth) * 0.2).to(dtype)
+        residual = torch.randn(rows, n).to(dtype)
+        y = picked_experts.picked_expert_matmul(hidden, down, picks, hit_list, hits, gated=False, per_pick=True)
+        apart = picked_experts.combine(y, weights, residual)
+        together = picked_experts.down_and_combine(hidden, down, picks, hit_list, hits, weights, residual)
+        launches.append({"outputs equal": torch.equal(apart[0], together[0]),
+                         "squares equal": torch.equal(apart[1], together[1]), "hits": int(hits),
+                         "column blocks": together[1].shape[0]})
+    launches.append({"counters left at zero": not small_batch.arrival_counters(torch.device("cpu")).any().item()})
+    results[f"{rows} rows, {experts} experts, top {top_k}, {n} wide, {dtype}"] = launches
+print(json.dumps(results))
+"""
+
+
+def test_the_down_kernel_that_combines_equals_the_down_kernel_then_the_combine_kernel() -> None:
+    """`down_and_combine` (each column block's last program to finish combines the block) under Triton's
+    interpreter, against the down projection's kernel and then the combine kernel: the same output and the same partial
+    sums of squares, bit for bit, at 1 to 32 rows, 3 to 32 experts hit, one to three column blocks, fp32 and bf16;
+    two launches in a row with different routings both right, and the arrival counters left at zero."""
+    results = run_interpreted(DOWN_AND_COMBINE_CHECK)
+    assert len(results) == 4
+    for case, launches in results.items():
+        assert launches.pop() == {"counters left at zero": True}, case
+        for launch in launches:
+            assert launch["outputs equal"] and launch["squares equal"], (case, launch)
+        assert launches[0]["column blocks"] == -(-int(case.split(", ")[3].split()[0]) // 64), case
+    assert max(launch["hits"] for launches in results.values() for launch in launches) >= 16  # many programs arrive
+
+
 def _bf16_pointers(*names: str) -> dict[str, str]:
     return {name: "*bf16" for name in names}
 
@@ -146,10 +195,12 @@ def _i32(*names: str) -> dict[str, str]:
     return {name: "i32" for name in names}
 
 
-@pytest.mark.parametrize("kernel_name", ["attention", "split attention", "route", "gate_up", "down", "combine"])
+@pytest.mark.parametrize("kernel_name",
+                         ["attention", "split attention", "route", "gate_up", "down", "down + combine", "combine"])
 def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), each kernel in the form the
     Talker's layers launch it at 32 rows: what the interpreter lets pass and a GPU would refuse fails here."""
+    from omni_ray.layers import picked_experts
     from omni_ray.layers import small_batch_moe as kernels
 
     types: dict[str, str]
@@ -169,20 +220,22 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
         types = {"logits_ptr": "*bf16", "picks_ptr": "*i32", "weights_ptr": "*fp32", "hit_list_ptr": "*i32",
                  "hits_ptr": "*i32"} | _i32("logits_stride", "M", "num_experts")
         constants = {"TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROWS": 32, "EXPERTS": 128, "PICKS": 8}
-    elif kernel_name in ("gate_up", "down"):
-        kernel = kernels._picked_expert_kernel
+    elif kernel_name in ("gate_up", "down", "down + combine"):
+        kernel = picked_experts._picked_expert_kernel
         gated = kernel_name == "gate_up"
         types = _bf16_pointers("x_ptr", "norm_ptr", "w_ptr", "out_ptr")
         types |= {"squares_ptr": "*fp32", "picks_ptr": "*i32", "hit_list_ptr": "*i32", "hits_ptr": "*i32",
                   "eps": "fp32"} | _i32("x_stride", "squares_count", "w_expert_stride", "w_row_stride", "out_stride",
-                                        "M", "N")
-        block_n, block_k, _, _ = kernels.picked_expert_config(gated, 32)
+                                        "M", "N", "res_stride", "layer_out_stride")
+        types |= _bf16_pointers("res_ptr", "layer_out_ptr") | {"pick_weights_ptr": "*fp32", "squares_out_ptr": "*fp32",
+                                                             "arrivals_ptr": "*i32"}
+        block_n, block_k, _, _ = picked_experts.picked_expert_config(gated, 32)
         constants = {"K": 1024 if gated else 384, "WIDTH": 8, "PICKS": 8, "GATED": gated, "NORM": gated,
-                     "SQUARES_IN": 64, "PER_PICK": not gated, "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                     "FP32_DOT": False, "PRECISION": "tf32"}
+                     "SQUARES_IN": 64, "PER_PICK": not gated, "COMBINE": kernel_name == "down + combine", "BLOCK_M": 32,
+                     "BLOCK_N": block_n, "BLOCK_K": block_k, "FP32_DOT": False, "PRECISION": "tf32"}
     else:
-        kernel = kernels._combine_kernel
+        kernel = picked_experts._combine_kernel
         types = _bf16_pointers("y_ptr", "res_ptr", "out_ptr") | {"weights_ptr": "*fp32", "squares_out_ptr": "*fp32"}
         types |= _i32("y_stride", "res_stride", "out_stride", "M", "N")
-        constants = {"WIDTH": 8, "BLOCK_M": 32, "BLOCK_N": kernels.COMBINE_BLOCK_N}
+        constants = {"WIDTH": 8, "BLOCK_M": 32, "BLOCK_N": picked_experts.COMBINE_BLOCK_N}
     compile_for_h200(kernel, types, constants)

@@ -17,9 +17,9 @@ GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is ei
    expert, column block), which finds its tokens among the picks itself;
 7. each picked expert's down projection, the same way;
 8. each token's picks weighted and summed, + the residual, leaving the partial sums of its rows' squares for the next
-   layer's input norm.
+   layer's input norm (with `COMBINE_IN_DOWN`: inside 7's kernel, seven kernels a layer).
 
-A pair's results are stored at its (token, pick) row, so nothing sorts the pairs by expert and nothing gathers them
+Kernels 6-8 live in `layers/picked_experts.py`. A pair's results are stored at its (token, pick) row, so nothing sorts the pairs by expert and nothing gathers them
 back. Sums run in fp32 and each kernel rounds once where the eager layer rounds after every op: outputs agree with
 the eager layer to bf16 rounding, not bit for bit. Only decode steps (one token per row) over the cache take it.
 """
@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
-from omni_ray.layers.moe_kernels import WIDE_CONFIG, ExpertMatmulConfig
+from omni_ray.layers.picked_experts import dot_precision, combine, down_and_combine, picked_expert_matmul
 from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, rows_matmul_keeping_squares
 
 try:
     import triton
     import triton.language as tl
-
-    from omni_ray.layers.moe_kernels import expert_tile
 except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
@@ -48,9 +45,9 @@ KEY_BLOCK = 128
 # The programs the split attention aims at in all: 256 beat 128 at 32 rows (Thinker 11.6 against 11.9 us, Talker 11.5
 # against 12.9).
 ATTENTION_PROGRAMS = 256
-FEW_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (32, 256, 3, 4)  # BLOCK_N, BLOCK_K, num_stages, num_warps
-MANY_ROWS_GATE_UP_CONFIG: ExpertMatmulConfig = (64, 64, 4, 4)
-COMBINE_BLOCK_N = 64
+# The combine inside the down projection's kernel (its column blocks' last programs), one kernel a layer fewer: equal
+# outputs under the interpreter; off until measured on a GPU (`benchmarks/moe_layer_bench.py`, the layer section).
+COMBINE_IN_DOWN = False
 
 
 if triton is not None:
@@ -221,82 +218,6 @@ if triton is not None:
             tl.store(hit_list_ptr + count + parts, num_experts + parts, mask=parts < SHARED_PARTS)
         tl.store(hits_ptr, count + SHARED_PARTS)
 
-    @triton.jit
-    def _picked_expert_kernel(
-        x_ptr, x_stride, squares_ptr, squares_count, norm_ptr, eps, picks_ptr, hit_list_ptr, hits_ptr,
-        w_ptr, w_expert_stride, w_row_stride, out_ptr, out_stride, M, N,
-        K: tl.constexpr, WIDTH: tl.constexpr, PICKS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-        SQUARES_IN: tl.constexpr, PER_PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """For the program_id(0)-th picked expert e (hit_list) and its column block: the rows of the tokens that
-        picked e, x[token] (or x[token * WIDTH + pick] with PER_PICK) RMS-normed with NORM (each row's sum of squares
-        from SQUARES_IN partial sums [squares_count, M]) times w[e, cols].T, into out[token * WIDTH + pick]; GATED:
-        w[e] holds gate rows then up rows (N each), and the result is SiLU(gate) * up. The hit count, the expert's
-        id, the picks and the squares are asked for at once, so the weights' loads wait one round trip."""
-        hits = tl.load(hits_ptr)
-        expert = tl.load(hit_list_ptr + tl.program_id(0))  # the grid is no longer than the list: read before hits
-        tokens = tl.arange(0, BLOCK_M)
-        slots = tl.arange(0, PICKS)
-        token_ok = tokens < M
-        picks = tl.load(picks_ptr + tokens[:, None] * WIDTH + slots[None, :],
-                        mask=token_ok[:, None] & (slots < WIDTH)[None, :], other=-1)
-        squares = tl.zeros([1, BLOCK_M], dtype=tl.float32)
-        if NORM:
-            parts = tl.arange(0, SQUARES_IN)
-            squares = tl.load(squares_ptr + parts[:, None] * M + tokens[None, :],
-                              mask=(parts < squares_count)[:, None] & token_ok[None, :], other=0.0)
-        if tl.program_id(0) < hits:
-            match = picks == expert
-            mine = tl.max(match.to(tl.int32), axis=1) > 0
-            pair = tokens * WIDTH + tl.sum(tl.where(match, slots[None, :], 0), axis=1)
-            rows = pair if PER_PICK else tokens
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = expert_tile(x_ptr, x_stride, rows, mine, w_ptr + expert * w_expert_stride, w_row_stride, cols,
-                              cols < N, N, squares, eps, norm_ptr, K, NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
-                              FP32_DOT, PRECISION)
-            tl.store(out_ptr + pair[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mine[:, None] & (cols < N)[None, :])
-
-    @triton.jit
-    def _combine_kernel(
-        y_ptr, y_stride, weights_ptr, res_ptr, res_stride, out_ptr, out_stride, squares_out_ptr, M, N,
-        WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        """out = residual + (each token's WIDTH pick results y[token * WIDTH + pick] weighted and summed in fp32,
-        rounded), rounded; and the partial sums of the block's squares at row program_id(0) of [column blocks, M]."""
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rows < M)[:, None] & (cols < N)[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for pick in tl.static_range(WIDTH):
-            pair = rows * WIDTH + pick
-            weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
-            y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            acc += y * weight[:, None]
-        dtype = out_ptr.dtype.element_ty
-        residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        out = (residual + acc.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=ok)
-        rounded = tl.where(ok, out.to(tl.float32), 0.0)
-        tl.store(squares_out_ptr + tl.program_id(0) * M + rows, tl.sum(rounded * rounded, axis=1), mask=rows < M)
-
-
-def _precision(weight: torch.Tensor) -> str:
-    return "ieee" if weight.dtype == torch.float32 else "tf32"
-
-
-def picked_expert_config(gated: bool, tokens: int) -> ExpertMatmulConfig:
-    """The expert GEMMs' launch config: measured on an H200 (`benchmarks/moe_layer_bench.py`), gate/up at under 8
-    rows took 17.3 us in 32 x 256 tiles against 24.7 in 64 x 128 (Thinker, 1 row; Talker 7.9 against 11.8), and over
-    16 rows 184 in 64 x 64 against 198 (32 rows; Talker 49 against 59); down was fastest or near it in 64 x 128."""
-    if gated and tokens < 8:
-        return FEW_ROWS_GATE_UP_CONFIG
-    if gated and tokens > 16:
-        return MANY_ROWS_GATE_UP_CONFIG
-    return WIDE_CONFIG
-
-
 def attention_key_block(kv_len: int) -> int:
     """The attention's keys per block for a step over `kv_len` positions."""
     return 64 if kv_len <= 64 else KEY_BLOCK
@@ -349,7 +270,7 @@ def decode_attention(
             batch.write_index.reshape(-1), out, out.stride(0), dim**-0.5, partial, arrivals, HEADS=heads,
             KV_HEADS=kv_heads, D=dim, D_PAD=dim_pad, GROUP_ROWS=group_rows, KEYS=keys, KEY_BLOCK=key_block,
             SPLITS=splits, ROWS_ARE_SLOTS=batch.rows_are_slots, FP32_DOT=interpreting(),
-            PRECISION=_precision(k_cache), num_warps=warps,
+            PRECISION=dot_precision(k_cache), num_warps=warps,
         )
     return out
 
@@ -384,52 +305,6 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
     return picks, weights, hit_list, hits
 
 
-def picked_expert_matmul(
-    x: torch.Tensor, weight: torch.Tensor, picks: torch.Tensor, hit_list: torch.Tensor, hits: torch.Tensor,
-    gated: bool, per_pick: bool, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    squares: torch.Tensor | None = None, config: ExpertMatmulConfig | None = None,
-) -> torch.Tensor:
-    """Each picked expert's GEMM over its tokens' rows: x [M, K] (or [M * width, K] with `per_pick`: one row per
-    pick) @ weight[e].T, weight [E, N, K] (or [E, 2N, K], `gated`: SiLU(gate) * up) → [M * width, N], row
-    token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
-    grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps (default:
-    `picked_expert_config`)."""
-    tokens, width = picks.shape
-    experts, out_width, depth = weight.shape
-    n = out_width // 2 if gated else out_width
-    assert x.stride(1) == 1 and weight.stride(2) == 1
-    out = torch.empty(tokens * width, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps = config or picked_expert_config(gated, tokens)
-    with _on_device(x):
-        _picked_expert_kernel[(min(tokens * width, experts), triton.cdiv(n, block_n))](
-            x, x.stride(0), squares if squares is not None else x, 0 if squares is None else squares.shape[0],
-            norm_weight if norm_weight is not None else x, eps, picks, hit_list, hits,
-            weight, weight.stride(0), weight.stride(1), out, out.stride(0), tokens, n,
-            K=depth, WIDTH=width, PICKS=triton.next_power_of_2(width), GATED=gated, NORM=norm_weight is not None,
-            SQUARES_IN=1 if squares is None else triton.next_power_of_2(squares.shape[0]), PER_PICK=per_pick,
-            BLOCK_M=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
-            FP32_DOT=interpreting(), PRECISION=_precision(weight), num_warps=warps, num_stages=stages,
-        )
-    return out
-
-
-def combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual [M, N] + each token's picks' results y [M * width, N] weighted by `weights` [M, width] → the layer's
-    output [M, N] and the partial sums of its rows' squares [column blocks, M]. One kernel."""
-    rows, n = residual.shape
-    width = weights.shape[1]
-    out = torch.empty_like(residual)
-    block_m = min(small_batch.ROW_TILE, max(16, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(n, COMBINE_BLOCK_N), triton.cdiv(rows, block_m))
-    squares = torch.empty(grid[0], rows, dtype=torch.float32, device=residual.device)
-    with _on_device(residual):
-        _combine_kernel[grid](
-            y, y.stride(0), weights, residual, residual.stride(0), out, out.stride(0), squares, rows, n,
-            WIDTH=width, BLOCK_M=block_m, BLOCK_N=COMBINE_BLOCK_N, num_warps=4,
-        )
-    return out, squares
-
-
 def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) -> bool:
     """Whether `decoder_layer` can run this layer's step: Triton on a GPU (or its interpreter), an MoE layer with
     fused q/k/v and expert kernels on (a shared expert folded in, if it has one), a decode step of at most
@@ -448,12 +323,14 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None, combine_in_down: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` for an MoE layer's decode step in eight kernels (see the module's docstring). x [B, 1,
     h]; `squares`: the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the
     layer's output and the same sums of it, for the next layer's input norm. `arrivals`: zeroed counters of this
-    layer's own for a split attention (`new_arrivals`)."""
+    layer's own for a split attention (`new_arrivals`). `combine_in_down` (default `COMBINE_IN_DOWN`): seven
+    kernels, the combine inside the down projection's (`down_and_combine`)."""
+    combine_in_down = COMBINE_IN_DOWN if combine_in_down is None else combine_in_down
     rows, _, width = x.shape
     attn, moe = layer.self_attn, layer.mlp
     flat = x.reshape(rows, width)
@@ -470,6 +347,9 @@ def decoder_layer(
     gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
     hidden = picked_expert_matmul(flat, gate_up, picks, hit_list, hits, gated=True, per_pick=False,
                                   norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
-    y = picked_expert_matmul(hidden, down, picks, hit_list, hits, gated=False, per_pick=True)
-    out, squares = combine(y, weights, flat)
+    if combine_in_down:
+        out, squares = down_and_combine(hidden, down, picks, hit_list, hits, weights, flat)
+    else:
+        y = picked_expert_matmul(hidden, down, picks, hit_list, hits, gated=False, per_pick=True)
+        out, squares = combine(y, weights, flat)
     return out.reshape(rows, 1, width), squares

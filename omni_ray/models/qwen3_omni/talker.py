@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,122 +27,18 @@ from omni_ray.engine.host_inputs import Download, cat_on_device, stack_on_device
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.profiling import host_range
 from omni_ray.engine.sampler import (
-    GREEDY, CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, needs_filter,
-    sample, top_k_cap,
+    CounterNoise, NoiseSource, SamplingBatch, draw_keys, fused_sample, mark_seen, sample, top_k_cap,
 )
 from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.persistent_pass import KernelBuildError
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
-
-# The code predictor samples with these when the Talker samples (transformers' fixed choice).
-MTP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+from omni_ray.models.qwen3_omni.talker_sequence import (
+    MTP_SAMPLING, FrameSampling, MtpSubStep, PendingFrames, TalkerSequence, TalkerStepOutput,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrameSampling:
-    """Which top-k/top-p filtering a frame's rows need: none (all greedy, or no top-k/top-p), over `*_top_k_cap`
-    candidates (every sampled row uses top-k), or a sort of the whole vocabulary. One frame graph per mode."""
-
-    filtered: bool
-    group0_top_k_cap: int | None = None
-    mtp_top_k_cap: int | None = None
-
-    @classmethod
-    def of(cls, group0: list[SamplingParams], mtp: list[SamplingParams]) -> "FrameSampling":
-        if not needs_filter(group0 + mtp):
-            return cls(False)
-        return cls(True, top_k_cap(group0), top_k_cap(mtp))
-
-
-@dataclass
-class MtpSubStep:
-    """What one MTP sub-step reads besides its tokens, the same in every frame: where its tokens go in the per-frame
-    cache, and their rotary tables."""
-
-    batch: AttentionBatch
-    cos: torch.Tensor  # [rows, T, head_dim]
-    sin: torch.Tensor
-
-
-@dataclass
-class TalkerSequence:
-    """One request inside the Talker engine, fed incrementally by the Thinker."""
-
-    request_id: str
-    sampling: SamplingParams
-    speaker_id: int
-    max_frames: int
-    frames_per_text_token: float = 0.0  # 0 disables the text-proportional limit
-    frame_budget_base: int = 0
-    ignore_eos: bool = False  # benchmark mode: codec EOS is never sampled; the frame cap ends the reply
-    early: bool = False  # the prefix came with the request: prefill all but the last position before the first token
-    # filled by the relay as the Thinker streams
-    prefix: dict[str, torch.Tensor] | None = None
-    text_embeds: list[torch.Tensor] = field(default_factory=list)  # Thinker layer-0 embeddings of reply tokens
-    thinker_done: bool = False
-    # engine state
-    slot: int = -1
-    num_cached: int = 0
-    steps: int = 0  # decode steps done
-    frames: int = 0
-    finish_reason: str | None = None
-    noise: NoiseSource | None = None  # group-0 draws
-    mtp_noise: NoiseSource | None = None  # code-predictor draws
-    # where the first frame's time goes (epoch s): the first reply token's arrival, the launch of the step making it
-    first_text_received: float | None = None
-    first_frame_launched: float | None = None
-    # how the message with the reply's first items came from the Thinker: queued, sent, arrived (`RelayMessage`)
-    first_text_relay: tuple[float, float, float] | None = None
-
-    @property
-    def mtp_sampling(self) -> SamplingParams:
-        return GREEDY if self.sampling.greedy else MTP_SAMPLING
-
-    def hear(self, outputs: list[Any], done: bool = True) -> None:
-        """Take a Thinker runner's step outputs in process (`ThinkerStepOutput`: the prefix states, each reply
-        token's embedding), as tests and benchmarks drive the two runners (the stages take them from the relay);
-        `done`: the Thinker's reply has ended."""
-        for out in outputs:
-            if out.talker_prefix is not None:
-                self.prefix = out.talker_prefix
-            if out.talker_embed is not None:
-                self.add_text(out.talker_embed)
-        self.thinker_done = done
-
-    def add_text(self, embed: torch.Tensor) -> None:
-        """The next reply token's Thinker embedding arrived (the first one's arrival time is kept)."""
-        if self.first_text_received is None:
-            self.first_text_received = time.time()
-        self.text_embeds.append(embed)
-
-    def frame_limit(self) -> int:
-        if self.frames_per_text_token <= 0 or not self.thinker_done:
-            return self.max_frames
-        proportional = self.frame_budget_base + int(self.frames_per_text_token * len(self.text_embeds))
-        return min(self.max_frames, max(1, proportional))
-
-
-@dataclass
-class TalkerStepOutput:
-    request_id: str
-    codes: list[int] | None  # one frame, all groups; None when the step ended the request without a frame
-    finish_reason: str | None
-    step: int = -1  # its runner's frame step count when it was made: the clock the vocoder aligns its chunks on
-
-
-@dataclass
-class PendingFrames:
-    """A launched Talker step: its rows (sequence, the frame number it makes) and their codes on the way to the
-    host; `outputs` are the ends decided without the device."""
-
-    rows: list[tuple[TalkerSequence, int]] = field(default_factory=list)
-    codes: Download | None = None
-    outputs: list[TalkerStepOutput] = field(default_factory=list)
-    step: int = -1  # the runner's frame step count at this step
 
 
 class TalkerRunner:

@@ -82,18 +82,23 @@ if triton is not None:
                        rows, cols, block, M, N, WIDTH: tl.constexpr, FROM_L2: tl.constexpr):
         """out[rows, cols] = residual + (each token's WIDTH pick results y[token * WIDTH + pick] weighted and summed
         in fp32, rounded), rounded; and the partial sums of the block's squares at row `block` of [column blocks, M].
-        FROM_L2: y read past the L1 cache (written by other programs of the same launch)."""
+        FROM_L2: y read past the L1 cache (written by other programs of the same launch), one pick at a time: inside
+        the down projection's kernel, the picks' loads unrolled spilled about 60 registers (ptxas for sm_90a), one at
+        a time none."""
         ok = (rows < M)[:, None] & (cols < N)[None, :]
         acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
-        for pick in tl.static_range(WIDTH):
-            pair = rows * WIDTH + pick
-            weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
-            at = y_ptr + pair[:, None] * y_stride + cols[None, :]
-            if FROM_L2:
-                y = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            else:
-                y = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-            acc += y * weight[:, None]
+        if FROM_L2:
+            for pick in tl.range(0, WIDTH, loop_unroll_factor=1):
+                pair = rows * WIDTH + pick
+                weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
+                y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                acc += y.to(tl.float32) * weight[:, None]
+        else:
+            for pick in tl.static_range(WIDTH):
+                pair = rows * WIDTH + pick
+                weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
+                y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+                acc += y * weight[:, None]
         dtype = out_ptr.dtype.element_ty
         residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         out = (residual + acc.to(dtype).to(tl.float32)).to(dtype)

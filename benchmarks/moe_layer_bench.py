@@ -27,6 +27,9 @@ KEY_BLOCKS = (64, 128)
 EXPERT_CONFIGS: list[ExpertMatmulConfig] = [(64, 128, 3, 4), (32, 256, 3, 4), (64, 64, 4, 4), (32, 256, 4, 4),
                                             (16, 256, 3, 4), (32, 512, 2, 4), (64, 256, 3, 8), (64, 64, 5, 4)]
 BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth
+# a layer's kernels: eight; the combine in the down GEMM's kernel; the routing in the router GEMM's; both (six)
+LAYER_VARIANTS = (("layer", False, False), ("combine in down", True, False), ("routing in router", False, True),
+                  ("both (6 kernels)", True, True))
 
 
 @dataclasses.dataclass
@@ -184,9 +187,9 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
 
 
 def layer_row(step: Step, rows: int) -> dict[str, Any]:
-    """A whole layer's decode step (eight kernels; and seven, the combine inside the down projection's kernel), µs
-    per layer, against the bytes it must read at 4.3 TB/s: its attention and router weights, the picked experts'
-    weights and each row's keys and values."""
+    """A whole layer's decode step (eight kernels, and with fewer: `LAYER_VARIANTS`), µs per layer, against the bytes
+    it must read at 4.3 TB/s: its attention and router weights, the picked experts' weights and each row's keys and
+    values."""
     layers = step.stack.layers
     moe = layers[0].mlp
     dense = sum(p.numel() * 2 for name, p in layers[0].named_parameters() if "experts" not in name)
@@ -198,9 +201,11 @@ def layer_row(step: Step, rows: int) -> dict[str, Any]:
     kv_bytes = rows * written * spec.num_kv_heads * spec.head_dim * 2 * 2
     floor = (dense + hits * per_expert + kv_bytes) / BANDWIDTH * 1e6
     row: dict[str, Any] = {"rows": rows}
-    for name, combine_in_down in (("layer", False), ("layer, combine in down", True)):
-        row[name] = per_call_us([lambda arrivals, i=i, combined=combine_in_down: small_batch_moe.decoder_layer(
-            layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch, None, arrivals, combined)[0]
+    for name, combine_in_down, route_in_router in LAYER_VARIANTS:
+        row[name] = per_call_us([
+            lambda arrivals, i=i, combined=combine_in_down, routed=route_in_router: small_batch_moe.decoder_layer(
+                layers[i], step.x, step.cos, step.sin, step.cache.layers[i], step.batch, None, arrivals, combined,
+                routed)[0]
             for i in range(len(layers))], step)
     return row | {"floor": floor, "experts hit": hits}
 

@@ -289,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MoE layers' decode steps as the layers' own code instead of eight Triton kernels each "
                         "(`engine.moe_layer_kernels: false`)")
     parser.add_argument("--combine-in-down", action="store_true",
-                        help="MoE layers' decode steps in seven kernels: the combine inside the down projection's "
-                        "kernel (`small_batch_moe.COMBINE_IN_DOWN`)")
+                        help="MoE layers' decode steps with the combine inside the down projection's kernel "
+                        "(`small_batch_moe.COMBINE_IN_DOWN`)")
+    parser.add_argument("--route-in-router", action="store_true",
+                        help="MoE layers' decode steps with the routing inside the router GEMM's kernel "
+                        "(`small_batch_moe.ROUTE_IN_ROUTER`)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS,
                         help="prefill batches whose bucket holds more padded tokens run without a graph, unbucketed "
                         "(`engine.prefill_graph_tokens`, the service's default; -1: every prefill from a graph)")
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.prefill_graph_tokens = None if args.prefill_graph_tokens < 0 else args.prefill_graph_tokens
-    small_batch_moe.COMBINE_IN_DOWN = args.combine_in_down
+    small_batch_moe.COMBINE_IN_DOWN, small_batch_moe.ROUTE_IN_ROUTER = args.combine_in_down, args.route_in_router
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (", the MoE combine inside the down projection's kernel" if args.combine_in_down else "")
+                    + (", the MoE routing inside the router GEMM's kernel" if args.route_in_router else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"
                        if args.prefill_graph_tokens is not None else ", every prefill from a graph")
                     + f", KV slots of {args.max_seq_len} positions",

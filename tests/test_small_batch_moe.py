@@ -36,32 +36,37 @@ for dtype, rows_are_slots, shared, heads, dim, programs, key_block in CASES:
     fused = copy.deepcopy(eager)
     eager.fuse_projections()
     assert fused.use_moe_layer_kernels()
-    caches = [SlotKVCache(2, 5, CACHE, 2, dim, dtype, "cpu") for _ in range(3)]
+    # the eager layers, the eight kernels, then with the combine in the down GEMM's kernel, the routing in the
+    # router GEMM's, and both (seven, seven and six kernels)
+    fewer = ((False, False), (True, False), (False, True), (True, True))
+    caches = [SlotKVCache(2, 5, CACHE, 2, dim, dtype, "cpu") for _ in range(1 + len(fewer))]
     for k, v in caches[0].layers:  # stale keys past each row's position: the kernel must not read them
         k.normal_(); v.normal_()
-    for (k0, v0), (k1, v1), (k2, v2) in zip(*[c.layers for c in caches]):
-        k1.copy_(k0); v1.copy_(v0); k2.copy_(k0); v2.copy_(v0)
+    for cache in caches[1:]:
+        for (k0, v0), (k1, v1) in zip(caches[0].layers, cache.layers):
+            k1.copy_(k0); v1.copy_(v0)
     rows = 3
     slots = torch.arange(rows) if rows_are_slots else torch.tensor([4, 0, 2])
     starts = torch.tensor([5, 63, 130])
-    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0, "combined in down": 0.0}
+    worst = {"hidden": 0.0, "keys": 0.0, "values": 0.0, "used": 0, "fewer kernels": 0.0}
     for step in range(3):
         batch = AttentionBatch.from_tensors(slots, starts, 1, int(starts.max()) + 1, rows_are_slots=rows_are_slots)
         x = torch.randn(rows, 1, 64).to(dtype)
         cos, sin = eager.rotary(starts[:, None], dtype)
-        outs = []
-        for i, (stack, cache) in enumerate(zip((eager, fused, fused), caches)):
-            if i == 1:
-                worst["used"] += sum(int(small_batch_moe.applies(layer, x, batch)) for layer in stack.layers)
-            small_batch_moe.COMBINE_IN_DOWN = i == 2  # the third run: seven kernels, the combine in the down GEMM's
-            outs.append(stack(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
-        small_batch_moe.COMBINE_IN_DOWN = False
+        outs = [eager(x, None, caches[0].layers, batch, rope=(cos, sin))[0].float()]
+        worst["used"] += sum(int(small_batch_moe.applies(layer, x, batch)) for layer in fused.layers)
+        for (combine_in_down, route_in_router), cache in zip(fewer, caches[1:]):
+            small_batch_moe.COMBINE_IN_DOWN, small_batch_moe.ROUTE_IN_ROUTER = combine_in_down, route_in_router
+            outs.append(fused(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
+        small_batch_moe.COMBINE_IN_DOWN = small_batch_moe.ROUTE_IN_ROUTER = False
         worst["hidden"] = max(worst["hidden"], (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item())
-        worst["combined in down"] = max(worst["combined in down"], (outs[1] - outs[2]).abs().max().item())
-        for (k0, v0), (k1, v1), (k2, v2) in zip(*[c.layers for c in caches]):
+        worst["fewer kernels"] = max([worst["fewer kernels"]] + [(outs[1] - out).abs().max().item() for out in outs[2:]])
+        for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
             worst["keys"] = max(worst["keys"], (k0.float() - k1.float()).abs().max().item())
             worst["values"] = max(worst["values"], (v0.float() - v1.float()).abs().max().item())
-            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        for cache in caches[2:]:
+            for (k1, v1), (k2, v2) in zip(caches[1].layers, cache.layers):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
         starts = starts + 1
     worst["splits"] = small_batch_moe.attention_splits(rows, 2, -(-batch.kv_len // key_block))
     results[f"{dtype}-{'rows are slots' if rows_are_slots else 'slots'}-shared {shared}-heads {heads}-dim {dim}-"
@@ -88,8 +93,9 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     programs (some with no block of a row's; the last to finish merging). The kernels' outputs and the keys and values
     they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to
     its rounding, for every layer of every step: the second layer's input norm reads the sums of squares the first
-    layer's combine left. With the combine inside the down projection's kernel (`COMBINE_IN_DOWN`) the outputs equal
-    the eight kernels' bit for bit. Steps of two tokens a row, prefills and steps of more than 64 rows keep the
+    layer's combine left. With the combine inside the down projection's kernel (`COMBINE_IN_DOWN`), the routing
+    inside the router GEMM's (`ROUTE_IN_ROUTER`) or both, the outputs and the keys and values equal the eight kernels'
+    bit for bit. Steps of two tokens a row, prefills and steps of more than 64 rows keep the
     layers' own code."""
     results = run_interpreted(CHECK)
     # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels
@@ -101,7 +107,7 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
         bf16 = "bfloat16" in case
         assert worst["hidden"] < (3e-2 if bf16 else 1e-5), (case, worst)  # relative to the largest output
         assert max(worst["keys"], worst["values"]) < (0.1 if bf16 else 1e-5), (case, worst)
-        assert worst["combined in down"] == 0.0, (case, worst)
+        assert worst["fewer kernels"] == 0.0, (case, worst)
 
 
 ROUTE_CHECK = r"""
@@ -187,6 +193,52 @@ def test_the_down_kernel_that_combines_equals_the_down_kernel_then_the_combine_k
     assert max(launch["hits"] for launches in results.values() for launch in launches) >= 16  # many programs arrive
 
 
+ROUTER_AND_ROUTE_CHECK = r"""
+import json, torch
+from omni_ray.layers import small_batch, small_batch_moe
+
+torch.manual_seed(0)
+results = {}
+# rows, width, experts, top k, shared expert parts, dtype, programs splitting the depth
+for rows, hidden, experts, top_k, shared, dtype, split in ((1, 64, 8, 3, 0, torch.float32, 1),
+                                                          (5, 128, 16, 4, 2, torch.bfloat16, 1),
+                                                          (32, 256, 128, 8, 0, torch.bfloat16, 4),
+                                                          (20, 96, 12, 3, 0, torch.float32, 2)):
+    config = (16, 32, 2, 4, split)  # BLOCK_N, BLOCK_K, stages, warps, SPLIT_K: several column blocks and programs
+    small_batch.matmul_config = lambda n, k: config
+    launches = []
+    for launch in range(2):  # the second routes otherwise: the counters the first left must be zeros again
+        x = torch.randn(rows, hidden).to(dtype)
+        router = (torch.randn(-(-(experts + bool(shared)) // 16) * 16, hidden) * 0.2).to(dtype)
+        norm = (torch.rand(hidden) + 0.5).to(dtype)
+        squares = x.float().pow(2).sum(-1)[None, :].contiguous()
+        logits = small_batch.rows_matmul(x, router, norm, 1e-6, squares=squares)
+        apart = small_batch_moe.route(logits, top_k, True, experts, shared)
+        together = small_batch_moe.router_and_route(x, router, norm, 1e-6, squares, top_k, True, experts, shared)
+        hits = int(apart[3])
+        launches.append({"picks": torch.equal(apart[0], together[0]), "weights": torch.equal(apart[1], together[1]),
+                         "hits": hits if hits == int(together[3]) else -1,
+                         "hit list": torch.equal(apart[2][:hits], together[2][:hits])})
+    launches.append({"counters left at zero": not small_batch.arrival_counters(torch.device("cpu")).any().item()})
+    results[f"{rows} rows, {experts} experts, top {top_k}, {shared} shared parts, {dtype}, depth in {split}"] = launches
+print(json.dumps(results))
+"""
+
+
+def test_the_router_gemm_that_routes_equals_the_router_gemm_then_the_routing_kernel() -> None:
+    """`router_and_route` (the router GEMM's last program to finish routes) under Triton's interpreter, against
+    `rows_matmul` and then `route`: the same picks, weights and list of hit experts, bit for bit, at 1 to 32 rows, 8
+    to 128 experts, with a shared expert's parts, the depth in one to four programs over several column blocks;
+    two launches in a row with different routings both right, and the arrival counters left at zero."""
+    results = run_interpreted(ROUTER_AND_ROUTE_CHECK)
+    assert len(results) == 4
+    for case, launches in results.items():
+        assert launches.pop() == {"counters left at zero": True}, case
+        for launch in launches:
+            assert launch["picks"] and launch["weights"] and launch["hit list"] and launch["hits"] > 0, (case, launch)
+    assert max(launch["hits"] for launches in results.values() for launch in launches) >= 64  # many experts listed
+
+
 def _bf16_pointers(*names: str) -> dict[str, str]:
     return {name: "*bf16" for name in names}
 
@@ -195,12 +247,12 @@ def _i32(*names: str) -> dict[str, str]:
     return {name: "i32" for name in names}
 
 
-@pytest.mark.parametrize("kernel_name",
-                         ["attention", "split attention", "route", "gate_up", "down", "down + combine", "combine"])
+@pytest.mark.parametrize("kernel_name", ["attention", "split attention", "route", "router + route", "gate_up", "down",
+                                         "down + combine", "combine"])
 def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), each kernel in the form the
     Talker's layers launch it at 32 rows: what the interpreter lets pass and a GPU would refuse fails here."""
-    from omni_ray.layers import picked_experts
+    from omni_ray.layers import picked_experts, small_batch
     from omni_ray.layers import small_batch_moe as kernels
 
     types: dict[str, str]
@@ -220,6 +272,18 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
         types = {"logits_ptr": "*bf16", "picks_ptr": "*i32", "weights_ptr": "*fp32", "hit_list_ptr": "*i32",
                  "hits_ptr": "*i32"} | _i32("logits_stride", "M", "num_experts")
         constants = {"TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROWS": 32, "EXPERTS": 128, "PICKS": 8}
+    elif kernel_name == "router + route":  # the Talker's router (144 rows with its shared gate, 1,024 deep)
+        kernel = kernels._router_kernel
+        types = _bf16_pointers("x_ptr", "w_ptr", "out_ptr", "res_ptr", "norm_ptr")
+        types |= {"eps": "fp32", "squares_in_ptr": "*fp32", "squares_out_ptr": "*fp32", "partial_ptr": "*fp32",
+                  "arrivals_ptr": "*i32", "picks_ptr": "*i32", "weights_ptr": "*fp32", "hit_list_ptr": "*i32",
+                  "hits_ptr": "*i32", "route_counter_ptr": "*i32"}
+        types |= _i32("x_stride", "w_stride", "out_stride", "res_stride", "M", "N", "squares_in_count", "num_experts")
+        block_n, block_k, _, _, split = small_batch.matmul_config(144, 1024)
+        constants = {"K": 1024, "NORM": True, "GATED": False, "RESIDUAL": False, "SQUARES_IN": 16, "SQUARES_OUT": False,
+                     "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
+                     "PRECISION": "tf32", "TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROUTE_ROWS": 32,
+                     "EXPERTS": 128, "PICKS": 8}
     elif kernel_name in ("gate_up", "down", "down + combine"):
         kernel = picked_experts._picked_expert_kernel
         gated = kernel_name == "gate_up"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -257,6 +258,7 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
 
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
+TAIL_COUNTER = ARRIVAL_COUNTERS - 1  # the one a `launch_rows_matmul` kernel's tail counts every program in
 
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
@@ -293,9 +295,22 @@ def rows_matmul_keeping_squares(
     return out, squares
 
 
+def launch_rows_matmul(
+    kernel: Any, tail_args: tuple[Any, ...], tail_constants: dict[str, Any], x: torch.Tensor, weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, squares: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rows_matmul`'s launch (no residual, not gated) of another kernel: one that takes `_rows_matmul_kernel`'s
+    arguments followed by `tail_args` (and its constants followed by `tail_constants`), calls `_rows_matmul_kernel`
+    and then runs a tail of its own over the output, its last program to finish counted in
+    `arrival_counters(x.device)[TAIL_COUNTER]`. Returns the GEMM's output."""
+    return _rows_matmul(x, weight, norm_weight, eps, False, None, None, squares, False, (kernel, tail_args,
+                                                                                         tail_constants))[0]
+
+
 def _rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gated: bool,
     residual: torch.Tensor | None, config: MatmulConfig | None, squares: torch.Tensor | None, keep_squares: bool,
+    tail: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -307,23 +322,25 @@ def _rows_matmul(
     kept = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if keep_squares else None
     partial, arrivals = out, out
     if split > 1:
-        assert grid[0] * grid[1] <= ARRIVAL_COUNTERS
+        assert grid[0] * grid[1] <= (TAIL_COUNTER if tail else ARRIVAL_COUNTERS)
         partial = torch.empty(split, 2 if gated else 1, rows, n, dtype=torch.float32, device=x.device)
         arrivals = arrival_counters(x.device)
     res = residual if residual is not None else out
     if squares is not None:
         assert squares.shape[1] == rows and squares.is_contiguous() and squares.dtype == torch.float32
+    kernel, tail_args, tail_constants = tail or (_rows_matmul_kernel, (), {})
     with _on_device(x):
-        _rows_matmul_kernel[grid](
+        kernel[grid](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0),
             res, res.stride(0),
             norm_weight if norm_weight is not None else weight, eps, rows, n,
             squares if squares is not None else out, 0 if squares is None else squares.shape[0],
-            kept if kept is not None else out, partial, arrivals,
+            kept if kept is not None else out, partial, arrivals, *tail_args,
             K=k, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             SQUARES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=keep_squares,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, FP32_DOT=interpreting(),
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+            **tail_constants,
         )
     return out, kept
 

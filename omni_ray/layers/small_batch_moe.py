@@ -17,24 +17,31 @@ GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is ei
    expert, column block), which finds its tokens among the picks itself;
 7. each picked expert's down projection, the same way;
 8. each token's picks weighted and summed, + the residual, leaving the partial sums of its rows' squares for the next
-   layer's input norm (with `COMBINE_IN_DOWN`: inside 7's kernel, seven kernels a layer).
+   layer's input norm.
 
-Kernels 6-8 live in `layers/picked_experts.py`. A pair's results are stored at its (token, pick) row, so nothing sorts the pairs by expert and nothing gathers them
-back. Sums run in fp32 and each kernel rounds once where the eager layer rounds after every op: outputs agree with
-the eager layer to bf16 rounding, not bit for bit. Only decode steps (one token per row) over the cache take it.
+Opt-in, one kernel fewer each: with `ROUTE_IN_ROUTER` 5 runs inside 4's kernel (its last program to finish routes),
+with `COMBINE_IN_DOWN` 8 inside 7's (each column block's last program to finish combines it).
+
+Kernels 6-8 live in `layers/picked_experts.py`. A pair's results are stored at its (token, pick) row, so nothing
+sorts the pairs by expert and nothing gathers them back. Sums run in fp32 and each kernel rounds once where the eager
+layer rounds after every op: outputs agree with the eager layer to bf16 rounding, not bit for bit. Only decode steps
+(one token per row) over the cache take it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from omni_ray.layers import small_batch
 from omni_ray.layers.attention import AttentionBatch
-from omni_ray.layers.picked_experts import dot_precision, combine, down_and_combine, picked_expert_matmul
+from omni_ray.layers.picked_experts import combine, dot_precision, down_and_combine, picked_expert_matmul
 from omni_ray.layers.small_batch import _on_device, interpreting, rows_matmul, rows_matmul_keeping_squares
 
 try:
     import triton
     import triton.language as tl
+
+    from omni_ray.layers.small_batch import _rows_matmul_kernel
 except ImportError:  # a CPU-only install: the layers run their own code
     triton = None
 
@@ -45,9 +52,11 @@ KEY_BLOCK = 128
 # The programs the split attention aims at in all: 256 beat 128 at 32 rows (Thinker 11.6 against 11.9 us, Talker 11.5
 # against 12.9).
 ATTENTION_PROGRAMS = 256
-# The combine inside the down projection's kernel (its column blocks' last programs), one kernel a layer fewer: equal
-# outputs under the interpreter; off until measured on a GPU (`benchmarks/moe_layer_bench.py`, the layer section).
+# One kernel a layer fewer each, equal outputs under the interpreter, off until measured on a GPU
+# (`benchmarks/moe_layer_bench.py`, its layer section): the combine inside the down projection's kernel (its column
+# blocks' last programs), and the routing inside the router GEMM's (its last program).
 COMBINE_IN_DOWN = False
+ROUTE_IN_ROUTER = False
 
 
 if triton is not None:
@@ -171,19 +180,60 @@ if triton is not None:
         TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROWS: tl.constexpr,
         EXPERTS: tl.constexpr, PICKS: tl.constexpr,
     ):
+        """`_route_rows` in one program."""
+        _route_rows(logits_ptr, logits_stride, picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, M, num_experts, TOP_K,
+                    SHARED_PARTS, NORM_TOP_K, ROWS, EXPERTS, PICKS, False)
+
+    @triton.jit
+    def _router_kernel(
+        x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
+        squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr,
+        picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, route_counter_ptr, num_experts,
+        K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROUTE_ROWS: tl.constexpr,
+        EXPERTS: tl.constexpr, PICKS: tl.constexpr,
+    ):
+        """The router's GEMM (`small_batch._rows_matmul_kernel`: its logits into out), then `_route_rows` over them
+        by the launch's last program to finish (every program counted in route_counter_ptr, left at zero): each
+        program's own part of the logits is stored before it counts itself, so the last sees them all."""
+        _rows_matmul_kernel(
+            x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, res_ptr, res_stride, norm_ptr, eps, M, N,
+            squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr, K=K, NORM=NORM,
+            GATED=GATED, RESIDUAL=RESIDUAL, SQUARES_IN=SQUARES_IN, SQUARES_OUT=SQUARES_OUT, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, FP32_DOT=FP32_DOT, PRECISION=PRECISION,
+        )
+        tl.debug_barrier()  # every thread's stores made before the release below
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(route_counter_ptr, 1) == programs - 1:  # acq_rel: the others' logits are visible
+            _route_rows(out_ptr, out_stride, picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, M, num_experts, TOP_K,
+                        SHARED_PARTS, NORM_TOP_K, ROUTE_ROWS, EXPERTS, PICKS, True)
+            tl.atomic_xchg(route_counter_ptr, 0)  # zero again for the next launch
+
+    @triton.jit
+    def _route_rows(
+        logits_ptr, logits_stride, picks_ptr, weights_ptr, hit_list_ptr, hits_ptr, M, num_experts,
+        TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROWS: tl.constexpr,
+        EXPERTS: tl.constexpr, PICKS: tl.constexpr, FROM_L2: tl.constexpr,
+    ):
         """Router logits [M, experts (+ the shared expert's gate)] → each row's TOP_K experts by softmax probability
         (ties to the lower id), their weights (renormalised with NORM_TOP_K, rounded to the logits' dtype), then
         SHARED_PARTS more picks of the shared expert's parts (ids num_experts..) weighted by the sigmoid of the last
         logit: picks and weights [M, TOP_K + SHARED_PARTS]. Also the picked experts' ids in increasing order
-        (hit_list) and their number (hits). One program."""
+        (hit_list) and their number (hits). FROM_L2: the logits read past the L1 cache (written by other programs of
+        the same launch)."""
         WIDTH: tl.constexpr = TOP_K + SHARED_PARTS
+        CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
         rows = tl.arange(0, ROWS)
         experts = tl.arange(0, EXPERTS)
         slots = tl.arange(0, PICKS)
         row_ok = rows < M
         dtype = logits_ptr.dtype.element_ty
         logits = tl.load(logits_ptr + rows[:, None] * logits_stride + experts[None, :],
-                         mask=row_ok[:, None] & (experts < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+                         mask=row_ok[:, None] & (experts < num_experts)[None, :], other=float("-inf"),
+                         cache_modifier=CACHE).to(tl.float32)
         logits = tl.where(row_ok[:, None], logits, 0.0)  # padding rows: finite, never stored
         probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         probs = probs / tl.sum(probs, axis=1)[:, None]
@@ -200,7 +250,8 @@ if triton is not None:
             weights = weights / tl.sum(weights, axis=1)[:, None]
         weights = weights.to(dtype).to(tl.float32)
         if SHARED_PARTS > 0:
-            gate = tl.load(logits_ptr + rows * logits_stride + num_experts, mask=row_ok, other=0.0).to(tl.float32)
+            gate = tl.load(logits_ptr + rows * logits_stride + num_experts, mask=row_ok, other=0.0,
+                           cache_modifier=CACHE).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             shared = (slots >= TOP_K) & (slots < WIDTH)
             picks = tl.where(shared[None, :], num_experts + slots[None, :] - TOP_K, picks)
@@ -289,20 +340,46 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
     (`warps`: its num_warps, default `route_warps`). Keep the logits' row stride a multiple of 16 elements: Triton
     specialises on it, and on other strides the kernel took 2.7x the instructions (50 barriers instead of 10)."""
     rows = logits.shape[0]
-    width = top_k + shared_parts
-    total = num_experts + shared_parts
-    picks = torch.empty(rows, width, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
-    hit_list = torch.empty(total, dtype=torch.int32, device=logits.device)
-    hits = torch.empty(1, dtype=torch.int32, device=logits.device)
+    routes = _routes(logits, top_k, num_experts, shared_parts)
     with _on_device(logits):
         _route_kernel[(1,)](
-            logits, logits.stride(0), picks, weights, hit_list, hits, rows, num_experts,
-            TOP_K=top_k, SHARED_PARTS=shared_parts, NORM_TOP_K=norm_top_k, ROWS=max(16, triton.next_power_of_2(rows)),
-            EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(width),
-            num_warps=warps or route_warps(rows),
+            logits, logits.stride(0), *routes, rows, num_experts,
+            **_route_constants(rows, top_k, norm_top_k, num_experts, shared_parts), num_warps=warps or route_warps(rows),
         )
-    return picks, weights, hit_list, hits
+    return routes
+
+
+def router_and_route(
+    x: torch.Tensor, router: torch.Tensor, norm_weight: torch.Tensor, eps: float, squares: torch.Tensor | None,
+    top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rows_matmul` (RMSNorm with `norm_weight`, then the `router` GEMM) and `route` over its logits in one kernel:
+    the GEMM's last program to finish routes. Returns what `route` returns, the same values."""
+    routes = _routes(x, top_k, num_experts, shared_parts)
+    counter = small_batch.arrival_counters(x.device)[small_batch.TAIL_COUNTER:]
+    small_batch.launch_rows_matmul(
+        _router_kernel, (*routes, counter, num_experts),
+        _route_constants(x.shape[0], top_k, norm_top_k, num_experts, shared_parts, "ROUTE_ROWS"), x, router,
+        norm_weight, eps, squares)
+    return routes
+
+
+def _routes(
+    like: torch.Tensor, top_k: int, num_experts: int, shared_parts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A routing's outputs, unfilled: picks, weights, the hit list and its length."""
+    rows, width = like.shape[0], top_k + shared_parts
+    return (torch.empty(rows, width, dtype=torch.int32, device=like.device),
+            torch.empty(rows, width, dtype=torch.float32, device=like.device),
+            torch.empty(num_experts + shared_parts, dtype=torch.int32, device=like.device),
+            torch.empty(1, dtype=torch.int32, device=like.device))
+
+
+def _route_constants(rows: int, top_k: int, norm_top_k: bool, num_experts: int, shared_parts: int,
+                     rows_name: str = "ROWS") -> dict[str, int | bool]:
+    return {"TOP_K": top_k, "SHARED_PARTS": shared_parts, "NORM_TOP_K": norm_top_k,
+            rows_name: max(16, triton.next_power_of_2(rows)), "EXPERTS": triton.next_power_of_2(num_experts),
+            "PICKS": triton.next_power_of_2(top_k + shared_parts)}
 
 
 def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) -> bool:
@@ -323,14 +400,16 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None, combine_in_down: bool | None = None,
+    arrivals: torch.Tensor | None = None, combine_in_down: bool | None = None, route_in_router: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` for an MoE layer's decode step in eight kernels (see the module's docstring). x [B, 1,
     h]; `squares`: the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the
     layer's output and the same sums of it, for the next layer's input norm. `arrivals`: zeroed counters of this
-    layer's own for a split attention (`new_arrivals`). `combine_in_down` (default `COMBINE_IN_DOWN`): seven
-    kernels, the combine inside the down projection's (`down_and_combine`)."""
+    layer's own for a split attention (`new_arrivals`). `combine_in_down` (default `COMBINE_IN_DOWN`): the combine
+    inside the down projection's kernel (`down_and_combine`); `route_in_router` (default `ROUTE_IN_ROUTER`): the
+    routing inside the router GEMM's (`router_and_route`); each one kernel fewer."""
     combine_in_down = COMBINE_IN_DOWN if combine_in_down is None else combine_in_down
+    route_in_router = ROUTE_IN_ROUTER if route_in_router is None else route_in_router
     rows, _, width = x.shape
     attn, moe = layer.self_attn, layer.mlp
     flat = x.reshape(rows, width)
@@ -340,10 +419,15 @@ def decoder_layer(
     flat, squares = rows_matmul_keeping_squares(attended, attn.o_proj.weight, flat)
     norm = layer.post_attention_layernorm
     router = moe.router_and_shared_gate if moe.router_and_shared_gate is not None else moe.gate.weight
-    logits = rows_matmul(flat, router, norm.weight, norm.variance_epsilon, squares=squares)
     num_experts = moe.gate.weight.shape[0]
-    picks, weights, hit_list, hits = route(logits, moe.gate.top_k, moe.gate.norm_topk_prob, num_experts,
-                                           moe.shared_parts)
+    if route_in_router:
+        picks, weights, hit_list, hits = router_and_route(flat, router, norm.weight, norm.variance_epsilon, squares,
+                                                          moe.gate.top_k, moe.gate.norm_topk_prob, num_experts,
+                                                          moe.shared_parts)
+    else:
+        logits = rows_matmul(flat, router, norm.weight, norm.variance_epsilon, squares=squares)
+        picks, weights, hit_list, hits = route(logits, moe.gate.top_k, moe.gate.norm_topk_prob, num_experts,
+                                               moe.shared_parts)
     gate_up, down = moe.experts.stacked or (moe.experts.gate_up_proj, moe.experts.down_proj)
     hidden = picked_expert_matmul(flat, gate_up, picks, hit_list, hits, gated=True, per_pick=False,
                                   norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)

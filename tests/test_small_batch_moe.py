@@ -183,10 +183,8 @@ def test_the_down_kernel_that_combines_equals_the_down_kernel_then_the_combine_k
     interpreter, against the down projection's kernel and then the combine kernel: the same output and the same partial
     sums of squares, bit for bit, at 1 to 32 rows, 3 to 32 experts hit, one to three column blocks, fp32 and bf16;
     two launches in a row with different routings both right, and the arrival counters left at zero."""
-    results = run_interpreted(DOWN_AND_COMBINE_CHECK)
-    assert len(results) == 4
+    results = _launches_leaving_zeroed_counters(DOWN_AND_COMBINE_CHECK)
     for case, launches in results.items():
-        assert launches.pop() == {"counters left at zero": True}, case
         for launch in launches:
             assert launch["outputs equal"] and launch["squares equal"], (case, launch)
         assert launches[0]["column blocks"] == -(-int(case.split(", ")[3].split()[0]) // 64), case
@@ -230,13 +228,21 @@ def test_the_router_gemm_that_routes_equals_the_router_gemm_then_the_routing_ker
     `rows_matmul` and then `route`: the same picks, weights and list of hit experts, bit for bit, at 1 to 32 rows, 8
     to 128 experts, with a shared expert's parts, the depth in one to four programs over several column blocks;
     two launches in a row with different routings both right, and the arrival counters left at zero."""
-    results = run_interpreted(ROUTER_AND_ROUTE_CHECK)
-    assert len(results) == 4
+    results = _launches_leaving_zeroed_counters(ROUTER_AND_ROUTE_CHECK)
     for case, launches in results.items():
-        assert launches.pop() == {"counters left at zero": True}, case
         for launch in launches:
             assert launch["picks"] and launch["weights"] and launch["hit list"] and launch["hits"] > 0, (case, launch)
     assert max(launch["hits"] for launches in results.values() for launch in launches) >= 64  # many experts listed
+
+
+def _launches_leaving_zeroed_counters(script: str) -> dict[str, list[dict[str, Any]]]:
+    """`script`'s four cases under the interpreter, each a list of launches and last the counters' state: that state
+    checked (every arrival counter back at zero) and dropped."""
+    results = run_interpreted(script)
+    assert len(results) == 4
+    for case, launches in results.items():
+        assert launches.pop() == {"counters left at zero": True}, case
+    return results
 
 
 def _bf16_pointers(*names: str) -> dict[str, str]:

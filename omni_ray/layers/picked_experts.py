@@ -91,7 +91,8 @@ if triton is not None:
             for pick in tl.range(0, WIDTH, loop_unroll_factor=1):
                 pair = rows * WIDTH + pick
                 weight = tl.load(weights_ptr + pair, mask=rows < M, other=0.0)
-                y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                y = tl.load(y_ptr + pair[:, None] * y_stride + cols[None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
                 acc += y.to(tl.float32) * weight[:, None]
         else:
             for pick in tl.static_range(WIDTH):
@@ -145,7 +146,9 @@ def picked_expert_matmul(
     token * width + pick. `norm_weight` with `squares` [P, M]: each token's row RMS-normed first. One kernel; the
     grid covers as many experts as can be picked; `config`: BLOCK_N, BLOCK_K, stages, warps (default:
     `picked_expert_config`)."""
-    return _picked_expert_launch(x, weight, picks, hit_list, hits, gated, per_pick, norm_weight, eps, squares, config)[0]
+    out, _, _ = _picked_expert_launch(x, weight, picks, hit_list, hits, gated, per_pick, norm_weight, eps, squares,
+                                      config)
+    return out
 
 
 def down_and_combine(
@@ -191,7 +194,8 @@ def _picked_expert_launch(
             K=depth, WIDTH=width, PICKS=triton.next_power_of_2(width), GATED=gated, NORM=norm_weight is not None,
             SQUARES_IN=1 if squares is None else triton.next_power_of_2(squares.shape[0]), PER_PICK=per_pick,
             COMBINE=combine_with is not None, BLOCK_M=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n,
-            BLOCK_K=block_k, FP32_DOT=interpreting(), PRECISION=dot_precision(weight), num_warps=warps, num_stages=stages,
+            BLOCK_K=block_k, FP32_DOT=interpreting(), PRECISION=dot_precision(weight), num_warps=warps,
+            num_stages=stages,
         )
     if combine_with is None:
         return out, None, None

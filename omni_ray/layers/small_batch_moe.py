@@ -344,7 +344,8 @@ def route(logits: torch.Tensor, top_k: int, norm_top_k: bool, num_experts: int, 
     with _on_device(logits):
         _route_kernel[(1,)](
             logits, logits.stride(0), *routes, rows, num_experts,
-            **_route_constants(rows, top_k, norm_top_k, num_experts, shared_parts), num_warps=warps or route_warps(rows),
+            **_route_constants(rows, top_k, norm_top_k, num_experts, shared_parts),
+            num_warps=warps or route_warps(rows),
         )
     return routes
 

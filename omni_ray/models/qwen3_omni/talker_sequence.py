@@ -1,4 +1,4 @@
-"""The Talker engine's per-request state and step records: a request's sequence, a frame's sampling mode, a launched step."""
+"""The Talker engine's per-request state and step records: a sequence, a frame's sampling mode, a launched step."""
 
 from __future__ import annotations
 

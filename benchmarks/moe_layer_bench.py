@@ -160,7 +160,7 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
                for layer in layers]
     hits = sum(int(hit_count) for _, _, _, hit_count in routes) / len(routes)
     hidden = [picked_experts.picked_expert_matmul(flat, w[0], p, hl, h, gated=True, per_pick=False,
-                                                   norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
+                                                  norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares)
               for w, (p, _, hl, h) in zip(weights, routes)]
     out = []
     for name, gated in (("gate_up (norm, SiLU*up)", True), ("down", False)):
@@ -176,7 +176,7 @@ def expert_rows(step: Step, rows: int) -> list[dict[str, Any]]:
                         flat, weights[i][0], picks, hit_list, hit_count, gated=True, per_pick=False,
                         norm_weight=norm.weight, eps=norm.variance_epsilon, squares=squares, config=config)
                 return picked_experts.picked_expert_matmul(hidden[i], weights[i][1], picks, hit_list, hit_count,
-                                                            gated=False, per_pick=True, config=config)
+                                                           gated=False, per_pick=True, config=config)
             try:
                 row[str(list(config))] = per_call_us([lambda i=i: call(i) for i in range(len(layers))])
             except Exception as exc:  # e.g. more shared memory than the GPU has

@@ -23,7 +23,6 @@ from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.floors import floor_ms
-from omni_ray.layers import small_batch_moe
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -169,6 +168,7 @@ def bench_thinker(
     config: Any, device: str, dtype: torch.dtype, batches: list[int], prompt: int, steps: int, graphs: bool,
     compiled: bool = False, max_seq_len: int = 0, sampling: SamplingParams = SamplingParams(temperature=0.0),
     moe_kernels: bool = True, prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True,
+    moe_layer_folds: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.thinker_config.text_config
     slot_len = max(prompt + 2 * steps + 8, max_seq_len)
@@ -176,7 +176,7 @@ def bench_thinker(
         load_thinker(None, config, device, dtype), config,
         SlotKVCache(text.num_hidden_layers, max(batches), slot_len, text.num_key_value_heads, text.head_dim, dtype, device),
         cuda_graphs=graphs, compile_layers=compiled, moe_kernels=moe_kernels, prefill_graph_tokens=prefill_graph_tokens,
-        moe_layer_kernels=moe_layer_kernels,
+        moe_layer_kernels=moe_layer_kernels, moe_layer_folds=moe_layer_folds,
     )
     rows = []
     for batch in batches:
@@ -195,6 +195,7 @@ def bench_talker(
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
     prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
+    moe_layer_folds: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -204,7 +205,7 @@ def bench_talker(
         max(batches), cuda_graphs=graphs, compile_layers=compiled,
         sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels, moe_kernels=moe_kernels,
         prefill_graph_tokens=prefill_graph_tokens, moe_layer_kernels=moe_layer_kernels,
-        persistent_code_predictor=persistent_code_predictor,
+        persistent_code_predictor=persistent_code_predictor, moe_layer_folds=moe_layer_folds,
     )
     rows = []
     for batch in batches:
@@ -288,12 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
                         help="MoE layers' decode steps as the layers' own code instead of eight Triton kernels each "
                         "(`engine.moe_layer_kernels: false`)")
-    parser.add_argument("--combine-in-down", action="store_true",
-                        help="MoE layers' decode steps with the combine inside the down projection's kernel "
-                        "(`small_batch_moe.COMBINE_IN_DOWN`)")
-    parser.add_argument("--route-in-router", action="store_true",
-                        help="MoE layers' decode steps with the routing inside the router GEMM's kernel "
-                        "(`small_batch_moe.ROUTE_IN_ROUTER`)")
+    parser.add_argument("--moe-layer-folds", action="store_true",
+                        help="MoE layers' decode steps in six kernels: the routing inside the router GEMM's kernel, "
+                        "the combine inside the down GEMM's (`engine.moe_layer_folds`)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS,
                         help="prefill batches whose bucket holds more padded tokens run without a graph, unbucketed "
                         "(`engine.prefill_graph_tokens`, the service's default; -1: every prefill from a graph)")
@@ -301,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.prefill_graph_tokens = None if args.prefill_graph_tokens < 0 else args.prefill_graph_tokens
-    small_batch_moe.COMBINE_IN_DOWN, small_batch_moe.ROUTE_IN_ROUTER = args.combine_in_down, args.route_in_router
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
@@ -311,14 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     if "thinker" in stages:
         rows += bench_thinker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                               args.max_seq_len, SERVED_THINKER if args.thinker_sampling == "served" else SamplingParams(temperature=0.0),
-                              not args.no_moe_kernels, args.prefill_graph_tokens, not args.no_moe_layer_kernels)
+                              not args.no_moe_kernels, args.prefill_graph_tokens, not args.no_moe_layer_kernels,
+                              args.moe_layer_folds)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     if "talker" in stages:
         sampling = GREEDY_TALKER if args.talker_sampling == "greedy" else DEFAULT_TALKER_SAMPLING
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
-                             not args.no_moe_layer_kernels, args.persistent_code_predictor)
+                             not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -329,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
-                    + (", the MoE combine inside the down projection's kernel" if args.combine_in_down else "")
-                    + (", the MoE routing inside the router GEMM's kernel" if args.route_in_router else "")
+                    + (", MoE layers in six kernels (routing and combine folded)" if args.moe_layer_folds else "")
                     + (f", prefills over {args.prefill_graph_tokens} padded tokens without a graph"
                        if args.prefill_graph_tokens is not None else ", every prefill from a graph")
                     + f", KV slots of {args.max_seq_len} positions",

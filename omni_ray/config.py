@@ -112,6 +112,12 @@ class EngineSettings(_Strict):
         "kernel, the expert kernels finding their tokens among the picks, one combine) instead of the layer's own "
         "code (about 29-33 kernels a layer compiled by inductor)",
     )
+    moe_layer_folds: bool = Field(
+        default=False,
+        description="with `moe_layer_kernels`: six kernels a MoE layer instead of eight, the routing inside the router "
+        "GEMM's kernel (its last program to finish routes) and the combine inside the down GEMM's (each column "
+        "block's last program to finish combines it); the same outputs; opt-in until measured on a GPU",
+    )
     launch_ahead: bool | None = Field(
         default=None,
         description="queue each step on the device before reading the previous one back, so that the host's "

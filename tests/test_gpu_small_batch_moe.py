@@ -31,7 +31,7 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: 
     kernels' hidden states, and the keys and values they write, are off by at most twice what the layers' own bf16
     decode (the expert kernels, as served without these) is off, or bf16 noise (3% of the largest hidden value or
     key), and never by more than 10%; a graph replay gives the kernels' eager output. With the combine inside the
-    down projection's kernel and the routing inside the router GEMM's (`COMBINE_IN_DOWN`, `ROUTE_IN_ROUTER`) the
+    down projection's kernel and the routing inside the router GEMM's (`use_moe_layer_kernels(folds=True)`) the
     output is the eight kernels' bit for bit, eagerly and replayed.
 
     The routers pick by one channel of the residual stream, held at +10 or -10 in alternate rows: there a top-k of
@@ -107,14 +107,11 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: 
 
     # six kernels, the combine inside the down projection's kernel and the routing inside the router GEMM's: the same
     # bits, eagerly and replayed twice (their arrival counters left at zero by every launch)
-    small_batch_moe.COMBINE_IN_DOWN = small_batch_moe.ROUTE_IN_ROUTER = True
-    try:
-        fewer = kernels(x, None, caches[1].layers, batch, rope=reference.rotary(positions, torch.bfloat16))[0]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = kernels(x, None, caches[1].layers, batch, rope=reference.rotary(positions, torch.bfloat16))[0]
-    finally:
-        small_batch_moe.COMBINE_IN_DOWN = small_batch_moe.ROUTE_IN_ROUTER = False
+    kernels.moe_combine_in_down = kernels.moe_route_in_router = True  # as `use_moe_layer_kernels(folds=True)` sets
+    fewer = kernels(x, None, caches[1].layers, batch, rope=reference.rotary(positions, torch.bfloat16))[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = kernels(x, None, caches[1].layers, batch, rope=reference.rotary(positions, torch.bfloat16))[0]
     assert torch.equal(fewer.float(), outs[1])
     for _ in range(2):
         replayed.zero_()

@@ -33,9 +33,10 @@ for dtype, rows_are_slots, shared, heads, dim, programs, key_block in CASES:
     with torch.no_grad():
         for p in eager.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.15) + (1.0 if p.dim() == 1 else 0.0))
-    fused = copy.deepcopy(eager)
+    fused, folded = copy.deepcopy(eager), copy.deepcopy(eager)
     eager.fuse_projections()
-    assert fused.use_moe_layer_kernels()
+    assert fused.use_moe_layer_kernels() and not (fused.moe_combine_in_down or fused.moe_route_in_router)
+    assert folded.use_moe_layer_kernels(folds=True) and folded.moe_combine_in_down and folded.moe_route_in_router
     # the eager layers, the eight kernels, then with the combine in the down GEMM's kernel, the routing in the
     # router GEMM's, and both (seven, seven and six kernels)
     fewer = ((False, False), (True, False), (False, True), (True, True))
@@ -56,9 +57,8 @@ for dtype, rows_are_slots, shared, heads, dim, programs, key_block in CASES:
         outs = [eager(x, None, caches[0].layers, batch, rope=(cos, sin))[0].float()]
         worst["used"] += sum(int(small_batch_moe.applies(layer, x, batch)) for layer in fused.layers)
         for (combine_in_down, route_in_router), cache in zip(fewer, caches[1:]):
-            small_batch_moe.COMBINE_IN_DOWN, small_batch_moe.ROUTE_IN_ROUTER = combine_in_down, route_in_router
+            fused.moe_combine_in_down, fused.moe_route_in_router = combine_in_down, route_in_router
             outs.append(fused(x, None, cache.layers, batch, rope=(cos, sin))[0].float())
-        small_batch_moe.COMBINE_IN_DOWN = small_batch_moe.ROUTE_IN_ROUTER = False
         worst["hidden"] = max(worst["hidden"], (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item())
         for out in outs[2:]:
             worst["fewer kernels"] = max(worst["fewer kernels"], (outs[1] - out).abs().max().item())
@@ -94,9 +94,9 @@ def test_moe_layers_as_kernels_equal_the_eager_layers_under_the_triton_interpret
     programs (some with no block of a row's; the last to finish merging). The kernels' outputs and the keys and values
     they write equal the eager layers' (which route and run each expert by torch ops), fp32 to float rounding, bf16 to
     its rounding, for every layer of every step: the second layer's input norm reads the sums of squares the first
-    layer's combine left. With the combine inside the down projection's kernel (`COMBINE_IN_DOWN`), the routing
-    inside the router GEMM's (`ROUTE_IN_ROUTER`) or both, the outputs and the keys and values equal the eight kernels'
-    bit for bit. Steps of two tokens a row, prefills and steps of more than 64 rows keep the
+    layer's combine left. With the combine inside the down projection's kernel, the routing inside the router
+    GEMM's or both (the stack's `moe_combine_in_down`, `moe_route_in_router`), the outputs and the keys and values
+    equal the eight kernels' bit for bit. Steps of two tokens a row, prefills and steps of more than 64 rows keep the
     layers' own code."""
     results = run_interpreted(CHECK)
     # two tokens a row, a prefill and 65 rows run the layers' own code; 64 rows of one token take the kernels

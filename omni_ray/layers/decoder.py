@@ -119,6 +119,8 @@ class DecoderStack(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
         self.small_batch_kernels = False  # see use_small_batch_kernels
         self.moe_layer_kernels = False  # see use_moe_layer_kernels
+        self.moe_combine_in_down = False  # the folds of `use_moe_layer_kernels`
+        self.moe_route_in_router = False
         self.persistent: persistent_pass.PersistentPass | None = None  # see use_persistent_pass
 
     def fuse_projections(self) -> None:
@@ -151,14 +153,16 @@ class DecoderStack(nn.Module):
                 layer.mlp.fold_shared_expert()
         return True
 
-    def use_moe_layer_kernels(self) -> bool:
+    def use_moe_layer_kernels(self, folds: bool = False) -> bool:
         """Run MoE layers' decode steps of a few rows as `small_batch_moe.decoder_layer` (eight Triton kernels a
-        layer); other steps run the layers as they are. Turns the expert kernels on (`use_moe_kernels`). False (and
-        nothing changes) without Triton."""
+        layer; six with `folds`: the routing inside the router GEMM's kernel, the combine inside the down GEMM's);
+        other steps run the layers as they are. Turns the expert kernels on (`use_moe_kernels`). False (and nothing
+        changes) without Triton."""
         if small_batch_moe.triton is None or not self.use_moe_kernels():
             return False
         self.fuse_projections()
         self.moe_layer_kernels = True
+        self.moe_combine_in_down = self.moe_route_in_router = folds
         return True
 
     def use_persistent_pass(self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS) -> bool:
@@ -222,7 +226,8 @@ class DecoderStack(nn.Module):
                 if arrivals is None:
                     arrivals = small_batch_moe.new_arrivals(x, len(self.layers), layer.self_attn.num_kv_heads)
                 x, squares = small_batch_moe.decoder_layer(layer, x, cos, sin, kv_caches[i], batch, squares,
-                                                           arrivals[i])
+                                                           arrivals[i], self.moe_combine_in_down,
+                                                           self.moe_route_in_router)
             else:
                 x, squares = layer(x, cos, sin, kv_caches[i], batch), None
             if i + 1 in capture and i + 1 < self.spec.num_layers:

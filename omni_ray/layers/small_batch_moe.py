@@ -19,8 +19,9 @@ GPU time per Thinker step at one row, against a 1.4 ms floor. Here a layer is ei
 8. each token's picks weighted and summed, + the residual, leaving the partial sums of its rows' squares for the next
    layer's input norm.
 
-Opt-in, one kernel fewer each: with `ROUTE_IN_ROUTER` 5 runs inside 4's kernel (its last program to finish routes),
-with `COMBINE_IN_DOWN` 8 inside 7's (each column block's last program to finish combines it).
+Opt-in, one kernel fewer each (`decoder_layer`'s `route_in_router` and `combine_in_down`; the engines'
+`moe_layer_folds`): 5 inside 4's kernel (its last program to finish routes), 8 inside 7's (each column block's last
+program to finish combines it).
 
 Kernels 6-8 live in `layers/picked_experts.py`. A pair's results are stored at its (token, pick) row, so nothing
 sorts the pairs by expert and nothing gathers them back. Sums run in fp32 and each kernel rounds once where the eager
@@ -52,11 +53,6 @@ KEY_BLOCK = 128
 # The programs the split attention aims at in all: 256 beat 128 at 32 rows (Thinker 11.6 against 11.9 us, Talker 11.5
 # against 12.9).
 ATTENTION_PROGRAMS = 256
-# One kernel a layer fewer each, equal outputs under the interpreter, off until measured on a GPU
-# (`benchmarks/moe_layer_bench.py`, its layer section): the combine inside the down projection's kernel (its column
-# blocks' last programs), and the routing inside the router GEMM's (its last program).
-COMBINE_IN_DOWN = False
-ROUTE_IN_ROUTER = False
 
 
 if triton is not None:
@@ -401,16 +397,14 @@ def applies(layer: "torch.nn.Module", x: torch.Tensor, batch: AttentionBatch) ->
 def decoder_layer(
     layer: "torch.nn.Module", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, squares: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None, combine_in_down: bool | None = None, route_in_router: bool | None = None,
+    arrivals: torch.Tensor | None = None, combine_in_down: bool = False, route_in_router: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` for an MoE layer's decode step in eight kernels (see the module's docstring). x [B, 1,
     h]; `squares`: the partial sums of x's rows' squares when the previous layer's kernels left them. Returns the
     layer's output and the same sums of it, for the next layer's input norm. `arrivals`: zeroed counters of this
-    layer's own for a split attention (`new_arrivals`). `combine_in_down` (default `COMBINE_IN_DOWN`): the combine
-    inside the down projection's kernel (`down_and_combine`); `route_in_router` (default `ROUTE_IN_ROUTER`): the
-    routing inside the router GEMM's (`router_and_route`); each one kernel fewer."""
-    combine_in_down = COMBINE_IN_DOWN if combine_in_down is None else combine_in_down
-    route_in_router = ROUTE_IN_ROUTER if route_in_router is None else route_in_router
+    layer's own for a split attention (`new_arrivals`). `combine_in_down`: the combine inside the down projection's
+    kernel (`down_and_combine`); `route_in_router`: the routing inside the router GEMM's (`router_and_route`); each
+    one kernel fewer, the same outputs."""
     rows, _, width = x.shape
     attn, moe = layer.self_attn, layer.mlp
     flat = x.reshape(rows, width)

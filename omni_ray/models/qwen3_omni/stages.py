@@ -148,7 +148,8 @@ class ThinkerStage(StageBase):
             runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
                                    engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens,
                                    moe_layer_kernels=engine.moe_layer_kernels,
-                                   early_first_tokens=engine.early_first_tokens)
+                                   early_first_tokens=engine.early_first_tokens,
+                                   moe_layer_folds=engine.moe_layer_folds)
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
@@ -258,7 +259,8 @@ class TalkerStage(StageBase):
                                   engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens,
                                   moe_layer_kernels=engine.moe_layer_kernels,
                                   persistent_code_predictor=engine.persistent_code_predictor,
-                                  persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows)
+                                  persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows,
+                                  moe_layer_folds=engine.moe_layer_folds)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

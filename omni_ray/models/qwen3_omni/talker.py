@@ -62,6 +62,7 @@ class TalkerRunner:
         moe_layer_kernels: bool = True,
         persistent_code_predictor: bool = False,
         persistent_code_predictor_max_rows: int = 32,
+        moe_layer_folds: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -103,7 +104,7 @@ class TalkerRunner:
         if moe_kernels and self.device.type == "cuda":
             self.model.model.use_moe_kernels()
             if moe_layer_kernels:
-                self.model.model.use_moe_layer_kernels()
+                self.model.model.use_moe_layer_kernels(moe_layer_folds)
         if compile_layers and self.device.type == "cuda":
             self.model.model.compile_layers()
             stack = self.model.code_predictor.model

@@ -140,7 +140,7 @@ class ThinkerRunner:
     def __init__(
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
         compile_layers: bool = False, moe_kernels: bool = True, prefill_graph_tokens: int | None = None,
-        moe_layer_kernels: bool = True, early_first_tokens: bool = True,
+        moe_layer_kernels: bool = True, early_first_tokens: bool = True, moe_layer_folds: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -160,7 +160,7 @@ class ThinkerRunner:
         if moe_kernels and self.device.type == "cuda":
             model.model.use_moe_kernels()
             if moe_layer_kernels:
-                model.model.use_moe_layer_kernels()
+                model.model.use_moe_layer_kernels(moe_layer_folds)
         if compile_layers and self.device.type == "cuda":
             model.model.compile_layers()
         # tokens each slot has seen (prompt + reply), for the repetition penalty

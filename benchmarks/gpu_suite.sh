@@ -10,7 +10,7 @@
 # eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs; with
 # --gemm-stages thinker,talker the GEMM configs of those stages' attention projections and routers),
 # moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the
-# whole layer against its bytes), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
+# whole layer against its bytes, with and without the folds of engine.moe_layer_folds), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
 # SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
 # tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
 # experts (the distinct experts a Thinker and a Talker decode step read with random weights, and the floors then;

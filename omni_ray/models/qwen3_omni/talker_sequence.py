@@ -16,7 +16,6 @@ from omni_ray.layers.attention import AttentionBatch
 MTP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
 
-
 @dataclass(frozen=True)
 class FrameSampling:
     """Which top-k/top-p filtering a frame's rows need: none (all greedy, or no top-k/top-p), over `*_top_k_cap`

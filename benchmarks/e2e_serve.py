@@ -23,7 +23,7 @@ from omni_ray.bench import run_meta, write_results
 from omni_ray.config import PipelineConfig
 from omni_ray.floors import rtf_floor
 from omni_ray.models.qwen3_omni.model_files import resolve_model
-from omni_ray.serve.metrics import TIME_TO
+from omni_ray.serve.metrics import REPLY_END, TIME_TO
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +33,7 @@ URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
               "request_path": "omni_request_path_seconds"}
+FIRST_AUDIO_WAY = [point for point in TIME_TO if point not in REPLY_END]  # the table's two columns of server times
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
           "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
@@ -278,15 +279,20 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "per step: the engine thread's time queueing a step's device work (in brackets: its own CPU time in it; the "
              "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
              "p50; the rest of a step is its wait for the device. Prefill batches: how many prefills the level's "
-             "requests took (each reads the weights again), and the requests in each on average.", "",
+             "requests took (each reads the weights again), and the requests in each on average. The rest of a reply: "
+             "the Thinker's last token; its end reaching the Talker; the launch of the Talker's first step past the "
+             "reply's tokens (the frames before it wait on the Thinker's steps, the ones after only on the Talker's); "
+             "the last frame; the vocoder's last chunk; the client's last chunk (its RTF's numerator).", "",
              "| concurrency | requests ok | TTFA p50 (mean) (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
-             f"server: {' / '.join(point.replace('_', ' ') for point in TIME_TO)}, mean (ms) | "
+             f"server: {' / '.join(point.replace('_', ' ') for point in FIRST_AUDIO_WAY)}, mean (ms) | "
+             f"the rest of a reply, server: {' / '.join(point.replace('_', ' ') for point in REPLY_END)}; client: "
+             "its last chunk, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -303,7 +309,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
             f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
-            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in TIME_TO) + " | "
+            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in FIRST_AUDIO_WAY) + " | "
+            + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in REPLY_END)
+            + f"; {ms(s.get('latency_s', {}).get('mean'))} | "
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "

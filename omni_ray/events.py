@@ -31,7 +31,7 @@ class Finished:
     t: float = 0.0
     # when the reply reached each point (epoch s): submitted, streams_open, prefill_launched, first_token,
     # first_text_queued, first_text_sent, first_text_arrived, talker_first_text, first_frame_launched, first_frame,
-    # first_audio, first_audio_received, last_token
+    # first_audio, first_audio_received; then last_token, talker_text_end, text_read, last_frame, last_audio
     timing: dict[str, float] = field(default_factory=dict)
     codes: torch.Tensor | None = None  # [num_code_groups, frames] when asked for with return_codes
     text: str = ""

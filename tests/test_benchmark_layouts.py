@@ -118,7 +118,9 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     served = {"thinker_step_ms_p50": 14.0, "thinker_step_ms_mean": 15.5, "thinker_launch_ms_p50": 5.0,
               "thinker_launch_cpu_ms_p50": 1.2, "thinker_outputs_ms_p50": 7.2,
               "thinker_outputs_cpu_ms_p50": 2.1, "thinker_prefill_batches": 3,
-              "thinker_prefill_sequences_per_batch": 10.7}  # the Talker's gauges missing
+              "thinker_prefill_sequences_per_batch": 10.7,  # the Talker's gauges missing
+              "mean_last_token_ms": 1100.0, "mean_talker_text_end_ms": 1104.0, "mean_text_read_ms": 1109.0,
+              "mean_last_frame_ms": 2400.0, "mean_last_audio_ms": 2700.0}
     startup = startup_phases({'omni_stage_startup_process_s{stage="thinker",replica="t1"}': 9.2,
                               'omni_stage_startup_load_s{stage="thinker",replica="t1"}': 20.4,
                               'omni_stage_startup_warmup_s{stage="thinker",replica="t1"}': 61.0,
@@ -128,8 +130,9 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
                               'omni_stage_step_ms_p50{stage="talker",replica="k1"}': 5.0})
     assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6}, "talker": {"warmup": 41.0}}
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
-        {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "stats": stats, "server": served if c == 32 else {},
-         "rtf_floor": floors[c]} for c in (1, 8, 32)]
+        {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "server": served if c == 32 else {},
+         "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c]}
+        for c in (1, 8, 32)]
     rows[-1].update(ok=30, errors=2, error_samples=["500: relay failed", "timeout:"])
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
@@ -139,6 +142,13 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
     assert "| 32 | 30/32 | 100 (150) | 200 |" in table  # TTFA p50 (mean), p90
     assert "| 3 (10.7) / – (–) |" in table  # prefill batches (requests each) thinker / talker
+    # where the rest of a reply went: the server's points past the first audio, then the client's last chunk
+    assert ("| the rest of a reply, server: last token / talker text end / text read / last frame / last audio; "
+            "client: its last chunk, mean (ms) |") in table
+    assert "| 1100 / 1104 / 1109 / 2400 / 2700; 2800 |" in table
+    assert "| – / – / – / – / –; – |" in table  # a level without them (and a summary without latencies)
+    header, rule, *body = [line for line in table.splitlines() if line.startswith("|")]
+    assert all(line.count(" | ") == header.count(" | ") for line in body) and rule.count("---") == header.count(" | ") + 1
     assert "| 32 | 30/32 |" in table and "Failed requests at c=32: 2 (500: relay failed; timeout:)" in table
     assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "

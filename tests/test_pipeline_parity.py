@@ -127,6 +127,13 @@ def test_stateful_vocoder_streams_the_one_shot_decode(ray_cluster: str, pipeline
         windowed.shutdown()
     reply = asyncio.run(run_pipeline(pipeline, messages, max_tokens=20, max_frames=60))
     assert reply.token_ids == window.token_ids and torch.equal(reply.codes, window.codes)
+    # where the rest of the reply's time went (its 20 tokens end before its 60 frames): the Thinker's end reached the
+    # Talker, which then stepped past the text, made its last frame, and the vocoder its last audio
+    timing = reply.final.timing
+    end = ("talker_text_end", "text_read", "last_frame", "last_audio")
+    assert [timing[a] <= timing[b] for a, b in zip(end, end[1:])] == [True] * (len(end) - 1), timing
+    assert timing["first_token"] < timing["last_token"] and timing["first_frame"] < timing["last_frame"]
+    assert timing["first_audio"] < timing["last_audio"] <= reply.final.t
     with torch.inference_mode():
         one_shot = hf_model.code2wav(reply.codes[None].long()).flatten().float().numpy()
     assert reply.pcm.shape == window.pcm.shape == one_shot.shape == (60 * 1920 - 555,)  # past 25 frames of context

@@ -38,7 +38,8 @@ def test_reply_timing_fills_each_time_to_x_histogram_from_submission() -> None:
     timing = {"submitted": 100.0, "streams_open": 100.05, "prefill_launched": 100.06, "first_token": 100.1,
               "first_text_queued": 100.102, "first_text_sent": 100.104, "first_text_arrived": 100.11,
               "talker_first_text": 100.12, "first_frame_launched": 100.15, "first_frame": 100.2, "first_audio": 100.3,
-              "first_audio_received": 100.31, "first_audio_sent": 100.32}
+              "first_audio_received": 100.31, "first_audio_sent": 100.32, "last_token": 100.5,
+              "talker_text_end": 100.51, "text_read": 100.52, "last_frame": 100.8, "last_audio": 100.9}
     metrics.observe_reply(timing, audio_seconds=2.0, finished_at=101.0)
     for name, seconds in (("omni_time_to_streams_open_seconds", 0.05), ("omni_time_to_prefill_launch_seconds", 0.06),
                           ("omni_time_to_first_token_seconds", 0.1), ("omni_time_to_first_text_queued_seconds", 0.102),
@@ -48,7 +49,10 @@ def test_reply_timing_fills_each_time_to_x_histogram_from_submission() -> None:
                           ("omni_time_to_first_frame_launch_seconds", 0.15), ("omni_time_to_first_frame_seconds", 0.2),
                           ("omni_time_to_first_audio_seconds", 0.3),
                           ("omni_time_to_first_audio_received_seconds", 0.31),
-                          ("omni_time_to_first_audio_sent_seconds", 0.32), ("omni_real_time_factor", 0.5)):
+                          ("omni_time_to_first_audio_sent_seconds", 0.32),
+                          ("omni_time_to_last_token_seconds", 0.5), ("omni_time_to_talker_text_end_seconds", 0.51),
+                          ("omni_time_to_text_read_seconds", 0.52), ("omni_time_to_last_frame_seconds", 0.8),
+                          ("omni_time_to_last_audio_seconds", 0.9), ("omni_real_time_factor", 0.5)):
         assert _sample(metrics, f"{name}_sum") == pytest.approx(seconds), name
 
 

@@ -168,8 +168,14 @@ def test_talker_waits_for_text_it_has_not_received(parts: dict[str, Any]) -> Non
         assert runner.ready(seq)
         runner.step([seq])
     assert not runner.ready(seq)  # step 2 needs reply token 3
-    seq.thinker_done = True
-    assert runner.ready(seq)  # the Thinker finished: tts_eos, then tts_pad
+    seq.end_text()
+    assert runner.ready(seq) and seq.text_end_received is not None  # the Thinker finished: tts_eos, then tts_pad
+    assert seq.text_read_launched is None  # every step so far read a reply token
+    runner.step([seq])  # step 2 reads tts_eos: the first step past the reply's tokens
+    assert seq.text_end_received <= seq.text_read_launched
+    first_past = seq.text_read_launched
+    runner.step([seq])  # tts_pad: the time kept is the first step's
+    assert seq.text_read_launched == first_past
 
 
 def test_seeded_sampled_speech_repeats_and_filters_only_top_k_candidates(parts: dict[str, Any]) -> None:

@@ -57,7 +57,15 @@ TIME_TO = {
     "first_audio_received": ("first_audio_received",
                              "time until the first audio chunk reached the ingress (vs made by the vocoder)"),
     "first_audio_sent": ("first_audio_sent", "time until the ingress handed the first audio chunk to the HTTP response"),
+    "last_token": ("last_token", "time until the Thinker made the reply's last token"),
+    "talker_text_end": ("talker_text_end", "time until the end of the Thinker's reply reached the Talker"),
+    "text_read": ("text_read", "time until the Talker launched the step that reads past the reply's last token: the end "
+                               "of the frames that the Thinker's tokens pace"),
+    "last_frame": ("last_frame", "time until the Talker handed on the reply's last codec frame"),
+    "last_audio": ("last_audio", "time until the vocoder made the reply's last audio chunk"),
 }
+# The points of TIME_TO past the first audio: where the rest of a reply's time goes
+REPLY_END = ("last_token", "talker_text_end", "text_read", "last_frame", "last_audio")
 
 
 def parse_request_start(header: str | None) -> float | None:

@@ -190,6 +190,7 @@ class Orchestrator:
                 elif kind == "audio":
                     timing.setdefault("first_audio", event["t"])  # made by the vocoder
                     timing.setdefault("first_audio_received", time.time())  # here, on its way to the caller
+                    timing["last_audio"] = event["t"]
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
             usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(token_ids)}
             if "talker" in done:

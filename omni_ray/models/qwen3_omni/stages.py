@@ -270,7 +270,7 @@ class TalkerStage(StageBase):
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}
-        self._first_frame: dict[str, float] = {}  # when each request's first frame was made (epoch s)
+        self._frame_times: dict[str, list[float]] = {}  # when each request's first and latest frames were made (epoch s)
         self.start_reporting()
 
     async def speak(self, request: TalkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
@@ -303,7 +303,7 @@ class TalkerStage(StageBase):
         finally:
             self.endpoint.release(rid)
             self._sequences.pop(rid, None)
-            self._first_frame.pop(rid, None)
+            self._frame_times.pop(rid, None)
             if not finished or seq.finish_reason is None:
                 self.engine.abort(rid)
                 self.send_to_consumer(rid, "error", message="aborted")
@@ -321,7 +321,7 @@ class TalkerStage(StageBase):
         if "text_embed" in item.tensors:
             seq.add_text(item.tensors["text_embed"])
         if item.kind == "end":
-            seq.thinker_done = True
+            seq.end_text()
         self.engine.notify()
 
     async def abort(self, request_id: str) -> None:
@@ -331,18 +331,20 @@ class TalkerStage(StageBase):
         self.fail(request_id, str(error))
 
     def _on_outputs(self, outputs: list[TalkerStepOutput]) -> None:
+        now = time.time()  # before the frames leave: the vocoder's audio of them is made after it
         # Relay first: once the final event is out, the request's stream may close and forget its vocoder.
         self.relay_to_consumers([item for out in outputs for item in self._vocoder_items(out)])
-        now = time.time()
         for out in outputs:
             if out.codes is not None:
-                self._first_frame.setdefault(out.request_id, now)
+                self._frame_times.setdefault(out.request_id, [now, now])[1] = now
             if out.finish_reason is not None:
                 seq = self._sequences.get(out.request_id)
-                timing = {"first_frame": self._first_frame.pop(out.request_id, None)}
+                first, last = self._frame_times.pop(out.request_id, (None, None))
+                timing = {"first_frame": first, "last_frame": last}
                 if seq is not None:
                     timing.update(talker_first_text=seq.first_text_received,
-                                  first_frame_launched=seq.first_frame_launched, **_relay_timing(seq.first_text_relay))
+                                  first_frame_launched=seq.first_frame_launched, **_relay_timing(seq.first_text_relay),
+                                  talker_text_end=seq.text_end_received, text_read=seq.text_read_launched)
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason,
                                            "frames": seq.frames if seq is not None else 0, "timing": timing})
 

@@ -222,6 +222,8 @@ class TalkerRunner:
         for seq in stepping:
             if seq.frames == 0:
                 seq.first_frame_launched = launched
+            if seq.text_read_launched is None and seq.thinker_done and seq.steps >= len(seq.text_embeds):
+                seq.text_read_launched = launched  # this step's text input was tts_eos (`_trailing_texts`)
             seq.frames += 1
             pending.rows.append((seq, seq.frames))
             if seq.frames >= seq.frame_limit() or seq.num_cached + 1 > self.cache.max_len:

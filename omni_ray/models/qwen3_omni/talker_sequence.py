@@ -71,6 +71,10 @@ class TalkerSequence:
     first_frame_launched: float | None = None
     # how the message with the reply's first items came from the Thinker: queued, sent, arrived (`RelayMessage`)
     first_text_relay: tuple[float, float, float] | None = None
+    # where the rest goes (epoch s): the Thinker's end reached the Talker; the launch of the first step whose text
+    # input lies past the reply's tokens (tts_eos), which ends the frames the Thinker paces
+    text_end_received: float | None = None
+    text_read_launched: float | None = None
 
     @property
     def mtp_sampling(self) -> SamplingParams:
@@ -85,7 +89,13 @@ class TalkerSequence:
                 self.prefix = out.talker_prefix
             if out.talker_embed is not None:
                 self.add_text(out.talker_embed)
-        self.thinker_done = done
+        if done:
+            self.end_text()
+
+    def end_text(self) -> None:
+        """The Thinker's reply has ended: no more text comes (when is kept)."""
+        if not self.thinker_done:
+            self.thinker_done, self.text_end_received = True, time.time()
 
     def add_text(self, embed: torch.Tensor) -> None:
         """The next reply token's Thinker embedding arrived (the first one's arrival time is kept)."""

@@ -245,6 +245,13 @@ class TalkerSettings(EngineSettings):
         "as the persistent kernel; larger passes keep the Triton kernels, whose short launches leave multiprocessors "
         "to a stage sharing the GPU between them",
     )
+    persistent_code_predictor_cluster_pairs: bool = Field(
+        default=False,
+        description="with `persistent_code_predictor`: launch it in clusters of two blocks that split each GEMM's "
+        "depth, so that each block reads half the activations from L2 (at 32 rows its GEMMs were bound by every block "
+        "reading all of them, session 35) and adds its partner's partial sums through distributed shared memory. "
+        "Needs 64 clusters of two resident at once. Opt-in until measured on a GPU",
+    )
 
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]

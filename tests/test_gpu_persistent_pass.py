@@ -19,20 +19,22 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+@pytest.mark.parametrize("cluster_pairs", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 16, 32])
-def test_the_persistent_pass_equals_the_eager_layers_and_the_kernels(rows: int) -> None:
+def test_the_persistent_pass_equals_the_eager_layers_and_the_kernels(rows: int, cluster_pairs: bool) -> None:
     """Qwen3-Omni-30B's code predictor (5 layers, 1,024 wide, 16 query and 8 KV heads of 128), random bf16 weights,
     a frame's first five passes (two tokens, then one; each with its own code head of 2,048 rows): the logits and
-    the keys and values written agree with the eager layers' and the Triton kernels' to bf16 rounding. The first pass
-    at 32 rows (64 rows x tokens) is past the kernel and runs the Triton kernels. A second launch gives the same
-    bits, and so does a graph replay."""
+    the keys and values written agree with the eager layers' and the Triton kernels' to bf16 rounding, with each
+    GEMM's depth split over clusters of two blocks or not. The first pass at 32 rows (64 rows x tokens) is past the
+    kernel and runs the Triton kernels. A second launch gives the same bits, and so does a graph replay."""
     pytest.importorskip("triton")
     torch.manual_seed(0)
     eager = random_code_predictor()
     kernels, persistent = copy.deepcopy(eager), copy.deepcopy(eager)
     eager.fuse_projections()
     assert kernels.use_small_batch_kernels() and persistent.use_small_batch_kernels()
-    assert persistent.use_persistent_pass(2048)
+    assert persistent.use_persistent_pass(2048, cluster_pairs=cluster_pairs)
+    assert persistent.persistent is not None and persistent.persistent.cluster == (2 if cluster_pairs else 1)
     caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(3)]
     for start, batch, x, cos, sin in frame_passes(eager, rows, 5):
         head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03

@@ -88,14 +88,18 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int) -> int:
+def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int, cluster_pairs: bool = False) -> int:
     """The kernel's dynamic shared memory: two weight buffers (q/k/v, gate/up and the head in one; o and down in the
-    other), the warps' partial sums and their partial sums of squares. Mirrors the kernel's own layout."""
+    other), the warps' partial sums and their partial sums of squares; with `cluster_pairs`, the buffers hold both
+    blocks' columns over half the depth, and the sums the partner reads follow. Mirrors the kernel's own layout."""
+    pair = 2 if cluster_pairs else 1
     qkv_cols, gate_up_cols, narrow_cols = qkv_width // BLOCKS, 2 * (inter // BLOCKS), hidden // BLOCKS
-    buffer0 = max(gate_up_cols, qkv_cols) * (hidden + PAD) * 2
-    buffer1 = max(narrow_cols * (inter + PAD), narrow_cols * (attn_width + PAD)) * 2
-    partial = WARPS * 2 * max(gate_up_cols // 8, qkv_cols // 8) * 128 * 4
-    return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4
+    buffer0 = pair * max(gate_up_cols, qkv_cols) * (hidden // pair + PAD) * 2
+    buffer1 = pair * max(narrow_cols * (inter // pair + PAD), narrow_cols * (attn_width // pair + PAD)) * 2
+    tiles = max(gate_up_cols // 8, qkv_cols // 8)
+    partial = WARPS * 2 * tiles * 128 * 4
+    exchange = (2 * tiles * 128 + MAX_ROWS) * 4 if cluster_pairs else 0
+    return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4 + exchange
 
 
 def parameter_block(
@@ -153,12 +157,15 @@ class PersistentPass:
     """One dense `DecoderStack`'s pass (fused projections, head_dim 128, bf16) on one GPU as `persistent_pass.cu`:
     `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
-    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels)."""
+    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `cluster_pairs`:
+    launch it in clusters of two blocks that split each GEMM's depth (each block reads half the activations from L2;
+    the kernel's CLUSTER_PAIRS)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, cluster_pairs: bool = False) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
         self.max_rows = max_rows
+        self.cluster = 2 if cluster_pairs else 1
         spec = stack.spec
         layer0 = stack.layers[0]
         self.device = layer0.input_layernorm.weight.device
@@ -170,7 +177,7 @@ class PersistentPass:
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
-        self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
+        self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width, cluster_pairs)
         self._function: ctypes.c_void_p | None = None
         self._module = ctypes.c_void_p()
         self._lib: ctypes.CDLL | None = None  # the driver, once built
@@ -194,7 +201,8 @@ class PersistentPass:
             raise ValueError(f"a head of {vocab} rows does not split into {BLOCKS} blocks of whole 8-row tiles")
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
-                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS, **(probe_defines or {})}
+                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
+                   "CLUSTER_PAIRS": int(self.cluster == 2), **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
         lib = _driver()
         with torch.cuda.device(self.device):
@@ -212,6 +220,11 @@ class PersistentPass:
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
         self.vocab, self._function, self._lib = vocab, function, lib
+        clusters = self.max_active_clusters(self.cluster) if self.cluster > 1 else BLOCKS
+        if clusters * self.cluster < BLOCKS:
+            self._function = None
+            raise KernelBuildError(f"{BLOCKS} blocks in clusters of {self.cluster} must be resident at once: the GPU "
+                                   f"holds {clusters} such clusters")
 
     def max_active_clusters(self, cluster: int) -> int:
         """How many clusters of `cluster` blocks of this kernel the GPU holds at once (the driver's count)."""
@@ -265,8 +278,12 @@ class PersistentPass:
         params = parameter_block(layers, pointers, integers, floats)
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
-               "cuLaunchKernel")
+        if self.cluster > 1:
+            config, _attributes = launch_config(BLOCKS, WARPS * 32, self.smem, stream.value, self.cluster)
+            _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), function, arguments, None), "cuLaunchKernelEx")
+        else:
+            _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments,
+                                           None), "cuLaunchKernel")
         return logits
 
 

@@ -168,6 +168,23 @@ def test_body_parsing_errors(raw: bytes, status: int) -> None:
     assert error_of(raw, limits=ServiceLimits(max_request_bytes=100)).status == status
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "messages": [{"role": "user", "content": "\\udcff"}]}',  # escaped, without its pair
+    b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xb3\xbf"}]}',  # raw bytes Python's decoder passes
+    b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}',
+    b'{"model": "m", "input": "hi", "voice": "\\ud800"}',
+])
+def test_lone_surrogates_are_refused_as_not_text(raw: bytes) -> None:
+    """JSON escapes (and Python's decoder on raw bytes) let a lone UTF-16 surrogate into a string, which no text
+    encoder takes (the tokenizer failed on it with a 500): a 400 before anything reads the text. An escaped pair
+    is one character, and passes."""
+    error = error_of(raw)
+    assert (error.status, error.code) == (400, "invalid_json") and "surrogate" in error.message
+    paired = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}',
+                           ChatCompletionRequest, LIMITS)
+    assert paired.messages[0].content == "\U0001f600"
+
+
 MALFORMED_SPEECH: list[tuple[str, dict[str, Any], int, str]] = [
     ("empty input", speech(input=""), 422, "input"),
     ("whitespace input", speech(input="  \n"), 422, "input"),

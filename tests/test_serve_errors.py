@@ -187,3 +187,42 @@ def test_a_stream_failing_after_its_headers_ends_with_an_error_event_not_a_cut_t
     page = generate_latest(Replica.metrics.registry).decode()
     assert 'omni_stream_failures_total{endpoint="chat"} 1.0' in page
     assert 'omni_stream_failures_total{endpoint="speech"} 1.0' in page
+
+
+def test_a_server_error_is_logged_with_its_traceback_and_a_client_error_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    """A request that fails on our side answers 500 in the OpenAI envelope, and the replica's log keeps why (the
+    message and the traceback; the client only reads "internal error"). A client's mistake answers 4xx and logs
+    nothing."""
+    import asyncio
+    import json
+    import logging
+
+    from omni_ray.serve import openai_protocol as oai
+    from omni_ray.serve.ingress import OmniIngress
+    from omni_ray.serve.metrics import ServiceMetrics
+
+    class Replica:  # what `_guard` reads of the ingress replica
+        metrics = ServiceMetrics()
+
+    class Request:
+        headers: dict[str, str] = {}
+
+        async def body(self) -> bytes:
+            return b"{}"
+
+    async def broken(raw: bytes) -> Any:
+        raise KeyError("a bug of ours")
+
+    async def refused(raw: bytes) -> Any:
+        raise oai.bad_request("max_tokens is too large")
+
+    with caplog.at_level(logging.ERROR, logger="omni_ray.serve.ingress"):
+        response = asyncio.run(OmniIngress._guard(Replica(), "chat", broken, Request()))
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"]["message"] == "internal error"
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "a bug of ours" in record.getMessage() and record.exc_info is not None
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="omni_ray.serve.ingress"):
+        response = asyncio.run(OmniIngress._guard(Replica(), "chat", refused, Request()))
+    assert response.status_code == 400 and not caplog.records

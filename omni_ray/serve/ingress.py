@@ -159,7 +159,10 @@ class OmniIngress:
             self.metrics.cancelled.labels(endpoint).inc()
             raise
         except Exception as exc:
-            response = error_response(_as_openai_error(exc))
+            error = _as_openai_error(exc)
+            if error.status >= 500:  # ours, not the client's: keep the traceback
+                logger.error("%s request failed: %s", endpoint, exc, exc_info=exc)
+            response = error_response(error)
         finally:
             self.metrics.in_flight.dec()
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()

@@ -8,6 +8,7 @@ import binascii
 import json
 import math
 import os
+import re
 import stat
 import urllib.error
 import urllib.parse
@@ -476,7 +477,25 @@ def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _holds_lone_surrogate(body):
+        raise bad_request("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair): not text",
+                          code="invalid_json")
     return body
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Does a decoded JSON value hold a string with a lone surrogate? JSON's escapes (and Python's decoder, on raw
+    bytes) let them through, and no text encoder takes them. Escaped pairs are decoded into one character already."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
 
 
 def parse_request(raw: bytes | dict[str, Any], cls: type[RequestT], limits: ServiceLimits) -> RequestT:

@@ -253,6 +253,14 @@ class TalkerSettings(EngineSettings):
         "Needs 64 clusters of two resident at once. Opt-in until measured on a GPU",
     )
 
+    @model_validator(mode="after")
+    def _one_persistent_pass_at_a_time(self) -> "TalkerSettings":
+        if self.persistent_code_predictor and self.lanes > 1:
+            raise ValueError("persistent_code_predictor with lanes > 1: each lane's pass needs every multiprocessor "
+                             "at once, so two lanes' passes could each hold part of the GPU and wait for the other "
+                             "forever; use one lane, or the Triton kernels")
+        return self
+
 
 RelayMode = Literal["auto", "ipc", "host", "collective"]
 
@@ -274,6 +282,14 @@ class ThinkerStageConfig(StageConfig):
 
 class TalkerStageConfig(StageConfig):
     engine: TalkerSettings = TalkerSettings()
+
+    @model_validator(mode="after")
+    def _persistent_pass_gets_every_multiprocessor(self) -> "TalkerStageConfig":
+        percentage = self.resources.mps_active_thread_percentage
+        if self.engine.persistent_code_predictor and percentage is not None and percentage < 100:
+            raise ValueError(f"persistent_code_predictor with mps_active_thread_percentage {percentage}: the pass "
+                             "needs its 128 blocks resident at once, which a share of the multiprocessors may not hold")
+        return self
 
 
 class VocoderStageConfig(StageConfig):

@@ -121,3 +121,41 @@ def test_stacks_the_kernel_cannot_run_are_refused_with_the_reason() -> None:
     for max_rows in (0, 33):  # a row cap past what the kernel holds is refused before anything else
         with pytest.raises(ValueError, match=f"max_rows {max_rows}"):
             persistent_pass.PersistentPass(stack, max_rows)
+
+
+def test_one_process_a_gpu_runs_persistent_passes(tmp_path: Path) -> None:
+    """Two processes' passes at once on one GPU could each hold part of it and wait for each other forever: the
+    first process to claim the GPU keeps it until it ends, and a second one is refused (its Talker then keeps the
+    Triton kernels); the holder's own claims succeed again, and once it is gone the GPU can be claimed."""
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from omni_ray.layers.persistent_pass import claim_gpu; "
+         f"assert claim_gpu('GPU-1234', {str(tmp_path)!r}) and claim_gpu('GPU-1234', {str(tmp_path)!r}); "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert not persistent_pass.claim_gpu("GPU-1234", str(tmp_path))
+        assert persistent_pass.claim_gpu("GPU-5678", str(tmp_path))  # another GPU is free
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0
+    assert persistent_pass.claim_gpu("GPU-1234", str(tmp_path))
+
+
+def test_settings_that_could_hang_the_gpu_are_refused() -> None:
+    """The pass needs every block resident at once: two engine lanes (two passes at once) or an MPS share of the
+    multiprocessors with it are refused when the layout is read, with the reason."""
+    from pydantic import ValidationError
+
+    from omni_ray.config import TalkerSettings, TalkerStageConfig
+
+    with pytest.raises(ValidationError, match="lanes > 1"):
+        TalkerSettings(persistent_code_predictor=True, lanes=2)
+    TalkerSettings(lanes=2)  # the Triton kernels take lanes
+    with pytest.raises(ValidationError, match="mps_active_thread_percentage 50"):
+        TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5,
+                                                        "mps_active_thread_percentage": 50},
+                                          "engine": {"persistent_code_predictor": True}})
+    TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5, "mps_active_thread_percentage": 50}})

@@ -16,8 +16,11 @@ no compiler at install time and no extra package. Graph-capturable: a launch is 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import re
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -141,6 +144,29 @@ def launch_config(blocks: int, threads: int, shared: int, stream: int | None, cl
     return config, attributes
 
 
+_claims: dict[str, IO[str]] = {}  # GPU identity -> the locked file this process's claim holds open
+
+
+def claim_gpu(identity: str, directory: str | None = None) -> bool:
+    """This process's claim on running persistent passes on the GPU `identity` (its UUID): True when it holds it (taken
+    now or before), False when another live process does. Two processes' passes at once on one GPU (two Talker
+    replicas placed on it, under MPS) could each hold part of the multiprocessors and wait for the other's blocks
+    forever. The claim is an exclusive lock on a file named after the GPU in `directory` (the temp directory, so
+    it sees the processes that share it: one host or one container), held until this process ends (the OS drops
+    it then, however it ends)."""
+    if identity in _claims:
+        return True
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", identity)
+    handle = open(Path(directory or tempfile.gettempdir()) / f"omni-ray-persistent-pass-{name}.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return False
+    _claims[identity] = handle
+    return True
+
+
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -199,6 +225,10 @@ class PersistentPass:
             return
         if vocab % (BLOCKS * 8):
             raise ValueError(f"a head of {vocab} rows does not split into {BLOCKS} blocks of whole 8-row tiles")
+        identity = str(torch.cuda.get_device_properties(self.device).uuid)
+        if not claim_gpu(identity):
+            raise KernelBuildError(f"another process runs persistent passes on this GPU ({identity}): two at once "
+                                   "could wait on each other forever")
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
                    "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,

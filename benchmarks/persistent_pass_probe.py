@@ -27,7 +27,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
-    # each GEMM's depth split over clusters of two blocks (`PersistentPass(cluster_pairs=True)`)
+    # each GEMM's depth split over clusters of two blocks (`PersistentPass(pairs_from_rows=1)`)
     "cluster pairs": {"CLUSTER_PAIRS": 1},
     "cluster pairs, no GEMM products": {"CLUSTER_PAIRS": 1, "SKIP_GEMMS": 1},
 }
@@ -38,7 +38,7 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
     stack, head = code_predictor_with_head(cfg)
     kernels = {}
     for name, defines in VARIANTS.items():
-        kernel = PersistentPass(stack, cluster_pairs=bool(defines.get("CLUSTER_PAIRS")))
+        kernel = PersistentPass(stack, pairs_from_rows=defines.get("CLUSTER_PAIRS", 0))
         kernel.build(cfg.vocab_size, {k: v for k, v in defines.items() if k != "CLUSTER_PAIRS"})
         kernels[name] = kernel
     served = kernels["as served"]

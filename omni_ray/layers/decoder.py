@@ -166,18 +166,18 @@ class DecoderStack(nn.Module):
         return True
 
     def use_persistent_pass(
-        self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS, cluster_pairs: bool = False
+        self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS, pairs_from_rows: int = 0
     ) -> bool:
         """Run `last_logits` over a few rows (at most `max_rows` rows and 32 rows x tokens, 2 tokens a row) as one
-        persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`; in `cluster_pairs`: each GEMM's
-        depth split over two blocks), built now; other steps run as before. False (and nothing changes) without CUDA
-        or where the kernel does not take this stack's shapes."""
+        persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`; from `pairs_from_rows` rows x
+        tokens, in clusters of two blocks that split each GEMM's depth), built now; other steps run as before. False
+        (and nothing changes) without CUDA or where the kernel does not take this stack's shapes."""
         if not torch.cuda.is_available():
             return False
         self.fuse_projections()
         if persistent_pass.unsupported(self) is not None:
             return False
-        kernel = persistent_pass.PersistentPass(self, max_rows, cluster_pairs)
+        kernel = persistent_pass.PersistentPass(self, max_rows, pairs_from_rows)
         kernel.build(head_rows)
         self.persistent = kernel
         return True

@@ -142,6 +142,8 @@ def test_one_process_a_gpu_runs_persistent_passes(tmp_path: Path) -> None:
         holder.communicate("", timeout=60)
     assert holder.returncode == 0
     assert persistent_pass.claim_gpu("GPU-1234", str(tmp_path))
+    for identity in ("GPU-1234", "GPU-5678"):  # this test's claims, not held for the rest of the test session
+        persistent_pass._claims.pop(identity).close()
 
 
 def test_settings_that_could_hang_the_gpu_are_refused() -> None:

@@ -168,6 +168,15 @@ def test_body_parsing_errors(raw: bytes, status: int) -> None:
     assert error_of(raw, limits=ServiceLimits(max_request_bytes=100)).status == status
 
 
+@pytest.mark.parametrize("depth", [900, 100_000])
+def test_deeply_nested_bodies_are_a_400(depth: int) -> None:
+    """Nesting the decoder takes (900 lists) and nesting past Python's recursion limit: a 400, not a RecursionError
+    (a 500) in the decoder or in the check of the body's strings."""
+    raw = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    error = error_of(raw)
+    assert error.status in (400, 422) and error.type == "invalid_request_error"
+
+
 @pytest.mark.parametrize("raw", [
     b'{"model": "m", "messages": [{"role": "user", "content": "\\udcff"}]}',  # escaped, without its pair
     b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xb3\xbf"}]}',  # raw bytes Python's decoder passes

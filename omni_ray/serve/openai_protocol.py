@@ -475,6 +475,8 @@ def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as exc:  # includes UnicodeDecodeError and JSONDecodeError
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     if _holds_lone_surrogate(body):
@@ -488,13 +490,19 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _holds_lone_surrogate(value: Any) -> bool:
     """Does a decoded JSON value hold a string with a lone surrogate? JSON's escapes (and Python's decoder, on raw
-    bytes) let them through, and no text encoder takes them. Escaped pairs are decoded into one character already."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_lone_surrogate(v) for v in value)
+    bytes) let them through, and no text encoder takes them. Escaped pairs are decoded into one character already.
+    (A walk with its own stack: as deep as the decoder went.)"""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 

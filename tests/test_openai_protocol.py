@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from omni_ray.audio import AudioTooLongError, encode_wav
 from omni_ray.errors import InvalidRequestError
 from omni_ray.models.qwen3_omni.prompt import PromptError, _audio_bytes
+from omni_ray.serve.audio_urls import resolve_audio_urls
 from omni_ray.serve.openai_protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -37,7 +38,6 @@ from omni_ray.serve.openai_protocol import (
     overloaded,
     parse_request,
     rate_limited,
-    resolve_audio_urls,
     sse,
     too_large,
     unprocessable,

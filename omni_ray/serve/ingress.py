@@ -21,6 +21,7 @@ from omni_ray.config import PipelineConfig
 from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.model_files import resolve_model
+from omni_ray.serve.audio_urls import resolve_audio_urls
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.serve import openai_protocol as oai
@@ -190,7 +191,7 @@ class OmniIngress:
     async def chat(self, raw: bytes) -> Response:
         request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)
         self._check_model(request.model)
-        request = await oai.resolve_audio_urls(request, self.limits)
+        request = await resolve_audio_urls(request, self.limits)
         kwargs = request.to_generate_kwargs(self.limits)
         audio_format = kwargs.pop("audio_format")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import json
 import math
-import os
 import re
-import stat
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Annotated, Any, Callable, Literal, TypeVar, Union
 
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator,
 )
 
-from omni_ray.audio import AudioDecodeError, AudioTooLongError, audio_duration_seconds
+from omni_ray.audio import AudioTooLongError
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 
@@ -297,107 +289,6 @@ class ChatCompletionRequest(_Strict):
                     parts.append(part.model_dump(exclude_none=True))
             out.append({"role": message.role, "content": parts})
         return out
-
-
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
-        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
-            raise urllib.error.URLError(f"redirect to a non-http(s) URL refused: {newurl}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _fetch_http(url: str, timeout: float, max_bytes: int, param: str) -> bytes:
-    request = urllib.request.Request(url, headers={"User-Agent": "omni-ray"})
-    try:
-        with urllib.request.build_opener(_HttpOnlyRedirects).open(request, timeout=timeout) as response:
-            length = response.headers.get("Content-Length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                raise too_large(f"audio_url is {length} bytes, over the limit of {max_bytes}", param)
-            data: bytes = response.read(max_bytes + 1)
-    except urllib.error.HTTPError as exc:
-        raise bad_request(f"could not fetch audio_url: HTTP {exc.code}", param, "audio_url_fetch_failed") from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise bad_request(f"could not fetch audio_url: {exc}", param, "audio_url_fetch_failed") from exc
-    if len(data) > max_bytes:
-        raise too_large(f"audio_url is over the limit of {max_bytes} bytes", param)
-    return data
-
-
-def _read_local(url: str, limits: ServiceLimits, param: str) -> bytes:
-    """file:// only inside allowed_local_audio_dirs, judged on the realpath (so no symlink escapes)."""
-    if not limits.allowed_local_audio_dirs:
-        raise bad_request("local file access is disabled on this server", param, "local_files_disabled")
-    parts = urllib.parse.urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        raise bad_request("file:// URLs must not name a remote host", param)
-    real = os.path.realpath(urllib.request.url2pathname(parts.path))
-    roots = [os.path.realpath(d) for d in limits.allowed_local_audio_dirs]
-    if not any(os.path.commonpath([real, root]) == root for root in roots):
-        raise bad_request("access to this local file is not allowed", param, "local_file_not_allowed")
-    try:
-        with os.fdopen(os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise bad_request("audio_url does not name a regular file", param)
-            data = f.read(limits.max_url_bytes + 1)
-    except OSError as exc:
-        raise bad_request(f"could not read local audio file: {exc.strerror or exc}", param) from exc
-    if len(data) > limits.max_url_bytes:
-        raise too_large(f"local audio file is over the limit of {limits.max_url_bytes} bytes", param)
-    return data
-
-
-async def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str, Any]:
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
-    if scheme == "data":  # data:[<mime>][;base64],<payload>; base64 passes through to the prompt builder's check
-        header, sep, payload = url[5:].partition(",")
-        if not sep:
-            raise bad_request("malformed data: URL (no ',')", param)
-        if header.lower().endswith(";base64"):
-            return {"type": "input_audio", "input_audio": {"data": payload}}
-        return {"type": "audio", "audio": urllib.parse.unquote_to_bytes(payload)}
-    if scheme in ("http", "https"):
-        if not limits.allow_audio_urls:
-            raise bad_request("http(s) audio_url is disabled on this server; send input_audio", param,
-                              "audio_url_disabled")
-        timeout = limits.url_fetch_timeout_s
-        fetch = asyncio.to_thread(_fetch_http, url, timeout, limits.max_url_bytes, param)
-        try:  # the socket timeout bounds each read; this bounds the whole transfer
-            return {"type": "audio", "audio": await asyncio.wait_for(fetch, timeout)}
-        except asyncio.TimeoutError as exc:
-            msg = f"fetching audio_url timed out after {timeout:g}s"
-            raise bad_request(msg, param, "audio_url_fetch_failed") from exc
-    if scheme == "file":
-        return {"type": "audio", "audio": await asyncio.to_thread(_read_local, url, limits, param)}
-    raise bad_request(f"unsupported audio_url scheme {scheme!r}; use data:, http(s): or file:", param)
-
-
-def check_audio_duration(messages: list[dict[str, Any]], limits: ServiceLimits) -> None:
-    """413 when the clips of pipeline `messages` total over max_audio_seconds (header read; bad audio skipped)."""
-    total = 0.0
-    for message in messages:
-        for part in message["content"] if isinstance(message["content"], list) else []:
-            try:
-                if part["type"] == "audio":
-                    total += audio_duration_seconds(bytes(part["audio"]))
-                elif part["type"] == "input_audio":
-                    total += audio_duration_seconds(base64.b64decode(part["input_audio"]["data"], validate=True))
-            except (AudioDecodeError, binascii.Error, ValueError):
-                continue  # the prompt builder reports it
-    if total > limits.max_audio_seconds:
-        msg = f"input audio totals {total:.1f}s, over the limit of {limits.max_audio_seconds:g}s"
-        raise too_large(msg, "messages", "audio_too_long")
-
-
-async def resolve_audio_urls(request: ChatCompletionRequest, limits: ServiceLimits) -> ChatCompletionRequest:
-    """A copy whose audio_url parts carry their audio (see to_pipeline_messages); also enforces max_audio_seconds."""
-    resolved = request.model_copy(deep=True)
-    for i, message in enumerate(resolved.messages):
-        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if isinstance(part, AudioUrlPart):
-                param = f"messages.{i}.content.{j}.audio_url.url"
-                part._resolved = await _resolve_one(part.audio_url.url, limits, param)
-    await asyncio.to_thread(check_audio_duration, resolved.to_pipeline_messages(), limits)
-    return resolved
 
 
 class SpeechRequest(_Strict):

@@ -387,7 +387,7 @@ def _holds_lone_surrogate(value: Any) -> bool:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item) is not None:
+            if not item.isascii() and _SURROGATE.search(item) is not None:  # (isascii reads a flag: base64 audio is free)
                 return True
         elif isinstance(item, dict):
             stack.extend(item.keys())

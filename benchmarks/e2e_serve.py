@@ -23,7 +23,7 @@ from omni_ray.bench import run_meta, write_results
 from omni_ray.config import PipelineConfig
 from omni_ray.floors import rtf_floor
 from omni_ray.models.qwen3_omni.model_files import resolve_model
-from omni_ray.serve.metrics import REPLY_END, TIME_TO
+from omni_ray.serve.metrics import FIRST_AUDIO_WAY, REPLY_END, TIME_TO
 from load_tests.metrics import aggregate
 
 HERE = Path(__file__).resolve().parent
@@ -33,7 +33,6 @@ URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
               "request_path": "omni_request_path_seconds"}
-FIRST_AUDIO_WAY = [point for point in TIME_TO if point not in REPLY_END]  # the table's two columns of server times
 GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
           "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",

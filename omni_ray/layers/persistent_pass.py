@@ -217,7 +217,7 @@ class PersistentPass:
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
         self.forms: dict[int, KernelForm] = {}  # by cluster size, once built
-        self._modules: list[ctypes.c_void_p] = []
+        self._modules: list[ctypes.c_void_p] = []  # the loaded modules behind `forms` (never unloaded)
         self._lib: ctypes.CDLL | None = None  # the driver, once built
         self._weights = [
             (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight,

@@ -64,8 +64,9 @@ TIME_TO = {
     "last_frame": ("last_frame", "time until the Talker handed on the reply's last codec frame"),
     "last_audio": ("last_audio", "time until the vocoder made the reply's last audio chunk"),
 }
-# The points of TIME_TO past the first audio: where the rest of a reply's time goes
+# The points of TIME_TO past the first audio: where the rest of a reply's time goes; and the ones up to it
 REPLY_END = ("last_token", "talker_text_end", "text_read", "last_frame", "last_audio")
+FIRST_AUDIO_WAY = tuple(point for point in TIME_TO if point not in REPLY_END)
 
 
 def parse_request_start(header: str | None) -> float | None:

@@ -2,8 +2,8 @@
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
-cp.async copies by every thread instead of bulk copies), and each GEMM's depth split over clusters of two blocks,
-at a few row counts. Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code
+predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -27,9 +27,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
-    # each GEMM's depth split over clusters of two blocks (`PersistentPass(pairs_from_rows=1)`)
-    "cluster pairs": {"CLUSTER_PAIRS": 1},
-    "cluster pairs, no GEMM products": {"CLUSTER_PAIRS": 1, "SKIP_GEMMS": 1},
 }
 
 
@@ -38,8 +35,8 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
     stack, head = code_predictor_with_head(cfg)
     kernels = {}
     for name, defines in VARIANTS.items():
-        kernel = PersistentPass(stack, pairs_from_rows=defines.get("CLUSTER_PAIRS", 0))
-        kernel.build(cfg.vocab_size, {k: v for k, v in defines.items() if k != "CLUSTER_PAIRS"})
+        kernel = PersistentPass(stack)
+        kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
     served = kernels["as served"]
     print("clusters of the served build resident at once:",

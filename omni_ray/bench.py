@@ -195,7 +195,7 @@ def bench_talker(
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
     prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
-    moe_layer_folds: bool = False, pairs_from_rows: int = 0,
+    moe_layer_folds: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -206,7 +206,6 @@ def bench_talker(
         sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels, moe_kernels=moe_kernels,
         prefill_graph_tokens=prefill_graph_tokens, moe_layer_kernels=moe_layer_kernels,
         persistent_code_predictor=persistent_code_predictor, moe_layer_folds=moe_layer_folds,
-        persistent_code_predictor_pairs_from_rows=pairs_from_rows,
     )
     rows = []
     for batch in batches:
@@ -285,10 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent-code-predictor", action="store_true",
                         help="compiled: each code-predictor pass as one persistent CUDA kernel "
                         "(`engine.persistent_code_predictor`)")
-    parser.add_argument("--pairs-from-rows", type=int, default=0,
-                        help="with --persistent-code-predictor: passes of at least this many rows x tokens in clusters "
-                        "of two blocks that split each GEMM's depth (`engine.persistent_code_predictor_pairs_from_rows`"
-                        "; 0: none, 1: all)")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
@@ -321,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
-                             not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds,
-                             args.pairs_from_rows)
+                             not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -331,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
-                    + (f", in clusters of two blocks from {args.pairs_from_rows} rows x tokens"
-                       if args.persistent_code_predictor and args.pairs_from_rows else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (", MoE layers in six kernels (routing and combine folded)" if args.moe_layer_folds else "")

@@ -245,17 +245,6 @@ class TalkerSettings(EngineSettings):
         "as the persistent kernel; larger passes keep the Triton kernels, whose short launches leave multiprocessors "
         "to a stage sharing the GPU between them",
     )
-    persistent_code_predictor_pairs_from_rows: int = Field(
-        default=0,
-        ge=0,
-        le=32,
-        description="with `persistent_code_predictor`: passes of at least this many rows x tokens run the kernel in "
-        "clusters of two blocks that split each GEMM's depth, so that each block reads half the activations from L2 "
-        "(at 32 rows its GEMMs were bound by every block reading all of them, session 35) and adds its partner's "
-        "partial sums through distributed shared memory; smaller passes run it without clusters (0: none in pairs, "
-        "1: all). Needs 64 clusters of two resident at once. Opt-in until measured on a GPU",
-    )
-
     @model_validator(mode="after")
     def _one_persistent_pass_at_a_time(self) -> "TalkerSettings":
         if self.persistent_code_predictor and self.lanes > 1:

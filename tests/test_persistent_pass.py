@@ -22,14 +22,11 @@ CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
-@pytest.mark.parametrize("cluster_pairs", [0, 1])
-def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path, cluster_pairs: int) -> None:
-    """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time), with each GEMM's depth split
-    over clusters of two blocks or not: it compiles, and ptxas reports no spilled registers and no stack frame
-    (registers arrays indexed at run time would go to local memory), under the one-block-a-multiprocessor register
-    limit."""
-    defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS,
-               "CLUSTER_PAIRS": cluster_pairs}
+def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path) -> None:
+    """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
+    reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local memory),
+    under the one-block-a-multiprocessor register limit."""
+    defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS}
     command = ["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "pass.cubin"),
                *(f"-D{k}={v}" for k, v in defines.items()), str(persistent_pass.SOURCE)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -98,12 +95,6 @@ def test_the_code_predictors_shares_fit_a_blocks_shared_memory() -> None:
                                         (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim)
     expected = 48 * 1056 * 2 + 8 * 3104 * 2 + 8 * 2 * 6 * 128 * 4 + 8 * 32 * 4
     assert size == expected and size <= 227 * 1024
-    # in clusters of two: both blocks' rows over half the depth (each half-row padded too), and the sums a block hands
-    # its partner (its 2 x 6 tiles' fragments and 32 rows' sums of squares)
-    paired = persistent_pass.shared_bytes(spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size,
-                                          (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, cluster_pairs=True)
-    assert paired == 96 * 544 * 2 + 16 * 1568 * 2 + 8 * 2 * 6 * 128 * 4 + 8 * 32 * 4 + (2 * 6 * 128 + 32) * 4
-    assert paired <= 227 * 1024
 
 
 def test_stacks_the_kernel_cannot_run_are_refused_with_the_reason() -> None:

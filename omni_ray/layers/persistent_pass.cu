@@ -12,8 +12,7 @@
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
 // out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); CP_ASYNC_COPIES
-// copies the weights as the first version did. A served build sets none of them. CLUSTER_PAIRS (with a launch in
-// clusters of two) splits each GEMM's depth over a pair of blocks: see persistent_pass_common.cuh.
+// copies the weights as the first version did. A served build sets none of them.
 // No system headers: NVRTC (or nvcc) builds it with this folder as the include path.
 
 #include "persistent_pass_common.cuh"
@@ -22,17 +21,15 @@
 // ------------------------------------------------------------------------------------------------------ kernel
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Params p) {
-    // Shared memory: two weight buffers (a pair's shares of PAIR x the block's columns, over this block's depth),
-    // the warps' partial sums, their sums of squares, and (with pairs) what the partner reads (see `gemm`).
     extern __shared__ __align__(16) unsigned char shared[];
-    constexpr int BUFFER0 = PAIR * (2 * GU_C > QKV_C ? 2 * GU_C : QKV_C) * (HIDDEN / PAIR + PAD) * 2;
-    constexpr int BUFFER1 = PAIR * (DOWN_C * (INTER / PAIR + PAD) > O_C * (ATTN_W / PAIR + PAD)
-                                        ? DOWN_C * (INTER / PAIR + PAD) : O_C * (ATTN_W / PAIR + PAD)) * 2;
+    constexpr int BUFFER0 = (2 * GU_C > QKV_C ? 2 * GU_C : QKV_C) * (HIDDEN + PAD) * 2;
+    constexpr int BUFFER1 = (DOWN_C * (INTER + PAD) > O_C * (ATTN_W + PAD) ? DOWN_C * (INTER + PAD)
+                                                                          : O_C * (ATTN_W + PAD)) * 2;
     bf16_t* buffer0 = reinterpret_cast<bf16_t*>(shared);
     bf16_t* buffer1 = reinterpret_cast<bf16_t*>(shared + BUFFER0);
     float* partial = reinterpret_cast<float*>(shared + BUFFER0 + BUFFER1);
     constexpr int PARTIAL_FLOATS = WARPS * 2 * (2 * GU_C / 8 > QKV_C / 8 ? 2 * GU_C / 8 : QKV_C / 8) * 128;
-    float* partial_squares = partial + PARTIAL_FLOATS;  // WARPS x MAX_ROWS, then the exchange
+    float* partial_squares = partial + PARTIAL_FLOATS;
 
     __shared__ __align__(8) unsigned long long fills[2];  // an mbarrier a weight buffer
     const u32 barriers[2] = {shared_address(&fills[0]), shared_address(&fills[1])};
@@ -95,9 +92,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
                                                            p.tokens * HIDDEN, (int)p.rows, buffer0, nullptr,
                                                            (float)p.final_eps, last_tokens, nullptr, p.logits, VOCAB,
                                                            blockIdx.x * HEAD_C, partial, partial_squares, no_copy);
-#if CLUSTER_PAIRS
-    pair_barrier();  // the partner has read this block's sums: its shared memory may go
-#endif
     // the last block past every barrier zeroes the counters for the next launch
     if (threadIdx.x == 0) {
         __threadfence();

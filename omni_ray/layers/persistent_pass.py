@@ -19,7 +19,6 @@ import ctypes
 import fcntl
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -92,18 +91,14 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int, cluster_pairs: bool = False) -> int:
+def shared_bytes(hidden: int, attn_width: int, inter: int, qkv_width: int) -> int:
     """The kernel's dynamic shared memory: two weight buffers (q/k/v, gate/up and the head in one; o and down in the
-    other), the warps' partial sums and their partial sums of squares; with `cluster_pairs`, the buffers hold both
-    blocks' columns over half the depth, and the sums the partner reads follow. Mirrors the kernel's own layout."""
-    pair = 2 if cluster_pairs else 1
+    other), the warps' partial sums and their partial sums of squares. Mirrors the kernel's own layout."""
     qkv_cols, gate_up_cols, narrow_cols = qkv_width // BLOCKS, 2 * (inter // BLOCKS), hidden // BLOCKS
-    buffer0 = pair * max(gate_up_cols, qkv_cols) * (hidden // pair + PAD) * 2
-    buffer1 = pair * max(narrow_cols * (inter // pair + PAD), narrow_cols * (attn_width // pair + PAD)) * 2
-    tiles = max(gate_up_cols // 8, qkv_cols // 8)
-    partial = WARPS * 2 * tiles * 128 * 4
-    exchange = (2 * tiles * 128 + MAX_ROWS) * 4 if cluster_pairs else 0
-    return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4 + exchange
+    buffer0 = max(gate_up_cols, qkv_cols) * (hidden + PAD) * 2
+    buffer1 = max(narrow_cols * (inter + PAD), narrow_cols * (attn_width + PAD)) * 2
+    partial = WARPS * 2 * max(gate_up_cols // 8, qkv_cols // 8) * 128 * 4
+    return buffer0 + buffer1 + partial + WARPS * MAX_ROWS * 4
 
 
 def parameter_block(
@@ -180,31 +175,16 @@ def barrier_counters(device: torch.device) -> torch.Tensor:
     return _counters[key]
 
 
-@dataclass
-class KernelForm:
-    """One build of the kernel: in clusters of `cluster` blocks (1: none, 2: CLUSTER_PAIRS), its dynamic shared
-    memory, and its loaded function."""
-
-    cluster: int
-    smem: int
-    function: ctypes.c_void_p
-
-
 class PersistentPass:
     """One dense `DecoderStack`'s pass (fused projections, head_dim 128, bf16) on one GPU as `persistent_pass.cu`:
     `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
-    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels).
-    `pairs_from_rows`: passes of at least that many rows x tokens run in clusters of two blocks that split each
-    GEMM's depth, each block reading half the activations from L2 (the kernel's CLUSTER_PAIRS; 0: none do, 1: all
-    do); the others run the kernel without clusters."""
+    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, pairs_from_rows: int = 0) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
-        if not 0 <= pairs_from_rows <= MAX_ROWS:
-            raise ValueError(f"pairs_from_rows {pairs_from_rows}: 0 (never) to {MAX_ROWS} rows x tokens")
-        self.max_rows, self.pairs_from_rows = max_rows, pairs_from_rows
+        self.max_rows = max_rows
         spec = stack.spec
         layer0 = stack.layers[0]
         self.device = layer0.input_layernorm.weight.device
@@ -216,8 +196,9 @@ class PersistentPass:
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
-        self.forms: dict[int, KernelForm] = {}  # by cluster size, once built
-        self._modules: list[ctypes.c_void_p] = []  # the loaded modules behind `forms` (never unloaded)
+        self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
+        self._function: ctypes.c_void_p | None = None
+        self._module = ctypes.c_void_p()
         self._lib: ctypes.CDLL | None = None  # the driver, once built
         self._weights = [
             (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight,
@@ -228,14 +209,10 @@ class PersistentPass:
         self.eps = float(layer0.input_layernorm.variance_epsilon)
         self.qk_eps = float(layer0.self_attn.q_norm.variance_epsilon)
 
-    def clusters_needed(self) -> list[int]:
-        """The forms this pass launches: without clusters unless every pass takes pairs, in pairs from a row count."""
-        return ([1] if self.pairs_from_rows != 1 else []) + ([2] if self.pairs_from_rows else [])
-
     def build(self, vocab: int, probe_defines: dict[str, int] | None = None) -> None:
-        """Compile and load the kernel's forms for a head of `vocab` rows (once; before any graph capture).
-        `probe_defines`: the source's SKIP_* switches, for timing by difference only."""
-        if self.forms:
+        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture). `probe_defines`:
+        the source's SKIP_* switches, for timing by difference only."""
+        if self._function is not None:
             if vocab != self.vocab:
                 raise ValueError(f"built for a head of {self.vocab} rows, not {vocab}")
             return
@@ -245,58 +222,36 @@ class PersistentPass:
         if not claim_gpu(identity):
             raise KernelBuildError(f"another process runs persistent passes on this GPU ({identity}): two at once "
                                    "could wait on each other forever")
-        self._lib = _driver()
-        forms = {cluster: self._build_form(vocab, cluster, probe_defines or {}) for cluster in self.clusters_needed()}
-        self.vocab, self.forms = vocab, forms
-
-    def _build_form(self, vocab: int, cluster: int, probe_defines: dict[str, int]) -> KernelForm:
-        """Compile, load and check one form: its blocks (in clusters of `cluster`) must all be resident at once."""
-        lib = self._lib
-        assert lib is not None
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
-                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
-                   "CLUSTER_PAIRS": int(cluster == 2), **probe_defines}
+                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS, **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
-        smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width, cluster == 2)
-        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        lib = _driver()
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).synchronize()  # the context is current on this thread
-            _check(lib, lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-            self._modules.append(module)
-            _check(lib, lib.cuModuleGetFunction(ctypes.byref(function), module, b"decoder_pass"),
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+            function = ctypes.c_void_p()
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(function), self._module, b"decoder_pass"),
                    "cuModuleGetFunction")
             max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(lib, lib.cuFuncSetAttribute(function, max_dynamic_shared, smem), "cuFuncSetAttribute")
+            _check(lib, lib.cuFuncSetAttribute(function, max_dynamic_shared, self.smem), "cuFuncSetAttribute")
             per_sm = ctypes.c_int()
             _check(lib, lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(per_sm), function, WARPS * 32, ctypes.c_size_t(smem)), "occupancy")
+                ctypes.byref(per_sm), function, WARPS * 32, ctypes.c_size_t(self.smem)), "occupancy")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
-        form = KernelForm(cluster, smem, function)
-        clusters = self.max_active_clusters(cluster, form) if cluster > 1 else BLOCKS
-        if clusters * cluster < BLOCKS:
-            raise KernelBuildError(f"{BLOCKS} blocks in clusters of {cluster} must be resident at once: the GPU "
-                                   f"holds {clusters} such clusters")
-        return form
+        self.vocab, self._function, self._lib = vocab, function, lib
 
-    def max_active_clusters(self, cluster: int, form: KernelForm | None = None) -> int:
-        """How many clusters of `cluster` blocks of a built form (by default the first) the GPU holds at once (the
-        driver's count)."""
-        form = form or next(iter(self.forms.values()))
-        assert self._lib is not None
-        config, _attributes = launch_config(BLOCKS, WARPS * 32, form.smem, None, cluster)
+    def max_active_clusters(self, cluster: int) -> int:
+        """How many clusters of `cluster` blocks of this kernel the GPU holds at once (the driver's count)."""
+        assert self._lib is not None and self._function is not None
+        config, _attributes = launch_config(BLOCKS, WARPS * 32, self.smem, None, cluster)
         count = ctypes.c_int()
         with torch.cuda.device(self.device):
-            _check(self._lib, self._lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), form.function,
+            _check(self._lib, self._lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), self._function,
                                                                      ctypes.byref(config)), "max active clusters")
         return count.value
-
-    def form_for(self, rows_x_tokens: int) -> KernelForm:
-        """The form a pass of `rows_x_tokens` rows x tokens runs."""
-        paired = self.pairs_from_rows > 0 and rows_x_tokens >= self.pairs_from_rows
-        return self.forms[2 if paired else 1]
 
     def applies(self, embeds: torch.Tensor, batch: AttentionBatch) -> bool:
         """Whether `logits` takes this step: bf16 on the stack's GPU, at most `max_rows` rows, 32 rows x tokens and
@@ -315,10 +270,9 @@ class PersistentPass:
         """embeds [B, T, h] through every layer (their keys and values into `kv_caches` at `batch`'s positions),
         then the final norm and `head` [V, h] over each row's last token: logits [B, V] in bf16."""
         self.build(head.shape[0])
-        lib = self._lib
-        assert lib is not None and self.vocab is not None
+        lib, function = self._lib, self._function
+        assert lib is not None and function is not None and self.vocab is not None
         rows, tokens, width = embeds.shape
-        form = self.form_for(rows * tokens)
         assert width == self.hidden and head.shape[1] == width and head.is_contiguous()
         embeds, cos, sin = embeds.contiguous(), cos.reshape(rows * tokens, -1).contiguous(), sin.reshape(
             rows * tokens, -1).contiguous()
@@ -341,13 +295,8 @@ class PersistentPass:
         params = parameter_block(layers, pointers, integers, floats)
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        if form.cluster > 1:
-            config, _attributes = launch_config(BLOCKS, WARPS * 32, form.smem, stream.value, form.cluster)
-            _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), form.function, arguments, None),
-                   "cuLaunchKernelEx")
-        else:
-            _check(lib, lib.cuLaunchKernel(form.function, BLOCKS, 1, 1, WARPS * 32, 1, 1, form.smem, stream,
-                                           arguments, None), "cuLaunchKernel")
+        _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
+               "cuLaunchKernel")
         return logits
 
 

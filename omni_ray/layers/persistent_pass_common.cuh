@@ -21,22 +21,11 @@ typedef unsigned int u32;
 #define DOWN_C (HIDDEN / BLOCKS)
 #define HEAD_C (VOCAB / BLOCKS)
 
-// CLUSTER_PAIRS: the blocks run in clusters of two, and each pair shares its two blocks' columns of every GEMM: each
-// block multiplies all of them over half the depth (so it reads half the activations from L2), and each finishes its
-// own columns with its partner's partial sums, read from the partner's shared memory. A block's warps then split
-// over depth (DEPTH_WARPS) and over the pair's two column halves. Without it, a block owns its columns at full depth.
-#ifndef CLUSTER_PAIRS
-#define CLUSTER_PAIRS 0
-#endif
-#define PAIR (CLUSTER_PAIRS ? 2 : 1)
-#define DEPTH_WARPS (WARPS / PAIR)
-
 static_assert(HEAD_DIM == 128, "a warp holds a head's 128 dims, four a lane");
 static_assert(QKV_C % 8 == 0 && O_C % 8 == 0 && GU_C % 8 == 0 && DOWN_C % 8 == 0 && HEAD_C % 8 == 0,
               "every block's column share is whole 8-column MMA tiles");
 static_assert(HIDDEN % (WARPS * 16) == 0 && ATTN_W % (WARPS * 16) == 0 && INTER % (WARPS * 16) == 0,
               "every warp's depth share is whole 16-deep MMA steps");
-static_assert(BLOCKS % PAIR == 0 && WARPS % PAIR == 0, "whole pairs of blocks, a pair's column halves in whole warps");
 
 struct LayerPointers {
     const bf16_t* qkv;         // [QKV_N, HIDDEN]
@@ -138,42 +127,6 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
     __syncthreads();
 }
 
-// This block's rank in its pair (0 without pairs).
-__device__ __forceinline__ u32 pair_rank() {
-#if CLUSTER_PAIRS
-    u32 rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return rank;
-#else
-    return 0;
-#endif
-}
-
-// Every thread of both blocks of the pair waits here: the writes to shared memory before it are seen by the partner
-// after it, and the partner's reads before it are done.
-__device__ __forceinline__ void pair_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The partner's copy of `p` (an address in this block's shared memory), as a shared::cluster address.
-__device__ __forceinline__ u32 partner_address(const void* p) {
-    u32 address;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(shared_address(p)), "r"(pair_rank() ^ 1u));
-    return address;
-}
-
-__device__ __forceinline__ float2 load_partner2(u32 address) {
-    float2 v;
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float load_partner(u32 address) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-    return v;
-}
-
 // ------------------------------------------------------------------------------------------------ weight shares
 
 // The weights' copies: by default bulk copies of whole rows on the multiprocessor's copy engine (a row a lane of the
@@ -185,23 +138,20 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 
                  :: "r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(barrier) : "memory");
 }
 
-// `count` weight rows from `first` of a [*, K] weight into shared rows of K / PAIR + PAD: this block's depth share
-// of each row (all of it without pairs).
+// `count` weight rows from `first` of a [*, K] weight into shared rows of K + PAD.
 template <int K>
 __device__ __forceinline__ void copy_rows(bf16_t* shared, const bf16_t* weight, long long first, int count,
                                           u32 barrier) {
-    constexpr int KB = K / PAIR;
-    const bf16_t* from = weight + pair_rank() * KB;
 #ifdef CP_ASYNC_COPIES
-    constexpr int CHUNKS = KB / 8;
+    constexpr int CHUNKS = K / 8;
     for (int i = threadIdx.x; i < count * CHUNKS; i += THREADS) {
         const int row = i / CHUNKS, chunk = i % CHUNKS;
-        copy_async_16(shared + row * (KB + PAD) + chunk * 8, from + (first + row) * K + chunk * 8);
+        copy_async_16(shared + row * (K + PAD) + chunk * 8, weight + (first + row) * K + chunk * 8);
     }
 #else
     if (threadIdx.x < 32)  // the first warp's lanes a row each: one instruction issues 32 rows' copies
         for (int row = threadIdx.x; row < count; row += 32)
-            bulk_copy(shared + row * (KB + PAD), from + (first + row) * K, KB * 2, barrier);
+            bulk_copy(shared + row * (K + PAD), weight + (first + row) * K, K * 2, barrier);
 #endif
 }
 
@@ -216,11 +166,10 @@ __device__ __forceinline__ u32 share_bytes(const Params& p, int index) {
     }
 }
 
-// This block's share of GEMM `index` copied into its buffer (nothing past the last GEMM): its pair's columns (the
-// first block's, then the second's), over this block's depth share.
+// This block's share of GEMM `index` copied into its buffer (nothing past the last GEMM).
 __device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1,
                                             const u32 (&barriers)[2]) {
-    const long long first_block = blockIdx.x / PAIR * PAIR;  // the pair's first block
+    const long long block = blockIdx.x;
     const u32 barrier = barriers[index & 1];
 #ifndef SKIP_WEIGHTS
     if (index <= 4 * p.num_layers) {
@@ -234,21 +183,18 @@ __device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* 
         }
 #endif
         if (index == 4 * p.num_layers) {
-            copy_rows<HIDDEN>(buffer0, p.head, first_block * HEAD_C, PAIR * HEAD_C, barrier);
+            copy_rows<HIDDEN>(buffer0, p.head, block * HEAD_C, HEAD_C, barrier);
         } else {
             const LayerPointers& layer = p.layers[index / 4];
             switch (index % 4) {
-                case 0: copy_rows<HIDDEN>(buffer0, layer.qkv, first_block * QKV_C, PAIR * QKV_C, barrier); break;
-                case 1: copy_rows<ATTN_W>(buffer1, layer.o, first_block * O_C, PAIR * O_C, barrier); break;
-                case 2:  // each block's gate rows, then its up rows
-                    for (int half = 0; half < PAIR; ++half) {
-                        bf16_t* rows = buffer0 + half * 2 * GU_C * (HIDDEN / PAIR + PAD);
-                        copy_rows<HIDDEN>(rows, layer.gate_up, (first_block + half) * GU_C, GU_C, barrier);
-                        copy_rows<HIDDEN>(rows + GU_C * (HIDDEN / PAIR + PAD), layer.gate_up,
-                                          INTER + (first_block + half) * GU_C, GU_C, barrier);
-                    }
+                case 0: copy_rows<HIDDEN>(buffer0, layer.qkv, block * QKV_C, QKV_C, barrier); break;
+                case 1: copy_rows<ATTN_W>(buffer1, layer.o, block * O_C, O_C, barrier); break;
+                case 2:
+                    copy_rows<HIDDEN>(buffer0, layer.gate_up, block * GU_C, GU_C, barrier);
+                    copy_rows<HIDDEN>(buffer0 + GU_C * (HIDDEN + PAD), layer.gate_up, INTER + block * GU_C, GU_C,
+                                      barrier);
                     break;
-                default: copy_rows<INTER>(buffer1, layer.down, first_block * DOWN_C, PAIR * DOWN_C, barrier); break;
+                default: copy_rows<INTER>(buffer1, layer.down, block * DOWN_C, DOWN_C, barrier); break;
             }
         }
     }

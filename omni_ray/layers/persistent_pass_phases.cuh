@@ -28,10 +28,6 @@ struct ScaledCopy {
 // out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
 // x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
 // tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
-// With pairs, `w` holds both blocks' shares (the first block's NT tiles, then the second's) over this block's half
-// of the depth: each warp multiplies one half's tiles over a K / WARPS deep stretch of that half, the block hands
-// its partner the sums of the partner's columns (`exchange`, after `partial_squares` in shared memory), and adds the
-// partner's sums of its own columns to its own (the first block's half of the depth first, in both blocks).
 template <int MT, int NT, int K, int NORM, bool GATED, bool RESIDUAL>
 __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t* w, const bf16_t* norm, float eps,
                      RowSquares ahead, const bf16_t* residual, bf16_t* out, long long out_stride, int col0,
@@ -42,14 +38,11 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     // The MMA's 16-deep steps read k in any order both operands agree on: lane (group, pair) takes the 8
     // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
     // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
-    constexpr int KB = K / PAIR;  // this block's depth
-    constexpr int CHUNKS = KB / DEPTH_WARPS / 32;
+    constexpr int CHUNKS = K / WARPS / 32;
     // chunks whose loads a warp issues together (8 or 16 a 16-row tile measured no faster, session 36)
     constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;
     static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
-    const int depth = warp % DEPTH_WARPS, half = warp / DEPTH_WARPS;  // half: which block's columns (with pairs)
-    const int rank = (int)pair_rank();
     float acc[MT][NT][4];
     float squares[MT][2];
 #pragma unroll
@@ -58,9 +51,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
 #pragma unroll
         for (int n = 0; n < NT; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
     }
-    const int k_local = depth * (KB / DEPTH_WARPS) + 8 * pair;  // in this block's depth (w's rows)
-    const int k_first = rank * KB + k_local;                     // in x's rows
-    const bf16_t* w_half = w + half * NT * 8 * (KB + PAD);
+    const int k_first = warp * (K / WARPS) + 8 * pair;
     const uint4 zero = {0u, 0u, 0u, 0u};
     // the residual this thread adds in the epilogue, asked for now (an output unit a thread: see the epilogue)
     static_assert(!RESIDUAL || (GATED ? NT / 2 : NT) * MT * 64 <= THREADS, "a residual GEMM's units fit one pass");
@@ -121,7 +112,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
             }
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const uint4 wb = *reinterpret_cast<const uint4*>(w_half + (n * 8 + group) * (KB + PAD) + k - rank * KB);
+                const uint4 wb = *reinterpret_cast<const uint4*>(w + (n * 8 + group) * (K + PAD) + k);
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const u32 first[4] = {xs[c][m][0].x, xs[c][m][1].x, xs[c][m][0].y, xs[c][m][1].y};
@@ -140,13 +131,13 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
             float* at = partial + (((warp * MT + m) * NT + n) * 32 + lane) * 4;
             at[0] = acc[m][n][0]; at[1] = acc[m][n][1]; at[2] = acc[m][n][2]; at[3] = acc[m][n][3];
         }
-        if (NORM == NORM_HERE && half == 0) {  // (a pair's two column halves square the same values)
+        if (NORM == NORM_HERE) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float s = squares[m][h];
                 s += __shfl_xor_sync(0xffffffffu, s, 1);
                 s += __shfl_xor_sync(0xffffffffu, s, 2);
-                if (pair == 0) partial_squares[depth * MAX_ROWS + m * 16 + group + 8 * h] = s;
+                if (pair == 0) partial_squares[warp * MAX_ROWS + m * 16 + group + 8 * h] = s;
             }
         }
     }
@@ -158,31 +149,14 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     }
     __syncthreads();
     constexpr int OUT_TILES = GATED ? NT / 2 : NT;
-    // with pairs: the partner's columns summed over this block's depth warps (and its rows' sums of squares), for the
-    // partner to read once both blocks are past the pair barrier
-    float* exchange = partial_squares + WARPS * MAX_ROWS;
-    if (PAIR > 1) {
-        const int other = (rank ^ 1) * DEPTH_WARPS;
-        for (int i = threadIdx.x; i < MT * NT * 32 * 4; i += THREADS) {
-            float sum = 0.0f;
-            for (int d = 0; d < DEPTH_WARPS; ++d) sum += partial[(other + d) * MT * NT * 32 * 4 + i];
-            exchange[i] = sum;
-        }
-        if (NORM == NORM_HERE && threadIdx.x < MAX_ROWS) {
-            float sum = 0.0f;
-            for (int d = 0; d < DEPTH_WARPS; ++d) sum += partial_squares[d * MAX_ROWS + threadIdx.x];
-            exchange[MT * NT * 32 * 4 + threadIdx.x] = sum;
-        }
-        pair_barrier();
-    }
     for (int unit = threadIdx.x; unit < MT * OUT_TILES * 64; unit += THREADS) {
         const int h = unit % 2, unit_lane = (unit / 2) % 32, tile = (unit / 64) % OUT_TILES, m = unit / 64 / OUT_TILES;
         const int row = m * 16 + unit_lane / 4 + 8 * h;
         const bool valid = row < rows;  // the others still take part in the scaled copy's shuffles
         if (!valid && !(RESIDUAL && scaled.norm)) continue;
         float v0 = 0.0f, v1 = 0.0f, up0 = 0.0f, up1 = 0.0f, row_squares = 0.0f;
-        for (int d = 0; d < DEPTH_WARPS; ++d) {  // this block's columns: its own half's warps
-            const float* at = partial + ((((rank * DEPTH_WARPS + d) * MT + m) * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
+        for (int wp = 0; wp < WARPS; ++wp) {
+            const float* at = partial + (((wp * MT + m) * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
             v0 += at[0];
             v1 += at[1];
             if (GATED) {
@@ -190,25 +164,7 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
                 up0 += up[0];
                 up1 += up[1];
             }
-        }
-        if (NORM == NORM_AHEAD)  // every block's sums, as each warp added up its share of them
-            for (int wp = 0; wp < WARPS; ++wp) row_squares += partial_squares[wp * MAX_ROWS + row];
-        if (NORM == NORM_HERE)
-            for (int d = 0; d < DEPTH_WARPS; ++d) row_squares += partial_squares[d * MAX_ROWS + row];
-        if (PAIR > 1) {  // the partner's depth: its half first when it is the first block
-            const int at = ((m * NT + tile) * 32 + unit_lane) * 4 + 2 * h;
-            const float2 partner = load_partner2(partner_address(exchange + at));
-            v0 = rank ? partner.x + v0 : v0 + partner.x;
-            v1 = rank ? partner.y + v1 : v1 + partner.y;
-            if (GATED) {
-                const float2 partner_up = load_partner2(partner_address(exchange + at + OUT_TILES * 32 * 4));
-                up0 = rank ? partner_up.x + up0 : up0 + partner_up.x;
-                up1 = rank ? partner_up.y + up1 : up1 + partner_up.y;
-            }
-            if (NORM == NORM_HERE) {
-                const float partner_squares = load_partner(partner_address(exchange + MT * NT * 32 * 4 + row));
-                row_squares = rank ? partner_squares + row_squares : row_squares + partner_squares;
-            }
+            if (NORM != NO_NORM) row_squares += partial_squares[wp * MAX_ROWS + row];
         }
         if (NORM != NO_NORM) {
             const float inverse_rms = 1.0f / sqrtf(row_squares / K + eps);

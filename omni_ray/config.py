@@ -281,6 +281,10 @@ class TalkerStageConfig(StageConfig):
         if self.engine.persistent_code_predictor and percentage is not None and percentage < 100:
             raise ValueError(f"persistent_code_predictor with mps_active_thread_percentage {percentage}: the pass "
                              "needs its 128 blocks resident at once, which a share of the multiprocessors may not hold")
+        if self.engine.persistent_code_predictor and self.resources.mps_client_priority == "below_normal":
+            raise ValueError("persistent_code_predictor with mps_client_priority below_normal: the pass's blocks "
+                             "wait at grid barriers for blocks the GPU may hold back for normal clients' work; on an "
+                             "H200 the 1-GPU service so set answered no request (sessions 39 and 41)")
         return self
 
 

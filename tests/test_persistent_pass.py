@@ -138,8 +138,9 @@ def test_one_process_a_gpu_runs_persistent_passes(tmp_path: Path) -> None:
 
 
 def test_settings_that_could_hang_the_gpu_are_refused() -> None:
-    """The pass needs every block resident at once: two engine lanes (two passes at once) or an MPS share of the
-    multiprocessors with it are refused when the layout is read, with the reason."""
+    """The pass needs every block resident at once: two engine lanes (two passes at once), an MPS share of the
+    multiprocessors or a Talker below normal MPS priority with it are refused when the layout is read, with the
+    reason."""
     from pydantic import ValidationError
 
     from omni_ray.config import TalkerSettings, TalkerStageConfig
@@ -152,3 +153,9 @@ def test_settings_that_could_hang_the_gpu_are_refused() -> None:
                                                         "mps_active_thread_percentage": 50},
                                           "engine": {"persistent_code_predictor": True}})
     TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5, "mps_active_thread_percentage": 50}})
+    with pytest.raises(ValidationError, match="mps_client_priority below_normal"):
+        TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5,
+                                                        "mps_client_priority": "below_normal"},
+                                          "engine": {"persistent_code_predictor": True}})
+    TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5,
+                                                    "mps_client_priority": "below_normal"}})

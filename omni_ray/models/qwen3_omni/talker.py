@@ -119,7 +119,7 @@ class TalkerRunner:
     def _use_persistent_pass(self, stack: Any, max_rows: int) -> None:
         """The code predictor's passes of up to `max_rows` rows as one persistent kernel each, or (logged) the Triton
         kernels where the kernel does not take the model or cannot be built here (no NVRTC, too few
-        multiprocessors)."""
+        multiprocessors, another process's passes on this GPU)."""
         try:
             if not stack.use_persistent_pass(self.mtp_vocab, max_rows):
                 log.warning("the persistent code-predictor pass does not take this model: Triton kernels it is")

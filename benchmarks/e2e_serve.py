@@ -164,9 +164,9 @@ def wait_ready(timeout: float) -> None:
 
 
 def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None,
-         prompt_file: Path = DISTINCT_PROMPTS_FILE) -> tuple[dict[str, Any], float]:
+         prompt_file: Path = DISTINCT_PROMPTS_FILE, timeout: float = 600.0) -> tuple[dict[str, Any], float]:
     cfg = LoadConfig(url=URL, scenario="chat", concurrency=concurrency, requests=requests, max_tokens=max_tokens,
-                     prompt_file=str(prompt_file), ignore_eos=True, progress=False, plots=False, timeout=600,
+                     prompt_file=str(prompt_file), ignore_eos=True, progress=False, plots=False, timeout=timeout,
                      out_dir=str(out_dir) if out_dir else None)
     _, records, wall = asyncio.run(run_load(cfg))
     return aggregate(records, wall), wall
@@ -198,7 +198,10 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
 
 def serve_and_measure(
     serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = DISTINCT_PROMPTS_FILE,
+    request_timeout: float = 60.0, warmup_timeout: float = 300.0,
 ) -> list[dict[str, Any]]:
+    """Serve the layout, then `warm_and_measure` it. A run that stopped leaves Serve up: a hung replica may never
+    finish its step, and the process's exit takes the Ray cluster it started down."""
     import ray
     from ray import serve
 
@@ -211,14 +214,32 @@ def serve_and_measure(
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
     wait_ready(900)
     rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}]
-    # warm-up: one request alone, then the largest level once (captures the CUDA graphs those batches use)
+    rows += warm_and_measure(levels, rounds, max_tokens, out, prompt_file, request_timeout, warmup_timeout)
+    if rows[-1]["phase"] != "stopped":
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def warm_and_measure(
+    levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path, request_timeout: float,
+    warmup_timeout: float,
+) -> list[dict[str, Any]]:
+    """The running service's warm-up (one request alone, then the largest level once: the CUDA graphs those batches
+    use) and each level's measurement. A warm-up or level that got no reply at all within its timeout (a hung
+    service) ends the run there with a "stopped" row, so that what was measured is still written."""
+    rows: list[dict[str, Any]] = []
     for concurrency in (1, max(levels)):
-        summary, wall = load(concurrency, concurrency, max_tokens, None, prompt_file)
-        rows.append({"phase": "warmup", "concurrency": concurrency, "ok": summary["ok"], "wall_s": wall})
+        summary, wall = load(concurrency, concurrency, max_tokens, None, prompt_file, warmup_timeout)
+        rows.append({"phase": "warmup", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
+                     "errors": summary["errors"], "error_samples": summary["error_samples"], "wall_s": wall})
+        if not summary["ok"]:
+            return stop(rows, f"the warm-up at c={concurrency} got no reply")
     time.sleep(1.0)  # the warm-up's samples are posted before the first level's baseline is scraped
     for concurrency in levels:
         before, cpu_before = scrape(), service_cpu_seconds()
-        summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}", prompt_file)
+        summary, wall = load(concurrency, concurrency * rounds, max_tokens, out / f"c{concurrency}", prompt_file,
+                             request_timeout)
         cpu = {name: (used - cpu_before.get(name, 0.0)) / wall for name, used in service_cpu_seconds().items()}
         time.sleep(1.0)  # every ingress replica has posted its last replies' samples (each posts every 0.25 s)
         rows.append({"phase": "measure", "concurrency": concurrency, "requests": summary["requests"], "ok": summary["ok"],
@@ -228,9 +249,15 @@ def serve_and_measure(
                      "stats": summary["stats"], "finish_reasons": summary["finish_reasons"],
                      "server": breakdown(before, scrape(), wall), "cpu_cores": cpu})
         print(json.dumps(rows[-1]["server"]), {k: rows[-1]["stats"][k]["p50"] for k in ("ttfa_s", "rtf")}, flush=True)
-    serve.shutdown()
-    ray.shutdown()
+        if not summary["ok"]:
+            return stop(rows, f"c={concurrency} got no reply")
     return rows
+
+
+def stop(rows: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
+    """End a run whose service answered nothing: the rows so far and why."""
+    print(f"stopped: {reason}", file=sys.stderr, flush=True)
+    return rows + [{"phase": "stopped", "reason": reason}]
 
 
 def level_rtf_floors(layout: Path, levels: list[int], text_tokens: int) -> dict[int, float]:
@@ -324,10 +351,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{num(srv.get('vocoder_windows_per_call'), '{:.1f}')} | "
             + " / ".join(num(r.get("cpu_cores", {}).get(part), "{:.2f}")
                          for part in ("load generator", "proxy", "ingress", "thinker", "talker", "vocoder")) + " |")
-    failed = [r for r in rows if r["phase"] == "measure" and r.get("error_samples")]
+    failed = [r for r in rows if r["phase"] in ("warmup", "measure") and r.get("error_samples")]
     if failed:
-        lines += [""] + [f"Failed requests at c={r['concurrency']}: {r['errors']} ("
-                         + "; ".join(r["error_samples"]) + ")" for r in failed]
+        lines += [""] + [f"Failed requests at c={r['concurrency']}{' (warm-up)' if r['phase'] == 'warmup' else ''}: "
+                         f"{r['errors']} (" + "; ".join(r["error_samples"]) + ")" for r in failed]
+    lines += [f"Stopped: {r['reason']} (the service answered nothing within the timeout)"
+              for r in rows if r["phase"] == "stopped"]
     if baseline:
         lines += ["", f"transformers `generate()` on the same GPU in the same run (batch 1, not streaming): "
                       f"{baseline['total_s']:.1f} s for {baseline['audio_s']:.1f} s of audio, RTF {baseline['rtf']:.2f}; "
@@ -350,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"91-115 tokens, so that concurrent streams differ; {PROMPT_FILE.name}: one prompt for every "
                         "request, as runs before session 38 sent, whose streams with random weights decode nearly the "
                         "same tokens and share most experts)")
+    parser.add_argument("--request-timeout", type=float, default=60.0,
+                        help="seconds a measured request may take (a 32-stream reply of workload W takes about 3.5)")
+    parser.add_argument("--warmup-timeout", type=float, default=300.0,
+                        help="seconds a warm-up request may take (the first batches may still compile or capture)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
@@ -359,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     floors = level_rtf_floors(layout, levels, args.max_tokens)
-    rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out, Path(args.prompt_file))
+    rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out, Path(args.prompt_file),
+                             args.request_timeout, args.warmup_timeout)
     for row in rows:
         if row["phase"] == "measure":
             row["rtf_floor"] = floors[row["concurrency"]]
@@ -372,10 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                     prompts=len(load_prompts(args.prompt_file)),
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
-    failed = sum(int(row.get("errors") or 0) for row in rows if row["phase"] == "measure")
-    if failed:  # the results are written; the exit status says a measured request failed (a suite step fails)
-        print(f"{failed} measured requests failed (see the e2e table's failed requests)", file=sys.stderr)
-    return 1 if failed else 0
+    failed = sum(int(row.get("errors") or 0) for row in rows if row["phase"] in ("warmup", "measure"))
+    stopped = any(row["phase"] == "stopped" for row in rows)
+    if failed or stopped:  # the results are written; the exit status says a request failed (a suite step fails)
+        print(f"{failed} requests failed (see the e2e table's failed requests)", file=sys.stderr)
+    return 1 if failed or stopped else 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks import e2e_serve
 from benchmarks.e2e_serve import (
     breakdown, level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, startup_phases,
     with_overrides,
@@ -156,6 +157,45 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # written before
     distinct = markdown({**meta, "prompt_file": "prompts_100_tokens_distinct.txt", "prompts": 32}, rows, None)
     assert "32 prompts of about 100 tokens from `benchmarks/prompts_100_tokens_distinct.txt`" in distinct
+
+
+@pytest.mark.parametrize("replies_until", [0, 2, 99])  # calls of the load that get replies: none, the warm-ups, all
+def test_a_run_stops_at_the_first_warm_up_or_level_without_a_reply(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                    replies_until: int) -> None:
+    """A hung service (sessions 39 and 41: every request waited until the step was killed, and nothing was written)
+    now ends the run at the first warm-up or level in which no request got a reply within its timeout: the rows
+    measured so far, a "stopped" row, and the table says so. Only the load and the metrics scrape are stood in."""
+    calls: list[tuple[int, int, float]] = []
+
+    def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None, prompt_file: Path,
+             timeout: float) -> tuple[dict, float]:
+        calls.append((concurrency, requests, timeout))
+        ok = requests if len(calls) <= replies_until else 0
+        stats = {key: {"p50": 0.1 if ok else None, "p90": None, "mean": None}
+                 for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
+        samples = [] if ok else [f"timeout: no complete reply within {timeout:g} s"]
+        return {"requests": requests, "ok": ok, "errors": requests - ok, "errors_by_status": {}, "error_samples": samples,
+                "audio_s_total": 0.0, "stats": stats, "finish_reasons": {}}, 1.0
+
+    monkeypatch.setattr(e2e_serve, "load", load)
+    monkeypatch.setattr(e2e_serve, "scrape", lambda: {})
+    monkeypatch.setattr(e2e_serve, "service_cpu_seconds", lambda: {})
+    monkeypatch.setattr(e2e_serve.time, "sleep", lambda seconds: None)
+    rows = e2e_serve.warm_and_measure([1, 8], 2, 16, tmp_path, tmp_path / "prompts.txt", request_timeout=60.0,
+                                      warmup_timeout=300.0)
+    phases = [(row["phase"], row.get("concurrency")) for row in rows]
+    table = markdown({"gpu": "cpu", "date": "d", "commit": "x", "command": "y", "serve_config": "s", "max_tokens": 16},
+                     rows, None)
+    if replies_until == 0:  # the first warm-up request got nothing: no level runs
+        assert calls == [(1, 1, 300.0)] and phases == [("warmup", 1), ("stopped", None)]
+        assert "Failed requests at c=1 (warm-up): 1 (timeout: no complete reply within 300 s)" in table
+        assert "Stopped: the warm-up at c=1 got no reply" in table
+    elif replies_until == 2:  # the warm-ups answered, the first level did not: the second is not run
+        assert calls == [(1, 1, 300.0), (8, 8, 300.0), (1, 2, 60.0)]
+        assert phases == [("warmup", 1), ("warmup", 8), ("measure", 1), ("stopped", None)]
+        assert "| 1 | 0/2 |" in table and "Stopped: c=1 got no reply" in table
+    else:
+        assert phases == [("warmup", 1), ("warmup", 8), ("measure", 1), ("measure", 8)] and "Stopped" not in table
 
 
 def test_the_distinct_prompts_are_32_different_prompts_of_about_100_tokens(tiny_checkpoint: Path) -> None:

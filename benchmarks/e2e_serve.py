@@ -198,7 +198,7 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
 
 def serve_and_measure(
     serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = DISTINCT_PROMPTS_FILE,
-    request_timeout: float = 60.0, warmup_timeout: float = 300.0,
+    request_timeout: float = 60.0, warmup_timeout: float = 120.0,
 ) -> list[dict[str, Any]]:
     """Serve the layout, then `warm_and_measure` it. A run that stopped leaves Serve up: a hung replica may never
     finish its step, and the process's exit takes the Ray cluster it started down."""
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                         "same tokens and share most experts)")
     parser.add_argument("--request-timeout", type=float, default=60.0,
                         help="seconds a measured request may take (a 32-stream reply of workload W takes about 3.5)")
-    parser.add_argument("--warmup-timeout", type=float, default=300.0,
+    parser.add_argument("--warmup-timeout", type=float, default=120.0,
                         help="seconds a warm-up request may take (the first batches may still compile or capture)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -245,6 +245,7 @@ class TalkerSettings(EngineSettings):
         "as the persistent kernel; larger passes keep the Triton kernels, whose short launches leave multiprocessors "
         "to a stage sharing the GPU between them",
     )
+
     @model_validator(mode="after")
     def _one_persistent_pass_at_a_time(self) -> "TalkerSettings":
         if self.persistent_code_predictor and self.lanes > 1:

@@ -2,7 +2,8 @@
 the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
-cp.async copies by every thread instead of bulk copies), at a few row counts. Full-size Qwen3-Omni-30B code
+cp.async copies by every thread instead of bulk copies) or the activations loaded in bigger batches (more
+chunk-tiles in flight; their logits are checked equal to the served build's), at a few row counts. Full-size Qwen3-Omni-30B code
 predictor, random bf16 weights."""
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ VARIANTS: dict[str, dict[str, int]] = {
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
+    # the activations' loads a warp issues together, as 16-row tiles x 32-deep chunks (served: 4)
+    "8 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 8},
+    "16 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 16},
+    "32 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 32},
 }
+# variants that only reorder loads: their logits must equal the served build's, bit for bit
+SAME_AS_SERVED = [name for name in VARIANTS if "in flight" in name]
 
 
 def probe(rows: list[int]) -> list[dict[str, Any]]:
@@ -50,6 +57,10 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
             lambda: kernels_stack.last_logits(x, cache.layers, batch, (cos, sin), head))[0]}
         for name, kernel in kernels.items():
             row[name] = 1000 * replay_ms(lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0]
+        served_logits = served.logits(x, cache.layers, batch, cos, sin, head)
+        row["max difference from served"] = {
+            name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - served_logits.float())
+            .abs().max().item() for name in SAME_AS_SERVED}
         out.append(row)
     return out
 
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+    lines += ["", "Largest logit difference from the served build (must be 0: those builds only reorder loads):"]
+    lines += [f"- {r['rows']} rows: {r['max difference from served']}" for r in rows]
     write_results(args.out, "persistent_pass_probe", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     return 0
 

@@ -25,6 +25,13 @@ struct ScaledCopy {
     float* squares;
 };
 
+// The most chunks, up to `most`, whose loads a warp issues together: a divisor of `chunks` (whole batches).
+__host__ __device__ constexpr int chunks_in_flight(int chunks, int most) {
+    int count = chunks < most ? chunks : most;
+    while (chunks % count) --count;
+    return count;
+}
+
 // out[:, col0 : col0 + width] = epilogue(prologue(x) @ w_share.T) for `rows` rows of x [rows, K] (row stride
 // x_stride). NT 8-column tiles of the share sit in `w` (gated: NT / 2 gate tiles, then as many up tiles); MT 16-row
 // tiles cover the rows. Each warp multiplies one K / WARPS deep stretch; the warps' partial sums meet in `partial`.
@@ -40,7 +47,10 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
     constexpr int CHUNKS = K / WARPS / 32;
     // chunks whose loads a warp issues together (8 or 16 a 16-row tile measured no faster, session 36)
-    constexpr int IN_FLIGHT = CHUNKS < 4 / MT ? CHUNKS : 4 / MT;
+#ifndef CHUNK_TILES_IN_FLIGHT
+#define CHUNK_TILES_IN_FLIGHT 4
+#endif
+    constexpr int IN_FLIGHT = chunks_in_flight(CHUNKS, CHUNK_TILES_IN_FLIGHT / MT);
     static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
     float acc[MT][NT][4];

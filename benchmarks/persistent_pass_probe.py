@@ -3,7 +3,8 @@ the pass and its head replayed from a CUDA graph as served, and built with one p
 phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
 cp.async copies by every thread instead of bulk copies) or the activations loaded in bigger batches (more
-chunk-tiles in flight; their logits are checked equal to the served build's), at a few row counts. Full-size Qwen3-Omni-30B code
+chunk-tiles in flight; their logits are checked equal to the served build's), or with every row's activations
+read from row 0 (the GEMMs' L2 reads of x without the row count), at a few row counts. Full-size Qwen3-Omni-30B code
 predictor, random bf16 weights."""
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "8 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 8},
     "16 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 16},
     "32 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 32},
+    # every row's activations read from row 0: the GEMMs' reads of x from L2 cut by the row count (wrong products)
+    "activations as one row": {"ONE_ROW_LOADS": 1},
 }
 # variants that only reorder loads: their logits must equal the served build's, bit for bit
 SAME_AS_SERVED = [name for name in VARIANTS if "in flight" in name]

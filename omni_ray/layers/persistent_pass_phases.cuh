@@ -95,7 +95,11 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = m * 16 + group + 8 * h;
+#ifdef ONE_ROW_LOADS  // probe only (wrong products): every row reads row 0, so a warp's load is one L2 request
+                    xs[c][m][h] = row < rows ? *reinterpret_cast<const uint4*>(x + k) : zero;
+#else
                     xs[c][m][h] = row < rows ? *reinterpret_cast<const uint4*>(x + row * x_stride + k) : zero;
+#endif
                 }
             }
             if (NORM == NORM_HERE) scales[c] = *reinterpret_cast<const uint4*>(norm + k);

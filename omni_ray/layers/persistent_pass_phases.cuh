@@ -25,6 +25,11 @@ struct ScaledCopy {
     float* squares;
 };
 
+// 16-row tiles x 32-deep chunks of activation loads a warp issues together (a probe's knob; served: 4).
+#ifndef CHUNK_TILES_IN_FLIGHT
+#define CHUNK_TILES_IN_FLIGHT 4
+#endif
+
 // The most chunks, up to `most`, whose loads a warp issues together: a divisor of `chunks` (whole batches).
 __host__ __device__ constexpr int chunks_in_flight(int chunks, int most) {
     int count = chunks < most ? chunks : most;
@@ -48,9 +53,6 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     constexpr int CHUNKS = K / WARPS / 32;
     // chunks whose loads a warp issues together, as 16-row tiles x chunks (CHUNK_TILES_IN_FLIGHT: a probe's knob;
     // 8 or 16 a 16-row tile measured no faster, session 36, nor 8 / 16 / 32 at 32 rows, session 42)
-#ifndef CHUNK_TILES_IN_FLIGHT
-#define CHUNK_TILES_IN_FLIGHT 4
-#endif
     constexpr int IN_FLIGHT = chunks_in_flight(CHUNKS, CHUNK_TILES_IN_FLIGHT / MT);
     static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;

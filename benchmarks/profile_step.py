@@ -2,6 +2,8 @@
 
     python -m benchmarks.profile_step --compile --served [--thinker-only | --talker-only] [--prefill-graph-tokens N]
         [--wave K]      (K: also a burst's later wave, K prompts prefilled while 32 - K decode, against their decode alone)
+        [--persistent-code-predictor]   (the Talker's code-predictor passes as the persistent kernel, as served)
+        [--batches 1,32]                (the batches profiled, each stage)
 """
 
 from __future__ import annotations
@@ -178,6 +180,10 @@ def main() -> None:
         graph_tokens = None if graph_tokens < 0 else graph_tokens
     print(f"prefills over {graph_tokens} padded tokens without a graph" if graph_tokens is not None
           else "every prefill from a graph")
+    persistent = "--persistent-code-predictor" in sys.argv[1:]
+    batches = (1, 32)
+    if "--batches" in sys.argv[1:]:
+        batches = tuple(int(b) for b in sys.argv[sys.argv.index("--batches") + 1].split(","))
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)
     text = config.thinker_config.text_config
     if not talker_only:
@@ -189,7 +195,7 @@ def main() -> None:
             return ThinkerSequence(f"p{i}", benchmark_prompt_ids(config, 100, i), SamplingParams(temperature=0.0), 64,
                                    frozenset(), for_talker=True)
 
-        for batch in (1, 32):
+        for batch in batches:
             _profile("thinker", thinker, lambda batch=batch: [prompt(i) for i in range(batch)])
         if "--wave" in sys.argv[1:]:  # --wave K: K prompts arriving while 32 - K decode (a burst's later wave)
             wave = int(sys.argv[sys.argv.index("--wave") + 1])
@@ -202,9 +208,9 @@ def main() -> None:
     talker = TalkerRunner(load_talker(None, config, "cuda", torch.bfloat16), config,
                           SlotKVCache(talker_text.num_hidden_layers, 32, 2048, talker_text.num_key_value_heads, talker_text.head_dim,
                                       torch.bfloat16, "cuda"), 32, compile_layers=compiled,
-                          prefill_graph_tokens=graph_tokens)
+                          prefill_graph_tokens=graph_tokens, persistent_code_predictor=persistent)
     sampling = DEFAULT_TALKER_SAMPLING if served else GREEDY_TALKER
-    for batch in (1, 32):
+    for batch in batches:
         _profile(f"talker + frame ({'served' if served else 'greedy'} sampling)", talker,
                  lambda batch=batch: _talker_seqs(config, batch, 100, 20, sampling, "cuda", torch.bfloat16))
 

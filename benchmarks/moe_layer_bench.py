@@ -140,6 +140,8 @@ def route_row(step: Step, rows: int) -> dict[str, Any]:
     variants = {"": (logits, moe.shared_parts)}
     if moe.shared_parts:
         variants[", no shared expert"] = ([lg[:, :experts].contiguous() for lg in logits], 0)
+        # the same logits read as if there were no shared expert: the kernel's shared-expert code, or its input?
+        variants[", routed columns only"] = (logits, 0)
     row: dict[str, Any] = {"rows": rows, "default": small_batch_moe.route_warps(rows)}
     for name, (inputs, shared) in variants.items():
         for warps in ROUTE_WARPS:

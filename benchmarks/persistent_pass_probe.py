@@ -4,8 +4,10 @@ phases, the GEMMs' products and epilogues, the weights' copies into shared memor
 the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
 cp.async copies by every thread instead of bulk copies) or the activations loaded in bigger batches (more
 chunk-tiles in flight; their logits are checked equal to the served build's), or with every row's activations
-read from row 0 (the GEMMs' L2 reads of x without the row count), at a few row counts. Full-size Qwen3-Omni-30B code
-predictor, random bf16 weights."""
+read from row 0 (the GEMMs' L2 reads of x without the row count), or a share of the weights kept in L2 from pass to
+pass (evict_last), at a few row counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back
+after a read of 400 MB (as a Talker step's MoE layers stream their experts between frames), less that read alone.
+Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -35,16 +37,26 @@ VARIANTS: dict[str, dict[str, int]] = {
     "32 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 32},
     # every row's activations read from row 0: the GEMMs' reads of x from L2 cut by the row count (wrong products)
     "activations as one row": {"ONE_ROW_LOADS": 1},
+    # that share of the weights' lines asked of L2 as evict_last (the rest evict_first)
+    "L2 keeps 10%": {"L2_KEEP_PERCENT": 10},
+    "L2 keeps 20%": {"L2_KEEP_PERCENT": 20},
+    "L2 keeps 30%": {"L2_KEEP_PERCENT": 30},
 }
-# variants that only reorder loads: their logits must equal the served build's, bit for bit
-SAME_AS_SERVED = [name for name, defines in VARIANTS.items() if set(defines) == {"CHUNK_TILES_IN_FLIGHT"}]
+# variants that only reorder loads or hint the cache: their logits must equal the served build's, bit for bit
+SAME_AS_SERVED = [name for name, defines in VARIANTS.items()
+                  if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT"}]
+FRAME_PASSES = 15  # a frame's code-predictor passes
+BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
 
 
-def probe(rows: list[int]) -> list[dict[str, Any]]:
+def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
     cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
     stack, head = code_predictor_with_head(cfg)
     kernels = {}
-    for name, defines in VARIANTS.items():
+    between = torch.empty(BETWEEN_FRAMES_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    read_alone_us = 1000 * replay_ms(lambda: between.sum(dtype=torch.float32))[0]
+    for name in variants:
+        defines = VARIANTS[name]
         kernel = PersistentPass(stack)
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
@@ -60,10 +72,18 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
             lambda: kernels_stack.last_logits(x, cache.layers, batch, (cos, sin), head))[0]}
         for name, kernel in kernels.items():
             row[name] = 1000 * replay_ms(lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0]
+
+            def frame(kernel: PersistentPass = kernel) -> torch.Tensor:
+                between.sum(dtype=torch.float32)
+                for _ in range(FRAME_PASSES):
+                    logits = kernel.logits(x, cache.layers, batch, cos, sin, head)
+                return logits
+
+            row[f"{name}, in a frame"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
         served_logits = served.logits(x, cache.layers, batch, cos, sin, head)
         row["max difference from served"] = {
             name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - served_logits.float())
-            .abs().max().item() for name in SAME_AS_SERVED}
+            .abs().max().item() for name in SAME_AS_SERVED if name in kernels}
         out.append(row)
     return out
 
@@ -71,12 +91,18 @@ def probe(rows: list[int]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="the builds timed, by name, comma-separated ('as served' always)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    rows = probe([int(r) for r in args.rows.split(",")])
+    variants = list(dict.fromkeys(["as served", *(v.strip() for v in args.variants.split(",") if v.strip())]))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    rows = probe([int(r) for r in args.rows.split(",")], variants)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.persistent_pass_probe", argv, gpu=gpu)
-    names = ["Triton kernels", *VARIANTS]
+    names = ["Triton kernels", *variants, *(f"{v}, in a frame" for v in variants)]
     lines = [f"# The persistent code-predictor pass by difference, us per pass + head replayed from a CUDA graph: {gpu}, "
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

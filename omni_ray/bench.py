@@ -195,7 +195,7 @@ def bench_talker(
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
     prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
-    moe_layer_folds: bool = False,
+    moe_layer_folds: bool = False, persistent_l2_keep_percent: int = 0,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -206,6 +206,7 @@ def bench_talker(
         sampling_kernel=sampling_kernel, code_predictor_kernels=code_predictor_kernels, moe_kernels=moe_kernels,
         prefill_graph_tokens=prefill_graph_tokens, moe_layer_kernels=moe_layer_kernels,
         persistent_code_predictor=persistent_code_predictor, moe_layer_folds=moe_layer_folds,
+        persistent_code_predictor_l2_keep_percent=persistent_l2_keep_percent,
     )
     rows = []
     for batch in batches:
@@ -284,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent-code-predictor", action="store_true",
                         help="compiled: each code-predictor pass as one persistent CUDA kernel "
                         "(`engine.persistent_code_predictor`)")
+    parser.add_argument("--persistent-l2-keep-percent", type=int, default=0,
+                        help="with --persistent-code-predictor: the share of its weights L2 is asked to keep from pass "
+                        "to pass (`engine.persistent_code_predictor_l2_keep_percent`)")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
@@ -316,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_talker(config, args.device, dtype, batches, args.prompt, args.steps, not args.eager, args.compile,
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
-                             not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds)
+                             not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds,
+                             args.persistent_l2_keep_percent)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -325,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
+                    + (f" (L2 asked to keep {args.persistent_l2_keep_percent}% of its weights)"
+                       if args.persistent_code_predictor and args.persistent_l2_keep_percent else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (", MoE layers in six kernels (routing and combine folded)" if args.moe_layer_folds else "")

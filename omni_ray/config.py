@@ -245,6 +245,14 @@ class TalkerSettings(EngineSettings):
         "as the persistent kernel; larger passes keep the Triton kernels, whose short launches leave multiprocessors "
         "to a stage sharing the GPU between them",
     )
+    persistent_code_predictor_l2_keep_percent: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="with `persistent_code_predictor`: the share of the code predictor's weights (by cache line) "
+        "its passes ask L2 to keep (evict_last; the rest evict_first), so a frame's later passes find that share in "
+        "L2 instead of memory; 0: plain reads, which keep nothing from one pass to the next (157 MB a pass)",
+    )
 
     @model_validator(mode="after")
     def _one_persistent_pass_at_a_time(self) -> "TalkerSettings":

@@ -22,11 +22,13 @@ CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
-def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path) -> None:
+@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}], ids=["served", "l2_keep"])
+def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path, probe: dict[str, int]) -> None:
     """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
     reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local memory),
-    under the one-block-a-multiprocessor register limit."""
-    defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS}
+    under the one-block-a-multiprocessor register limit. Also the probe's build whose copies hint L2 to keep a share
+    of the weights."""
+    defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS, **probe}
     command = ["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "pass.cubin"),
                *(f"-D{k}={v}" for k, v in defines.items()), str(persistent_pass.SOURCE)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -165,16 +165,18 @@ class DecoderStack(nn.Module):
         self.moe_combine_in_down = self.moe_route_in_router = folds
         return True
 
-    def use_persistent_pass(self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS) -> bool:
+    def use_persistent_pass(self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS,
+                            l2_keep_percent: int = 0) -> bool:
         """Run `last_logits` over a few rows (at most `max_rows` rows and 32 rows x tokens, 2 tokens a row) as one
-        persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`), built now; other steps run as
-        before. False (and nothing changes) without CUDA or where the kernel does not take this stack's shapes."""
+        persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`), built now, asking L2 to keep
+        `l2_keep_percent` of its weights from pass to pass; other steps run as before. False (and nothing changes)
+        without CUDA or where the kernel does not take this stack's shapes."""
         if not torch.cuda.is_available():
             return False
         self.fuse_projections()
         if persistent_pass.unsupported(self) is not None:
             return False
-        kernel = persistent_pass.PersistentPass(self, max_rows)
+        kernel = persistent_pass.PersistentPass(self, max_rows, l2_keep_percent)
         kernel.build(head_rows)
         self.persistent = kernel
         return True

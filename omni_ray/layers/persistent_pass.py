@@ -181,10 +181,13 @@ class PersistentPass:
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
     most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
+        if not 0 <= l2_keep_percent <= 100:
+            raise ValueError(f"l2_keep_percent {l2_keep_percent}: a share of the weights, 0 to 100")
         self.max_rows = max_rows
+        self.l2_keep_percent = l2_keep_percent  # the weights' lines L2 is asked to keep from pass to pass (0: none)
         spec = stack.spec
         layer0 = stack.layers[0]
         self.device = layer0.input_layernorm.weight.device
@@ -224,7 +227,8 @@ class PersistentPass:
                                    "could wait on each other forever")
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
-                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS, **(probe_defines or {})}
+                   "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
+                   "L2_KEEP_PERCENT": self.l2_keep_percent, **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
         lib = _driver()
         with torch.cuda.device(self.device):

@@ -260,6 +260,8 @@ class TalkerStage(StageBase):
                                   moe_layer_kernels=engine.moe_layer_kernels,
                                   persistent_code_predictor=engine.persistent_code_predictor,
                                   persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows,
+                                  persistent_code_predictor_l2_keep_percent=(
+                                      engine.persistent_code_predictor_l2_keep_percent),
                                   moe_layer_folds=engine.moe_layer_folds)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)

@@ -63,6 +63,7 @@ class TalkerRunner:
         persistent_code_predictor: bool = False,
         persistent_code_predictor_max_rows: int = 32,
         moe_layer_folds: bool = False,
+        persistent_code_predictor_l2_keep_percent: int = 0,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -112,16 +113,17 @@ class TalkerRunner:
             if code_predictor_kernels:
                 stack.use_small_batch_kernels()
                 if persistent_code_predictor:
-                    self._use_persistent_pass(stack, persistent_code_predictor_max_rows)
+                    self._use_persistent_pass(stack, persistent_code_predictor_max_rows,
+                                              persistent_code_predictor_l2_keep_percent)
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
 
-    def _use_persistent_pass(self, stack: Any, max_rows: int) -> None:
+    def _use_persistent_pass(self, stack: Any, max_rows: int, l2_keep_percent: int) -> None:
         """The code predictor's passes of up to `max_rows` rows as one persistent kernel each, or (logged) the Triton
         kernels where the kernel does not take the model or cannot be built here (no NVRTC, too few
         multiprocessors, another process's passes on this GPU)."""
         try:
-            if not stack.use_persistent_pass(self.mtp_vocab, max_rows):
+            if not stack.use_persistent_pass(self.mtp_vocab, max_rows, l2_keep_percent):
                 log.warning("the persistent code-predictor pass does not take this model: Triton kernels it is")
         except KernelBuildError as exc:
             log.warning("the persistent code-predictor pass could not be built (%s): Triton kernels it is", exc)

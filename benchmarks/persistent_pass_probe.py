@@ -49,6 +49,11 @@ FRAME_PASSES = 15  # a frame's code-predictor passes
 BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
 
 
+def variant_key(name: str) -> str:
+    """A build's name as `--variants` takes it: lower case, underscores for spaces (no quoting in a shell word)."""
+    return name.lower().replace(" ", "_")
+
+
 def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
     cfg = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG).talker_config.code_predictor_config
     stack, head = code_predictor_with_head(cfg)
@@ -91,14 +96,17 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,8,32")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="the builds timed, by name, comma-separated ('as served' always)")
+    parser.add_argument("--variants", default=",".join(map(variant_key, VARIANTS)),
+                        help="the builds timed, comma-separated, each named in lower case with underscores for "
+                        "spaces (l2_keeps_20%%; 'as served' always)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    variants = list(dict.fromkeys(["as served", *(v.strip() for v in args.variants.split(",") if v.strip())]))
-    unknown = [v for v in variants if v not in VARIANTS]
+    by_key = {variant_key(name): name for name in VARIANTS}
+    asked = [key.strip() for key in args.variants.split(",") if key.strip()]
+    unknown = [key for key in asked if key not in by_key]
     if unknown:
-        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; known: {list(by_key)}")
+    variants = list(dict.fromkeys(["as served", *(by_key[key] for key in asked)]))
     rows = probe([int(r) for r in args.rows.split(",")], variants)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.persistent_pass_probe", argv, gpu=gpu)

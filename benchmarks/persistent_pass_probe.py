@@ -6,7 +6,8 @@ cp.async copies by every thread instead of bulk copies) or the activations loade
 chunk-tiles in flight; their logits are checked equal to the served build's), or with every row's activations
 read from row 0 (the GEMMs' L2 reads of x without the row count), or a share of the weights kept in L2 from pass to
 pass (evict_last), at a few row counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back
-after a read of 400 MB (as a Talker step's MoE layers stream their experts between frames), less that read alone.
+after a read of 400 MB (as a Talker step's MoE layers stream their experts between frames), less that read alone;
+with L2 builds, the served and those builds in a frame again with L2 set aside for kept lines (the device's most).
 Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import Qwen3OmniMoeConfig
 from benchmarks.draw_bench import replay_ms
 from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
-from omni_ray.layers.persistent_pass import PersistentPass
+from omni_ray.layers.persistent_pass import PersistentPass, set_aside_l2
 
 VARIANTS: dict[str, dict[str, int]] = {
     "as served": {},
@@ -66,6 +67,7 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
     served = kernels["as served"]
+    keeping = any("L2_KEEP_PERCENT" in VARIANTS[name] for name in variants)
     print("clusters of the served build resident at once:",
           {size: served.max_active_clusters(size) for size in (1, 2, 4, 8)}, flush=True)
     kernels_stack = copy.deepcopy(stack)
@@ -85,6 +87,10 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 return logits
 
             row[f"{name}, in a frame"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
+            if keeping and (name == "as served" or "L2_KEEP_PERCENT" in VARIANTS[name]):
+                set_aside_l2(x.device, 1 << 30)  # as much as the device sets aside (the limit is zero unless set)
+                row[f"{name}, in a frame, L2 set aside"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
+                set_aside_l2(x.device, 0)
         served_logits = served.logits(x, cache.layers, batch, cos, sin, head)
         row["max difference from served"] = {
             name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - served_logits.float())
@@ -110,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = probe([int(r) for r in args.rows.split(",")], variants)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.persistent_pass_probe", argv, gpu=gpu)
-    names = ["Triton kernels", *variants, *(f"{v}, in a frame" for v in variants)]
+    names = list(dict.fromkeys(name for row in rows for name in row if name not in ("rows", "max difference from served")))
     lines = [f"# The persistent code-predictor pass by difference, us per pass + head replayed from a CUDA graph: {gpu}, "
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+    lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" if n in r else "–" for n in names) + " |" for r in rows]
     lines += ["", "Largest logit difference from the served build (must be 0: those builds only reorder loads):"]
     lines += [f"- {r['rows']} rows: {r['max difference from served']}" for r in rows]
     write_results(args.out, "persistent_pass_probe", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")

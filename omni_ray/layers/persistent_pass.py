@@ -52,6 +52,23 @@ def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
         raise KernelBuildError(f"{what}: CUDA error {result} ({(message.value or b'?').decode()})")
 
 
+def set_aside_l2(device: torch.device, wanted: int) -> int:
+    """Set aside up to `wanted` bytes of L2 (at most the device's maximum) for lines asked to persist (evict_last):
+    the context's persisting-L2 limit, which is zero unless set. Other reads use the set-aside lines while no kept
+    line holds them. Returns the bytes set aside."""
+    lib = _driver()
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device).synchronize()  # the context is current on this thread
+        most = ctypes.c_int()
+        max_persisting_l2 = 108  # CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE
+        _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(most), max_persisting_l2, ctypes.c_int(device.index or 0)),
+               "cuDeviceGetAttribute")
+        size = min(wanted, most.value)
+        persisting_l2_limit = 6  # CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+        _check(lib, lib.cuCtxSetLimit(ctypes.c_int(persisting_l2_limit), ctypes.c_size_t(size)), "cuCtxSetLimit")
+    return size
+
+
 def _nvrtc() -> ctypes.CDLL:
     major = int((torch.version.cuda or "13").split(".")[0])
     for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
@@ -245,6 +262,9 @@ class PersistentPass:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
+        if self.l2_keep_percent:  # room in L2 for the kept share of the weights
+            weights = sum(p.numel() * p.element_size() for p in self.stack.layers.parameters()) + vocab * self.hidden * 2
+            set_aside_l2(self.device, weights * self.l2_keep_percent // 100)
         self.vocab, self._function, self._lib = vocab, function, lib
 
     def max_active_clusters(self, cluster: int) -> int:

@@ -15,7 +15,8 @@
 # tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
 # experts (the distinct experts a Thinker and a Talker decode step read with random weights, and the floors then;
 # benchmarks/expert_reads.py), talkerhost (where a Talker step's host time goes, per stretch of its launch;
-# benchmarks/talker_host_time.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
+# benchmarks/talker_host_time.py), lanes (Talker engine lanes stepping at once against one lane of all the rows;
+# benchmarks/talker_lanes_bench.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
 # code-predictor pass by difference: each part left out in turn), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
@@ -119,6 +120,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       vocoder) run_step "$tag" python -m benchmarks.vocoder_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       experts) run_step "$tag" python -m benchmarks.expert_reads ${!extra_var:-} --out "$OUT/results/$tag" ;;
+      # shellcheck disable=SC2086
+      lanes) run_step "$tag" python -m benchmarks.talker_lanes_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       talkerhost) run_step "$tag" python -m benchmarks.talker_host_time ${!extra_var:-} --out "$OUT/results/$tag" ;;
       dilatedconv) run_step dilatedconv python -m benchmarks.dilated_conv_probe --out "$OUT/results/dilatedconv" ;;

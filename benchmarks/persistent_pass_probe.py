@@ -39,13 +39,15 @@ VARIANTS: dict[str, dict[str, int]] = {
     # every row's activations read from row 0: the GEMMs' reads of x from L2 cut by the row count (wrong products)
     "activations as one row": {"ONE_ROW_LOADS": 1},
     # that share of the weights' lines asked of L2 as evict_last (the rest evict_first)
+    "L2 keeps 5%": {"L2_KEEP_PERCENT": 5},
     "L2 keeps 10%": {"L2_KEEP_PERCENT": 10},
     "L2 keeps 20%": {"L2_KEEP_PERCENT": 20},
     "L2 keeps 30%": {"L2_KEEP_PERCENT": 30},
+    "L2 keeps none": {"L2_EVICT_FIRST": 1},  # every weight line evict_first
 }
 # variants that only reorder loads or hint the cache: their logits must equal the served build's, bit for bit
 SAME_AS_SERVED = [name for name, defines in VARIANTS.items()
-                  if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT"}]
+                  if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT", "L2_EVICT_FIRST"}]
 FRAME_PASSES = 15  # a frame's code-predictor passes
 BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
 

@@ -22,7 +22,7 @@ CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
-@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}], ids=["served", "l2_keep"])
+@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}, {"L2_EVICT_FIRST": 1}], ids=["served", "l2_keep", "l2_evict_first"])
 def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path, probe: dict[str, int]) -> None:
     """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
     reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local memory),

@@ -136,15 +136,20 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
 // L2_KEEP_PERCENT (probe; 0 or unset: off): that share of the weights' lines (by address) asked of L2 as evict_last,
 // the rest evict_first, so the kept share stays in L2 from one pass to the next (a frame runs 15 passes over the same
 // 157 MB, more than L2 holds: plain reads keep nothing).
+// L2_EVICT_FIRST (probe): every weight line asked of L2 as evict_first (keeps none; leaves L2 to the rest).
 #ifndef L2_KEEP_PERCENT
 #define L2_KEEP_PERCENT 0
 #endif
 
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, u32 barrier) {
-#if L2_KEEP_PERCENT > 0
+#if L2_KEEP_PERCENT > 0 || defined(L2_EVICT_FIRST)
     unsigned long long policy;
+#if L2_KEEP_PERCENT > 0
     asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
                  : "=l"(policy) : "f"(L2_KEEP_PERCENT / 100.0f));
+#else
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                  :: "r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(barrier), "l"(policy) : "memory");
 #else

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     dtype, device = DTYPES[args.dtype], args.device
     on_gpu = device.startswith("cuda")
+    compiled = on_gpu and not args.no_compile
     streams = [int(s) for s in args.streams.split(",")]
     lane_counts = [int(n) for n in args.lanes.split(",")]
     if any(total % n for total in streams for n in lane_counts):
@@ -128,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     assets = load_talker(None, config, device, dtype)
     rows = []
     for total in streams:
-        compiled = on_gpu and not args.no_compile
         layouts = {1: [Lane(assets, config, total, slot_len, device, dtype, None, compiled)]}
         for n in lane_counts:
             layouts[n] = [Lane(assets, config, total // n, slot_len, device, dtype,
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if on_gpu:
             torch.cuda.empty_cache()
     meta = run_meta("benchmarks.talker_lanes_bench", argv, gpu=torch.cuda.get_device_name() if on_gpu else "cpu",
-                    dtype=args.dtype, sampling="served", compiled=on_gpu and not args.no_compile)
+                    dtype=args.dtype, sampling="served", compiled=compiled)
     write_results(args.out, "talker_lanes", {"meta": meta, "rows": rows}, markdown(meta, rows))
     return 0
 

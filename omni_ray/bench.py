@@ -23,6 +23,7 @@ from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.floors import floor_ms
+from omni_ray.layers import small_batch
 from omni_ray.models.qwen3_omni.orchestrator import DEFAULT_TALKER_SAMPLING
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence
 from omni_ray.models.qwen3_omni.talker_model import load_talker
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent-l2-keep-percent", type=int, default=0,
                         help="with --persistent-code-predictor: the share of its weights L2 is asked to keep from pass "
                         "to pass (`engine.persistent_code_predictor_l2_keep_percent`)")
+    parser.add_argument("--weights-evict-first", action="store_true",
+                        help="the Triton GEMMs that read each weight once mark its lines first to go from L2 "
+                        "(`small_batch.weights_evict_first`)")
     parser.add_argument("--no-moe-kernels", action="store_true",
                         help="decode batches' MoE expert GEMMs as grouped GEMMs instead of the Triton expert kernels")
     parser.add_argument("--no-moe-layer-kernels", action="store_true",
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.prefill_graph_tokens = None if args.prefill_graph_tokens < 0 else args.prefill_graph_tokens
+    small_batch.set_weights_evict_first(args.weights_evict_first)
     config = Qwen3OmniMoeConfig.from_json_file(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
@@ -332,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
                     + (f" (L2 asked to keep {args.persistent_l2_keep_percent}% of its weights)"
                        if args.persistent_code_predictor and args.persistent_l2_keep_percent else "")
+                    + (", one-tile GEMMs' weights evict_first from L2" if args.weights_evict_first else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")
                     + (", MoE layers in six kernels (routing and combine folded)" if args.moe_layer_folds else "")

@@ -118,6 +118,13 @@ class EngineSettings(_Strict):
         "GEMM's kernel (its last program to finish routes) and the combine inside the down GEMM's (each column "
         "block's last program to finish combines it); the same outputs; off: on an H200 no faster (session 41)",
     )
+    weights_evict_first: bool = Field(
+        default=False,
+        description="on CUDA: the Triton GEMMs that read each weight once a step (rows in one tile: the code "
+        "predictor's, the attention projections', the routers') mark the weights' lines first to go from L2, so that "
+        "they stop crowding out what the step reads again (activations, partial sums, keys); the same outputs. "
+        "The stage's whole process takes it (`small_batch.set_weights_evict_first`)",
+    )
     launch_ahead: bool | None = Field(
         default=None,
         description="queue each step on the device before reading the previous one back, so that the host's "

@@ -212,11 +212,13 @@ def test_layers_without_triton_on_the_cpu_run_eagerly() -> None:
 
 
 @pytest.mark.parametrize("variant", ["norm", "gated-from-squares", "residual-keeping-squares", "fp32",
-                                     "gated-from-squares-split", "residual-keeping-squares-split", "attention-2",
-                                     "attention-1"])
+                                     "gated-from-squares-split", "residual-keeping-squares-split",
+                                     "gated-from-squares-evict-first", "attention-2", "attention-1"])
 def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
     """Triton's compiler, not its interpreter, down to Hopper machine code (sm_90), in each form the code predictor
-    launches: what the interpreter lets pass and a GPU would refuse fails here."""
+    launches: what the interpreter lets pass and a GPU would refuse fails here. With `weights_evict_first` the
+    weights' loads (and only theirs) carry L2's evict_first policy."""
+    evict_first = variant.endswith("-evict-first")
     if variant.startswith("attention"):
         kernel = small_batch._small_attention_kernel
         pointers = {name: "*bf16" for name in ("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr",
@@ -238,9 +240,17 @@ def test_kernels_compile_for_the_h200_without_a_gpu(variant: str) -> None:
         block_n, block_k, _, _, _ = small_batch.matmul_config(1024, 3072)
         residual = variant.startswith("residual")
         split = 4 if variant.endswith("-split") else 1
-        variant = variant.removesuffix("-split")
+        variant = variant.removesuffix("-split").removesuffix("-evict-first")
         constants = {"K": 1024, "NORM": not residual, "GATED": variant.startswith("gated"), "RESIDUAL": residual,
                      "SQUARES_IN": 64 if variant.endswith("from-squares") else 0, "SQUARES_OUT": residual,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
-                     "PRECISION": "ieee" if variant == "fp32" else "tf32"}
-    compile_for_h200(kernel, {**pointers, **scalars}, constants)
+                     "PRECISION": "ieee" if variant == "fp32" else "tf32",
+                     "WEIGHT_EVICTION": "evict_first" if evict_first else ""}
+    ptx = compile_for_h200(kernel, {**pointers, **scalars}, constants)
+    hinted = [line for line in ptx.splitlines() if "ld.global" in line and "L2::cache_hint" in line]
+    if not evict_first:
+        assert not hinted and "createpolicy" not in ptx
+        return
+    assert "createpolicy.fractional.L2::evict_first" in ptx
+    plain = [line for line in ptx.splitlines() if "ld.global" in line and "L2::cache_hint" not in line]
+    assert hinted and plain  # the gate and up weights hinted; x, the norm's scale, the squares not

@@ -290,8 +290,8 @@ def test_moe_layer_kernels_compile_for_the_h200_without_a_gpu(kernel_name: str) 
         block_n, block_k, _, _, split = small_batch.matmul_config(144, 1024)
         constants = {"K": 1024, "NORM": True, "GATED": False, "RESIDUAL": False, "SQUARES_IN": 16, "SQUARES_OUT": False,
                      "BLOCK_M": 32, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FP32_DOT": False,
-                     "PRECISION": "tf32", "TOP_K": 6, "SHARED_PARTS": 2, "NORM_TOP_K": True, "ROUTE_ROWS": 32,
-                     "EXPERTS": 128, "PICKS": 8}
+                     "PRECISION": "tf32", "WEIGHT_EVICTION": "evict_first", "TOP_K": 6, "SHARED_PARTS": 2,
+                     "NORM_TOP_K": True, "ROUTE_ROWS": 32, "EXPERTS": 128, "PICKS": 8}
     elif kernel_name in ("gate_up", "down", "down + combine"):
         kernel = picked_experts._picked_expert_kernel
         gated = kernel_name == "gate_up"

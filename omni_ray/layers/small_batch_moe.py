@@ -188,7 +188,7 @@ if triton is not None:
         K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         SQUARES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, WEIGHT_EVICTION: tl.constexpr,
         TOP_K: tl.constexpr, SHARED_PARTS: tl.constexpr, NORM_TOP_K: tl.constexpr, ROUTE_ROWS: tl.constexpr,
         EXPERTS: tl.constexpr, PICKS: tl.constexpr,
     ):
@@ -200,6 +200,7 @@ if triton is not None:
             squares_in_ptr, squares_in_count, squares_out_ptr, partial_ptr, arrivals_ptr, K=K, NORM=NORM,
             GATED=GATED, RESIDUAL=RESIDUAL, SQUARES_IN=SQUARES_IN, SQUARES_OUT=SQUARES_OUT, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, FP32_DOT=FP32_DOT, PRECISION=PRECISION,
+            WEIGHT_EVICTION=WEIGHT_EVICTION,
         )
         tl.debug_barrier()  # every thread's stores made before the release below
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)

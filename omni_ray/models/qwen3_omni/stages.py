@@ -25,6 +25,7 @@ from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.lanes import EngineLanes
 from omni_ray.engine.loop import EngineLoop, lower_gil_switch_interval
 from omni_ray.engine.sampler import SamplingParams
+from omni_ray.layers import small_batch
 from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput
@@ -145,6 +146,7 @@ class ThinkerStage(StageBase):
             thinker = load_thinker(files.weights, config, res.device, DTYPES[res.dtype])
             cache = _kv_cache(config.thinker_config.text_config, engine, res)
         with self.startup_phase("warmup"):
+            small_batch.set_weights_evict_first(engine.weights_evict_first)
             runner = ThinkerRunner(thinker, config, cache, engine.cuda_graphs, engine.max_prefill_tokens,
                                    engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens,
                                    moe_layer_kernels=engine.moe_layer_kernels,
@@ -248,6 +250,7 @@ class TalkerStage(StageBase):
         self.assets = assets
         per_lane = -(-engine.max_batch // engine.lanes)
         lane_settings = engine.model_copy(update={"max_batch": per_lane})
+        small_batch.set_weights_evict_first(engine.weights_evict_first)
         loops = []
         for lane in range(engine.lanes):  # one lane: the plain engine loop, on the default stream
             stream = torch.cuda.Stream(self.device) if engine.lanes > 1 and self.device.type == "cuda" else None

@@ -262,9 +262,6 @@ class PersistentPass:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
-        if self.l2_keep_percent:  # room in L2 for the kept share of the weights
-            weights = sum(p.numel() * p.element_size() for p in self.stack.layers.parameters()) + vocab * self.hidden * 2
-            set_aside_l2(self.device, weights * self.l2_keep_percent // 100)
         self.vocab, self._function, self._lib = vocab, function, lib
 
     def max_active_clusters(self, cluster: int) -> int:

@@ -1,14 +1,15 @@
-"""Where the persistent code-predictor pass (`omni_ray/layers/persistent_pass.py`) spends its time, by difference:
-the pass and its head replayed from a CUDA graph as served, and built with one part left out each (the attention
-phases, the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with
-the first three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte
-cp.async copies by every thread instead of bulk copies) or the activations loaded in bigger batches (more
-chunk-tiles in flight; their logits are checked equal to the served build's), or with every row's activations
-read from row 0 (the GEMMs' L2 reads of x without the row count), or a share of the weights kept in L2 from pass to
-pass (evict_last), at a few row counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back
-after a read of 400 MB (as a Talker step's MoE layers stream their experts between frames), less that read alone;
-with L2 builds, the served and those builds in a frame again with L2 set aside for kept lines (the device's most).
-Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
+"""Where the persistent code-predictor pass (`omni_ray/layers/persistent_pass.py`) spends its time, by difference: the
+pass and its head replayed from a CUDA graph with plain reads (as `persistent_code_predictor_l2_keep_percent: 0`
+serves it; the default, 10%, is "L2 keeps 10%" here), and built with one part left out each (the attention phases,
+the GEMMs' products and epilogues, the weights' copies into shared memory, the waits for those copies; with the first
+three out, what is left is the grid barriers and the rest) or the weights copied another way (16-byte cp.async copies
+by every thread instead of bulk copies) or the activations loaded in bigger batches (more chunk-tiles in flight;
+their logits are checked equal to the plain build's), or with every row's activations read from row 0 (the GEMMs' L2
+reads of x without the row count), or a share of the weights kept in L2 from pass to pass (evict_last), at a few row
+counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back after a read of 400 MB (as a
+Talker step's MoE layers stream their experts between frames), less that read alone; with L2 builds, the plain and
+those builds in a frame again with L2 set aside for kept lines (the device's most). Full-size Qwen3-Omni-30B code
+predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.layers.persistent_pass import PersistentPass, set_aside_l2
 
 VARIANTS: dict[str, dict[str, int]] = {
-    "as served": {},
+    "plain reads": {},
     "no attention": {"SKIP_ATTENTION": 1},
     "no GEMM products": {"SKIP_GEMMS": 1},
     "no weight copies": {"SKIP_WEIGHTS": 1},
     "no waiting for the copies": {"NO_WAIT": 1},
     "cp.async copies": {"CP_ASYNC_COPIES": 1},
     "barriers only": {"SKIP_ATTENTION": 1, "SKIP_GEMMS": 1, "SKIP_WEIGHTS": 1},
-    # the activations' loads a warp issues together, as 16-row tiles x 32-deep chunks (served: 4)
+    # the activations' loads a warp issues together, as 16-row tiles x 32-deep chunks (plain build: 4)
     "8 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 8},
     "16 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 16},
     "32 chunk-tiles in flight": {"CHUNK_TILES_IN_FLIGHT": 32},
@@ -45,8 +46,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "L2 keeps 30%": {"L2_KEEP_PERCENT": 30},
     "L2 keeps none": {"L2_EVICT_FIRST": 1},  # every weight line evict_first
 }
-# variants that only reorder loads or hint the cache: their logits must equal the served build's, bit for bit
-SAME_AS_SERVED = [name for name, defines in VARIANTS.items()
+# variants that only reorder loads or hint the cache: their logits must equal the plain build's, bit for bit
+SAME_AS_PLAIN = [name for name, defines in VARIANTS.items()
                   if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT", "L2_EVICT_FIRST"}]
 FRAME_PASSES = 15  # a frame's code-predictor passes
 BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
@@ -68,10 +69,10 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
         kernel = PersistentPass(stack)
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
-    served = kernels["as served"]
+    plain = kernels["plain reads"]
     keeping = any("L2_KEEP_PERCENT" in VARIANTS[name] for name in variants)
-    print("clusters of the served build resident at once:",
-          {size: served.max_active_clusters(size) for size in (1, 2, 4, 8)}, flush=True)
+    print("clusters of the plain build resident at once:",
+          {size: plain.max_active_clusters(size) for size in (1, 2, 4, 8)}, flush=True)
     kernels_stack = copy.deepcopy(stack)
     kernels_stack.use_small_batch_kernels()
     out = []
@@ -89,14 +90,14 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 return logits
 
             row[f"{name}, in a frame"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
-            if keeping and (name == "as served" or "L2_KEEP_PERCENT" in VARIANTS[name]):
+            if keeping and (name == "plain reads" or "L2_KEEP_PERCENT" in VARIANTS[name]):
                 set_aside_l2(x.device, 1 << 30)  # as much as the device sets aside (the limit is zero unless set)
                 row[f"{name}, in a frame, L2 set aside"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
                 set_aside_l2(x.device, 0)
-        served_logits = served.logits(x, cache.layers, batch, cos, sin, head)
-        row["max difference from served"] = {
-            name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - served_logits.float())
-            .abs().max().item() for name in SAME_AS_SERVED if name in kernels}
+        plain_logits = plain.logits(x, cache.layers, batch, cos, sin, head)
+        row["max difference from plain reads"] = {
+            name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - plain_logits.float())
+            .abs().max().item() for name in SAME_AS_PLAIN if name in kernels}
         out.append(row)
     return out
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--variants", default=",".join(map(variant_key, VARIANTS)),
                         help="the builds timed, comma-separated, each named in lower case with underscores for "
-                        "spaces (l2_keeps_20%%; 'as served' always)")
+                        "spaces (l2_keeps_20%%; 'plain reads' always)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     by_key = {variant_key(name): name for name in VARIANTS}
@@ -114,17 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [key for key in asked if key not in by_key]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {list(by_key)}")
-    variants = list(dict.fromkeys(["as served", *(by_key[key] for key in asked)]))
+    variants = list(dict.fromkeys(["plain reads", *(by_key[key] for key in asked)]))
     rows = probe([int(r) for r in args.rows.split(",")], variants)
     gpu = torch.cuda.get_device_name()
     meta = run_meta("benchmarks.persistent_pass_probe", argv, gpu=gpu)
-    names = list(dict.fromkeys(name for row in rows for name in row if name not in ("rows", "max difference from served")))
+    names = list(dict.fromkeys(name for row in rows for name in row if name not in ("rows", "max difference from plain reads")))
     lines = [f"# The persistent code-predictor pass by difference, us per pass + head replayed from a CUDA graph: {gpu}, "
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" if n in r else "–" for n in names) + " |" for r in rows]
-    lines += ["", "Largest logit difference from the served build (must be 0: those builds only reorder loads):"]
-    lines += [f"- {r['rows']} rows: {r['max difference from served']}" for r in rows]
+    lines += ["", "Largest logit difference from the plain build (must be 0: those builds only reorder loads):"]
+    lines += [f"- {r['rows']} rows: {r['max difference from plain reads']}" for r in rows]
     write_results(args.out, "persistent_pass_probe", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     return 0
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omni_ray.config import DEFAULT_PREFILL_GRAPH_TOKENS
+from omni_ray.config import DEFAULT_PERSISTENT_L2_KEEP_PERCENT, DEFAULT_PREFILL_GRAPH_TOKENS
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.floors import floor_ms
@@ -196,7 +196,7 @@ def bench_talker(
     compiled: bool = False, sampling: SamplingParams = GREEDY_TALKER, max_seq_len: int = 0,
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
     prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
-    moe_layer_folds: bool = False, persistent_l2_keep_percent: int = 0,
+    moe_layer_folds: bool = False, persistent_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -286,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent-code-predictor", action="store_true",
                         help="compiled: each code-predictor pass as one persistent CUDA kernel "
                         "(`engine.persistent_code_predictor`)")
-    parser.add_argument("--persistent-l2-keep-percent", type=int, default=0,
+    parser.add_argument("--persistent-l2-keep-percent", type=int, default=DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
                         help="with --persistent-code-predictor: the share of its weights L2 is asked to keep from pass "
-                        "to pass (`engine.persistent_code_predictor_l2_keep_percent`)")
+                        "to pass (`engine.persistent_code_predictor_l2_keep_percent`; 0: plain reads)")
     parser.add_argument("--weights-evict-first", action="store_true",
                         help="the Triton GEMMs that read each weight once mark its lines first to go from L2 "
                         "(`small_batch.weights_evict_first`)")
@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                     + (" (inductor's fused draw)" if args.compile and args.no_sampling_kernel else "")
                     + (", code predictor compiled by inductor" if args.compile and args.no_code_predictor_kernels else "")
                     + (", code-predictor passes as one persistent kernel" if args.persistent_code_predictor else "")
-                    + (f" (L2 asked to keep {args.persistent_l2_keep_percent}% of its weights)"
-                       if args.persistent_code_predictor and args.persistent_l2_keep_percent else "")
+                    + ((f" (L2 asked to keep {args.persistent_l2_keep_percent}% of its weights)"
+                        if args.persistent_l2_keep_percent else " (plain reads: no L2 hints)")
+                       if args.persistent_code_predictor else "")
                     + (", one-tile GEMMs' weights evict_first from L2" if args.weights_evict_first else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")

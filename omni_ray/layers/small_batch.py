@@ -42,7 +42,9 @@ MAX_ROWS = 64  # rows x tokens of a step the kernels take (past it, the layer's 
 ROW_TILE = 32  # rows per GEMM program: 64 rows in one tile took 13-16 us where 32 took 8-11 (q/k/v, gate/up)
 # Whether a GEMM that reads each weight once (its rows in one tile) marks the weights' lines first to go from L2
 # (`evict_first`), so that they stop crowding out what the step reads again: activations, partial sums, keys. In the
-# persistent code-predictor pass the same hint made a pass 4-5% faster (session 44, H100). `set_weights_evict_first`.
+# persistent code-predictor pass the same hint made a pass 4-5% faster (session 44, H100); here it did not move the
+# Talker's engine steps (3.8 / 4.5 / 6.0 against 3.7 / 4.5 / 6.0 ms at 1 / 8 / 32 rows, session 45, H100), so it is
+# off unless `engine.weights_evict_first` sets it. `set_weights_evict_first`.
 weights_evict_first = False
 
 

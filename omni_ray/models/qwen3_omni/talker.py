@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from omni_ray.config import DEFAULT_PERSISTENT_L2_KEEP_PERCENT
 from omni_ray.engine.codebook_pass import codebook_pass
 from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
 from omni_ray.engine.fixed_shape import (
@@ -63,7 +64,7 @@ class TalkerRunner:
         persistent_code_predictor: bool = False,
         persistent_code_predictor_max_rows: int = 32,
         moe_layer_folds: bool = False,
-        persistent_code_predictor_l2_keep_percent: int = 0,
+        persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
     ) -> None:
         self.assets = assets
         self.model = assets.model

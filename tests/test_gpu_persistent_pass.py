@@ -96,3 +96,35 @@ def test_passes_past_max_rows_keep_the_triton_kernels() -> None:
                 assert _relative(got, triton) < 2e-2, _relative(got, triton)
             else:
                 torch.testing.assert_close(got, triton, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_l2_hints_change_no_bits(rows: int) -> None:
+    """The cache hints only: the persistent pass keeping 10% of its weights in L2 (the served default) gives the
+    plain build's logits, keys and values bit for bit, and so do the Triton kernels with the weights' loads marked
+    evict_first (`small_batch.weights_evict_first`) against their plain loads."""
+    pytest.importorskip("triton")
+    from omni_ray.layers import small_batch
+
+    torch.manual_seed(0)
+    plain = random_code_predictor()
+    kept, kernels = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert plain.use_small_batch_kernels() and kept.use_small_batch_kernels() and kernels.use_small_batch_kernels()
+    assert plain.use_persistent_pass(2048) and kept.use_persistent_pass(2048, l2_keep_percent=10)
+    head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+    caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(4)]
+    for _, batch, x, cos, sin in frame_passes(plain, rows, 3):
+        exact = [plain.last_logits(x, caches[0].layers, batch, (cos, sin), head),
+                 kept.last_logits(x, caches[1].layers, batch, (cos, sin), head)]
+        try:
+            small_batch.set_weights_evict_first(True)
+            hinted = kernels.last_logits(x, caches[2].layers, batch, (cos, sin), head)
+        finally:
+            small_batch.set_weights_evict_first(False)
+        unhinted = kernels.last_logits(x, caches[3].layers, batch, (cos, sin), head)
+        torch.testing.assert_close(exact[1], exact[0], rtol=0, atol=0)
+        torch.testing.assert_close(hinted, unhinted, rtol=0, atol=0)
+    for (k0, v0), (k1, v1) in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for (k2, v2), (k3, v3) in zip(caches[2].layers, caches[3].layers):
+        assert torch.equal(k2, k3) and torch.equal(v2, v3)

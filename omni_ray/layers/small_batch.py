@@ -232,9 +232,8 @@ if triton is not None:
 
 
 def set_weights_evict_first(on: bool) -> None:
-    """Whether this process's one-tile GEMMs mark their weights' lines first to go from L2 (`weights_evict_first`);
-    kernels compiled before keep what they were built with until a new shape compiles: set it before the first
-    step (and before CUDA graphs are captured)."""
+    """Whether this process's one-tile GEMMs mark their weights' lines first to go from L2 (`weights_evict_first`).
+    Each launch reads it, but CUDA graphs captured before keep the kernels they captured: set it before warm-up."""
     global weights_evict_first
     weights_evict_first = on
 

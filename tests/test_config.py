@@ -55,6 +55,10 @@ def test_gpu_layouts_place_stages_as_documented() -> None:
         assert two.talker.resources.num_gpus == 1.0
         assert sum(getattr(two, s).resources.num_gpus for s in ("thinker", "encoder", "vocoder")) == 1.0
         assert two.talker.relay == "host"  # codec frames to the vocoder's GPU: no NCCL kernel waiting on the Thinker's
+        # the Talker's GPU is its own: the persistent code-predictor pass uncapped, keeping 10% of its weights in L2
+        assert two.talker.engine.persistent_code_predictor
+        assert two.talker.engine.persistent_code_predictor_max_rows == 32
+        assert two.talker.engine.persistent_code_predictor_l2_keep_percent == 10
     for layout in ("deployments/qwen3_omni_30b_1gpu.yaml", "benchmarks/serve_30b_random_1gpu.yaml"):
         one = PipelineConfig.from_yaml(ROOT / layout).stages
         assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0

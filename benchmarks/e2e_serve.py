@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.expert_reads import LATEST as EXPERT_READS, measured_shares
 from load_tests.client import load_prompts
 from load_tests.loadgen import LoadConfig, run_load
 from omni_ray.bench import run_meta, write_results
@@ -260,14 +261,20 @@ def stop(rows: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
     return rows + [{"phase": "stopped", "reason": reason}]
 
 
-def level_rtf_floors(layout: Path, levels: list[int], text_tokens: int) -> dict[int, float]:
+def level_rtf_floors(
+    layout: Path, levels: list[int], text_tokens: int, shares: dict[int, dict[str, float]] | None = None,
+) -> dict[int, float | None]:
     """Each level's RTF floor: its streams' replies (`text_tokens` tokens, the layout's frame cap) with the Thinker and
-    the Talker stepping at their bandwidth floors (`omni_ray.floors.rtf_floor`). Computed before serving, so that a
-    layout it cannot read fails before the GPU time is spent."""
+    the Talker stepping at their bandwidth floors (`omni_ray.floors.rtf_floor`), their rows routed independently, or
+    with `shares`: reading the experts `benchmarks/expert_reads.py` measured at that batch (None where it measured
+    none). Computed before serving, so that a layout it cannot read fails before the GPU time is spent."""
     pipeline = PipelineConfig.from_yaml(layout)
     config = resolve_model(pipeline.model).config
     frames = pipeline.stages.talker.engine.max_frames
-    return {level: rtf_floor(config, level, text_tokens, frames) for level in levels}
+    if shares is None:
+        return {level: rtf_floor(config, level, text_tokens, frames) for level in levels}
+    return {level: rtf_floor(config, level, text_tokens, frames, expert_shares=shares[level]) if level in shares
+            else None for level in levels}
 
 
 def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
@@ -308,8 +315,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "requests took (each reads the weights again), and the requests in each on average. The rest of a reply: "
              "the Thinker's last token; its end reaching the Talker; the launch of the Talker's first step past the "
              "reply's tokens (the frames before it wait on the Thinker's steps, the ones after only on the Talker's); "
-             "the last frame; the vocoder's last chunk; the client's last chunk (its RTF's numerator).", "",
-             "| concurrency | requests ok | TTFA p50 (mean) (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | streaming RTF p50 | "
+             "the last frame; the vocoder's last chunk; the client's last chunk (its RTF's numerator). RTF floor: the "
+             "level's replies with the Thinker and the Talker each on a GPU of its own, stepping at their bandwidth "
+             "floors (`omni_ray.floors.rtf_floor`), the rows routed to experts independently; measured routing: "
+             "reading the experts random weights' steps did read at that batch in this workload "
+             f"(`benchmarks/expert_reads.py`{', `' + meta['expert_reads'] + '`' if meta.get('expert_reads') else ''}; "
+             "–: not measured).", "",
+             "| concurrency | requests ok | TTFA p50 (mean) (ms) | TTFA p90 (ms) | TTFT p50 (ms) | RTF p50 | RTF floor | "
+             "RTF floor, measured routing | streaming RTF p50 | "
              f"server: {' / '.join(point.replace('_', ' ') for point in FIRST_AUDIO_WAY)}, mean (ms) | "
              f"the rest of a reply, server: {' / '.join(point.replace('_', ' ') for point in REPLY_END)}; client: "
              "its last chunk, mean (ms) | "
@@ -318,7 +331,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -334,6 +347,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"| {r['concurrency']} | {r['ok']}/{r['requests']} | {ms(s['ttfa_s']['p50'])} ({ms(s['ttfa_s'].get('mean'))}) | "
             f"{ms(s['ttfa_s']['p90'])} | "
             f"{ms(s['ttft_s']['p50'])} | {num(s['rtf']['p50'], '{:.3f}')} | {num(r.get('rtf_floor'), '{:.3f}')} | "
+            f"{num(r.get('rtf_floor_measured_routing'), '{:.3f}')} | "
             f"{num(s['streaming_rtf']['p50'], '{:.3f}')} | "
             + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in FIRST_AUDIO_WAY) + " | "
             + " / ".join(num(srv.get(f"mean_{point}_ms")) for point in REPLY_END)
@@ -379,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"91-115 tokens, so that concurrent streams differ; {PROMPT_FILE.name}: one prompt for every "
                         "request, as runs before session 38 sent, whose streams with random weights decode nearly the "
                         "same tokens and share most experts)")
+    parser.add_argument("--expert-reads", default=str(EXPERT_READS),
+                        help="`benchmarks/expert_reads.py`'s results: the experts a step read at each batch, for the "
+                        "table's floor with measured routing (default: session 39's, on an H200)")
     parser.add_argument("--request-timeout", type=float, default=60.0,
                         help="seconds a measured request may take (a 32-stream reply of workload W takes about 3.5)")
     parser.add_argument("--warmup-timeout", type=float, default=120.0,
@@ -392,18 +409,22 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     floors = level_rtf_floors(layout, levels, args.max_tokens)
+    prompts = len(load_prompts(args.prompt_file))
+    workload = "a prompt per row" if prompts > 1 else "one prompt, a seed per row"
+    measured = level_rtf_floors(layout, levels, args.max_tokens, measured_shares(Path(args.expert_reads), workload))
     rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out, Path(args.prompt_file),
                              args.request_timeout, args.warmup_timeout)
     for row in rows:
         if row["phase"] == "measure":
             row["rtf_floor"] = floors[row["concurrency"]]
+            row["rtf_floor_measured_routing"] = measured[row["concurrency"]]
     baseline = None
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)
         baseline = json.loads((out / "hf_baseline.json").read_text())
     meta = run_meta("benchmarks.e2e_serve", argv, serve_config=Path(args.serve_config).name, overrides=args.set,
                     max_tokens=args.max_tokens, mps=mps_running(), prompt_file=Path(args.prompt_file).name,
-                    prompts=len(load_prompts(args.prompt_file)),
+                    prompts=prompts, expert_reads=Path(args.expert_reads).name,
                     gpu=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu")
     write_results(out, "e2e", {"meta": meta, "rows": rows, "hf_baseline": baseline}, markdown(meta, rows, baseline))
     failed = sum(int(row.get("errors") or 0) for row in rows if row["phase"] in ("warmup", "measure"))

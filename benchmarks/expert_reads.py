@@ -13,6 +13,7 @@ measured count is the bound a step can reach with these weights.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,19 @@ from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 WORKLOADS = ("a prompt per row", "one prompt, a seed per row")
+LATEST = Path(__file__).resolve().parent / "results" / "2026-12-04_h200_expert_reads_session39_talker.json"  # both stages
+
+
+def measured_shares(path: Path, workload: str) -> dict[int, dict[str, float]]:
+    """From this probe's results file: for each batch it measured, each stage's share of its experts a decode step
+    read in `workload` (the mean distinct count over the experts), as `floors.rtf_floor` takes them."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r}: one of {WORKLOADS}")
+    shares: dict[int, dict[str, float]] = {}
+    for row in json.loads(Path(path).read_text())["rows"]:
+        if row["workload"] == workload:
+            shares.setdefault(int(row["batch"]), {})[row["stage"]] = row["distinct_mean"] / row["experts"]
+    return shares
 
 
 class ExpertTally:

@@ -82,11 +82,17 @@ def frame_seconds(config: Any, sample_rate: int = 24000) -> float:
     return math.prod([*code2wav.upsample_rates, *code2wav.upsampling_ratios]) / sample_rate
 
 
-def rtf_floor(config: Any, streams: int, text_tokens: int, frames: int, bandwidth: float = H200_BANDWIDTH) -> float:
+def rtf_floor(
+    config: Any, streams: int, text_tokens: int, frames: int, bandwidth: float = H200_BANDWIDTH,
+    expert_shares: dict[str, float] | None = None,
+) -> float:
     """The lowest RTF `streams` concurrent replies of `text_tokens` Thinker tokens and `frames` Talker frames can reach
     with the Thinker and the Talker on GPUs of their own, each step at its floor. The Talker reads one reply token per
-    frame, so its first frames (as many as the reply has tokens) come no faster than the Thinker's steps."""
-    thinker, talker = (floor_ms(config, stage, streams, bandwidth) for stage in ("thinker", "talker"))
+    frame, so its first frames (as many as the reply has tokens) come no faster than the Thinker's steps.
+    `expert_shares`: a stage's share of its experts a step reads at this batch, measured, instead of the count for
+    independently routed rows (`step_bytes`)."""
+    shares = expert_shares or {}
+    thinker, talker = (floor_ms(config, stage, streams, bandwidth, shares.get(stage)) for stage in ("thinker", "talker"))
     paced = min(text_tokens, frames)
     seconds = (paced * max(thinker, talker) + (frames - paced) * talker) / 1000.0
     return seconds / (frames * frame_seconds(config))

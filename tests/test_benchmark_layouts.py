@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from benchmarks import e2e_serve
+from benchmarks.expert_reads import LATEST as EXPERT_READS, measured_shares
 from benchmarks.e2e_serve import (
     breakdown, level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, startup_phases,
     with_overrides,
@@ -110,11 +111,17 @@ def test_service_processes_are_told_apart_and_their_cpu_time_grows() -> None:
 
 
 def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(tiny_checkpoint: Path) -> None:
-    """Workload W on the 2-GPU layout: 128 reply tokens, 400 frames. With both stages at their floors, 32 streams
-    still need RTF 0.064 (the Thinker reads most experts, and the Talker's first 128 frames wait on its tokens)."""
+    """Workload W on the 2-GPU layout: 128 reply tokens, 400 frames. With both stages at their floors and rows routed
+    independently, 32 streams still need RTF 0.064 (the Thinker reads most experts, and the Talker's first 128 frames
+    wait on its tokens); with the experts random weights' steps did read, 0.038. Levels the probe did not measure
+    print none."""
     layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
     floors = level_rtf_floors(layout, [1, 8, 32], text_tokens=128)
     assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
+    # with the experts session 39's steps read (32 distinct prompts: 51 of the Thinker's 128 at 32 rows); 4 unmeasured
+    measured = level_rtf_floors(layout, [1, 4, 8, 32], 128, measured_shares(EXPERT_READS, "a prompt per row"))
+    assert measured[1] == pytest.approx(floors[1]) and measured[4] is None
+    assert [measured[c] for c in (8, 32)] == pytest.approx([0.0239, 0.0383], abs=5e-4)
     stats = {key: {"p50": 0.1, "p90": 0.2, "mean": 0.15} for key in ("ttfa_s", "ttft_s", "rtf", "streaming_rtf")}
     served = {"thinker_step_ms_p50": 14.0, "thinker_step_ms_mean": 15.5, "thinker_launch_ms_p50": 5.0,
               "thinker_launch_cpu_ms_p50": 1.2, "thinker_outputs_ms_p50": 7.2,
@@ -132,12 +139,13 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6}, "talker": {"warmup": 41.0}}
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "server": served if c == 32 else {},
-         "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c]}
+         "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c],
+         "rtf_floor_measured_routing": measured[c]}
         for c in (1, 8, 32)]
     rows[-1].update(ok=30, errors=2, error_samples=["500: relay failed", "timeout:"])
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
-    assert "| RTF floor |" in table and "| 0.100 | 0.064 |" in table
+    assert "| RTF floor | RTF floor, measured routing |" in table and "| 0.100 | 0.064 | 0.038 |" in table
     assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
     assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
     assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table

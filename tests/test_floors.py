@@ -61,6 +61,12 @@ def test_rtf_floor_paces_the_talkers_first_frames_by_the_thinker(config: Qwen3Om
     thinker, talker = floor_ms(config, "thinker", 32), floor_ms(config, "talker", 32)
     expected = (128 * thinker + 272 * talker) / 1000 / (400 * 0.08)
     assert rtf_floor(config, 32, 128, 400) == pytest.approx(expected)
-    assert rtf_floor(config, 32, 128, 400) > 0.05  # issue 4's RTF target at 32 streams lies below this floor
+    assert rtf_floor(config, 32, 128, 400) > 0.05  # independently routed rows: above issue 4's target at 32 streams
+    # random weights route 32 distinct prompts' rows to 51 of the Thinker's 128 experts (`expert_reads`, session 39)
+    measured = {"thinker": 51.2 / 128, "talker": 97.4 / 128}
+    thinker_read, talker_read = (floor_ms(config, stage, 32, expert_share=measured[stage]) for stage in measured)
+    expected_read = (128 * thinker_read + 272 * talker_read) / 1000 / (400 * 0.08)
+    assert rtf_floor(config, 32, 128, 400, expert_shares=measured) == pytest.approx(expected_read)
+    assert rtf_floor(config, 32, 128, 400, expert_shares=measured) == pytest.approx(0.038, abs=1e-3)  # below 0.05
     # a reply with no more text than frames' worth waits on the Thinker for every frame
     assert rtf_floor(config, 32, 400, 400) == pytest.approx(thinker / 1000 / 0.08)

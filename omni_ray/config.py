@@ -265,6 +265,14 @@ class TalkerSettings(EngineSettings):
         "H100 (session 45, one machine) the Talker's engine step with 10% kept took 3.1-3.2 / 4.0 / 5.8-5.9 ms at 1 / "
         "8 / 32 rows against 3.3 / 4.2 / 5.8 with plain reads; logits equal bit for bit",
     )
+    persistent_code_predictor_draws: bool = Field(
+        default=True,
+        description="with `persistent_code_predictor` and the sampling kernel: each pass's launch also draws every "
+        "row's code from its logits (a block a row after one more grid barrier: top-k by radix select, top-p, the "
+        "counter noise, the code's embedding and the frame's feedback sum), as the Triton draw kernel that runs after "
+        "the pass otherwise; the same codes unless a top-p sum, added in another order, lands within an ulp of its "
+        "threshold. False: the separate draw kernel",
+    )
 
     @model_validator(mode="after")
     def _one_persistent_pass_at_a_time(self) -> "TalkerSettings":

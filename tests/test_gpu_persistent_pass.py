@@ -128,3 +128,63 @@ def test_l2_hints_change_no_bits(rows: int) -> None:
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     for (k2, v2), (k3, v3) in zip(caches[2].layers, caches[3].layers):
         assert torch.equal(k2, k3) and torch.equal(v2, v3)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_the_draw_in_the_pass_equals_the_draw_kernel(rows: int) -> None:
+    """`last_draw` (the pass's launch drawing each row's code) against the pass's logits drawn by the Triton kernel
+    (`top_k_draw_and_embed`): the same codes, embeddings and feedback sums bit for bit, over a frame's passes with
+    top-k caps of 16, 64 and 256, the served top-k 50 / top-p 0.8 at temperature 0.9, greedy rows, top-p off, and
+    bf16 logits that tie at the top-k threshold; a graph replay draws the same."""
+    pytest.importorskip("triton")
+    from omni_ray.engine.sampler import CounterNoise, SamplingBatch
+    from omni_ray.engine.top_k_draw import top_k_draw_and_embed
+    from omni_ray.layers.persistent_pass import CodeDraw
+
+    torch.manual_seed(0)
+    drawing = random_code_predictor()
+    plain = copy.deepcopy(drawing)
+    assert drawing.use_small_batch_kernels() and plain.use_small_batch_kernels()
+    assert drawing.use_persistent_pass(2048) and plain.use_persistent_pass(2048, draws=False)
+    caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
+    table = (torch.randn(2048, 1024, device="cuda") * 0.05).to(torch.bfloat16)
+    temperature = torch.full((rows,), 0.9, device="cuda")
+    temperature[1::4] = 0.0  # greedy rows
+    top_k = torch.full((rows,), 50, dtype=torch.long, device="cuda")
+    top_k[2::4] = 7
+    top_p = torch.full((rows,), 0.8, device="cuda")
+    top_p[3::4] = 1.0
+    params = SamplingBatch(temperature, top_k, top_p, torch.ones(rows, device="cuda"))
+    keys = torch.randint(0, 2**32, (rows, 2), dtype=torch.long, device="cuda")
+    feedback = (torch.randn(rows, 1024, device="cuda") * 0.1).to(torch.bfloat16)
+    drawn_any = 0
+    for k, (_, batch, x, cos, sin) in enumerate(frame_passes(drawing, rows, 6)):
+        cap = (64, 16, 256)[k % 3]
+        head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * (0.03 if k % 2 else 0.003)  # ties
+        draw = CodeDraw(temperature, top_k, top_p, keys, 2048 * k, cap, table, feedback)
+        got = drawing.last_draw(x, caches[0].layers, batch, (cos, sin), head, draw)
+        if rows * x.shape[1] > 32:  # past the kernel: the caller draws
+            assert got is None
+            continue
+        assert got is not None
+        logits = plain.last_logits(x, caches[1].layers, batch, (cos, sin), head)
+        expected = top_k_draw_and_embed(logits, params, CounterNoise(keys, 2048 * k), cap, table, feedback)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        drawn_any += 1
+        feedback = got[2]
+    assert drawn_any >= 5
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        drawing.last_draw(x, caches[0].layers, batch, (cos, sin), head, draw)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        replayed = drawing.last_draw(x, caches[0].layers, batch, (cos, sin), head, draw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert replayed is not None
+    for r, g in zip(replayed, got):
+        torch.testing.assert_close(r, g, rtol=0, atol=0)

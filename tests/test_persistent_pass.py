@@ -63,9 +63,10 @@ def test_the_parameter_block_matches_the_kernels_params_struct() -> None:
                                                   "k_norm", "k_cache", "v_cache"]
     assert [name for _, name in params] == [
         "layers[MAX_LAYERS]", "embeds", "cos", "sin", "write_index", "slots", "final_norm", "head", "logits", "x_a",
-        "x_b", "qkv_out", "attn_out", "hidden", "x_a_scaled", "x_b_scaled", "row_squares", "counters", "num_layers",
-        "rows", "tokens", "kv_len", "slot_stride",
-        "position_stride", "eps", "final_eps", "qk_eps", "scale"]
+        "x_b", "qkv_out", "attn_out", "hidden", "x_a_scaled", "x_b_scaled", "row_squares", "counters",
+        "temperature", "top_k", "top_p", "noise_keys", "table", "feedback", "codes", "embedded", "summed",
+        "num_layers", "rows", "tokens", "kv_len", "slot_stride", "position_stride", "draw_cap", "noise_offset",
+        "eps", "final_eps", "qk_eps", "scale"]
     assert len(layer_fields) == persistent_pass.LAYER_FIELDS
     kinds = {kind for kind, _ in layer_fields + params[1:]}
     assert all("*" in kind or kind in {"long long", "double"} for kind in kinds), kinds

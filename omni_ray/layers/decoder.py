@@ -166,17 +166,18 @@ class DecoderStack(nn.Module):
         return True
 
     def use_persistent_pass(self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS,
-                            l2_keep_percent: int = 0) -> bool:
+                            l2_keep_percent: int = 0, draws: bool = True) -> bool:
         """Run `last_logits` over a few rows (at most `max_rows` rows and 32 rows x tokens, 2 tokens a row) as one
         persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`), built now, asking L2 to keep
-        `l2_keep_percent` of its weights from pass to pass; other steps run as before. False (and nothing changes)
-        without CUDA or where the kernel does not take this stack's shapes."""
+        `l2_keep_percent` of its weights from pass to pass; with `draws`, `last_draw` draws the codes in that launch
+        too. Other steps run as before. False (and nothing changes) without CUDA or where the kernel does not take
+        this stack's shapes."""
         if not torch.cuda.is_available():
             return False
         self.fuse_projections()
         if persistent_pass.unsupported(self) is not None:
             return False
-        kernel = persistent_pass.PersistentPass(self, max_rows, l2_keep_percent)
+        kernel = persistent_pass.PersistentPass(self, max_rows, l2_keep_percent, draws)
         kernel.build(head_rows)
         self.persistent = kernel
         return True
@@ -251,6 +252,17 @@ class DecoderStack(nn.Module):
             return self.persistent.logits(embeds, kv_caches, batch, rope[0], rope[1], head)
         hidden, _ = self(embeds, None, kv_caches, batch, rope=rope, normed=False)
         return self.head_logits(hidden, head)
+
+    def last_draw(
+        self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+        rope: tuple[torch.Tensor, torch.Tensor], head: torch.Tensor, draw: persistent_pass.CodeDraw,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`last_logits` and each row's code drawn from them in one persistent launch: codes [B], their embeddings
+        [B, h] and `draw.feedback` plus those; None where that launch does not take this pass or this draw."""
+        kernel = self.persistent
+        if kernel is None or not kernel.applies(embeds, batch) or not kernel.draw_applies(draw):
+            return None
+        return kernel.draw(embeds, kv_caches, batch, rope[0], rope[1], head, draw)
 
     def head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The last position's logits [B, V] from `hidden` [B, T, h], the un-normed output of `forward(...,

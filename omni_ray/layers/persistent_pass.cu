@@ -6,8 +6,9 @@
 // read, from L2. Phases per layer: input norm + q/k/v | q/k norm + rotary + KV write + attention | o + residual
 // (also written times the post-attention norm's scale, with each block's sums of squares) | that norm + gate/up +
 // SiLU(gate) * up | down + residual (also written times the next norm's scale); then the final norm + the head for
-// each row's last token. So only the first layer's input norm scales and squares its rows in every block. Sums run
-// in fp32 and each phase rounds its output to bf16 once, as `small_batch`'s kernels do.
+// each row's last token, and optionally each row's code drawn from those logits (a block a row). So only the first
+// layer's input norm scales and squares its rows in every block. Sums run in fp32 and each phase rounds its output to
+// bf16 once, as `small_batch`'s kernels do.
 //
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
 // by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
@@ -17,6 +18,7 @@
 
 #include "persistent_pass_common.cuh"
 #include "persistent_pass_phases.cuh"
+#include "persistent_pass_draw.cuh"
 
 // ------------------------------------------------------------------------------------------------------ kernel
 
@@ -30,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
     float* partial = reinterpret_cast<float*>(shared + BUFFER0 + BUFFER1);
     constexpr int PARTIAL_FLOATS = WARPS * 2 * (2 * GU_C / 8 > QKV_C / 8 ? 2 * GU_C / 8 : QKV_C / 8) * 128;
     float* partial_squares = partial + PARTIAL_FLOATS;
+    static_assert(sizeof(DrawShared) <= PARTIAL_FLOATS * sizeof(float), "the draw's scratch fits the partial sums'");
 
     __shared__ __align__(8) unsigned long long fills[2];  // an mbarrier a weight buffer
     const u32 barriers[2] = {shared_address(&fills[0]), shared_address(&fills[1])};
@@ -92,6 +95,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
                                                            p.tokens * HIDDEN, (int)p.rows, buffer0, nullptr,
                                                            (float)p.final_eps, last_tokens, nullptr, p.logits, VOCAB,
                                                            blockIdx.x * HEAD_C, partial, partial_squares, no_copy);
+    if (p.draw_cap > 0) {  // every row's code from its logits, a block a row
+        grid_barrier(p.counters, ++generation);
+        for (int row = blockIdx.x; row < (int)p.rows; row += gridDim.x)
+            draw_row(p, row, *reinterpret_cast<DrawShared*>(partial));
+    }
     // the last block past every barrier zeroes the counters for the next launch
     if (threadIdx.x == 0) {
         __threadfence();

@@ -19,6 +19,7 @@ import ctypes
 import fcntl
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +36,7 @@ MAX_KEYS = 32
 MAX_LAYERS = 8
 PAD = 32  # bf16 elements after each weight row in shared memory (the kernel's PAD)
 LAYER_FIELDS = 10  # pointers per layer in the kernel's parameters
+DRAW_MAX_CAP = 256  # the draw phase's most candidates (`top_k_draw.MAX_CAP`)
 
 
 class KernelBuildError(RuntimeError):
@@ -192,18 +194,37 @@ def barrier_counters(device: torch.device) -> torch.Tensor:
     return _counters[key]
 
 
+@dataclass
+class CodeDraw:
+    """What the kernel's draw phase reads (`persistent_pass_draw.cuh`, `top_k_draw.top_k_draw_and_embed`'s draw): per
+    row the sampling's temperature [B] float32, top_k [B] int64 and top_p [B] float32, the noise keys [B, 2] int64
+    shifted by `noise_offset`, the top-k `cap` (a power of two); the code embedding `table` [V, h] and the `feedback`
+    [B, h] its rows are added to, both bf16."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    noise_keys: torch.Tensor
+    noise_offset: int
+    cap: int
+    table: torch.Tensor
+    feedback: torch.Tensor
+
+
 class PersistentPass:
     """One dense `DecoderStack`'s pass (fused projections, head_dim 128, bf16) on one GPU as `persistent_pass.cu`:
     `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
-    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels)."""
+    most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `draws`: `draw` may
+    also draw each row's code in the same launch (else the caller draws from `logits`)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = True) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
         if not 0 <= l2_keep_percent <= 100:
             raise ValueError(f"l2_keep_percent {l2_keep_percent}: a share of the weights, 0 to 100")
         self.max_rows = max_rows
+        self.draws = draws
         self.l2_keep_percent = l2_keep_percent  # the weights' lines L2 is asked to keep from pass to pass (0: none)
         spec = stack.spec
         layer0 = stack.layers[0]
@@ -284,12 +305,38 @@ class PersistentPass:
             and tokens <= MAX_TOKENS and batch.kv_len <= MAX_KEYS and not batch.from_zero
         )
 
+    def draw_applies(self, draw: CodeDraw) -> bool:
+        """Whether `draw` takes this draw: on (`draws`), a cap the phase holds, a bf16 table [V, h] of the head's
+        rows and bf16 feedback rows."""
+        table, feedback = draw.table, draw.feedback
+        return (
+            self.draws and draw.cap & (draw.cap - 1) == 0 and 0 < draw.cap <= min(DRAW_MAX_CAP, self.vocab or 0)
+            and table.dtype == feedback.dtype == torch.bfloat16 and tuple(table.shape) == (self.vocab, self.hidden)
+            and table.is_contiguous() and feedback.shape[-1] == self.hidden
+        )
+
     def logits(
         self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor,
     ) -> torch.Tensor:
         """embeds [B, T, h] through every layer (their keys and values into `kv_caches` at `batch`'s positions),
         then the final norm and `head` [V, h] over each row's last token: logits [B, V] in bf16."""
+        return self._launch(embeds, kv_caches, batch, cos, sin, head, None)[0]
+
+    def draw(
+        self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, draw: CodeDraw,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logits`, then in the same launch each row's code drawn from them as `top_k_draw_and_embed` draws it
+        (where `draw_applies`): codes [B] int64, their embeddings [B, h] and the feedback plus those [B, h]."""
+        _, codes, embedded, summed = self._launch(embeds, kv_caches, batch, cos, sin, head, draw)
+        assert codes is not None and embedded is not None and summed is not None
+        return codes, embedded, summed
+
+    def _launch(
+        self, embeds: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, draw: CodeDraw | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         self.build(head.shape[0])
         lib, function = self._lib, self._function
         assert lib is not None and function is not None and self.vocab is not None
@@ -311,14 +358,26 @@ class PersistentPass:
         pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
                     0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
                     head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr()]
-        integers = [len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1)]
+        drawn: list[torch.Tensor | None] = [None, None, None]
+        if draw is not None:
+            assert self.draw_applies(draw), "a draw the kernel's phase does not take"
+            drawn = [torch.empty(rows, dtype=torch.long, device=self.device),
+                     torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device),
+                     torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device)]
+            inputs = [t.contiguous() for t in (draw.temperature.float(), draw.top_k.long(), draw.top_p.float(),
+                                                draw.noise_keys.long(), draw.table, draw.feedback.reshape(rows, -1))]
+            pointers += [t.data_ptr() for t in inputs] + [t.data_ptr() for t in drawn if t is not None]
+        else:
+            pointers += [0] * 9
+        integers = [len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1),
+                    draw.cap if draw is not None else 0, draw.noise_offset if draw is not None else 0]
         floats = [self.eps, float(self.stack.norm.variance_epsilon), self.qk_eps, self.head_dim**-0.5]
         params = parameter_block(layers, pointers, integers, floats)
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
                "cuLaunchKernel")
-        return logits
+        return logits, drawn[0], drawn[1], drawn[2]
 
 
 def unsupported(stack: Any) -> str | None:

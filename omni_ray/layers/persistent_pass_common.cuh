@@ -60,7 +60,17 @@ struct Params {
     bf16_t* x_b_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_b times the post-attention norm's scale
     float* row_squares;            // scratch [BLOCKS, MAX_ROWS]: each block's sums of squares of x_a's or x_b's rows
     u32* counters;                 // [2], zero between launches
-    long long num_layers, rows, tokens, kv_len, slot_stride, position_stride;
+    // the draw after the head (`persistent_pass_draw.cuh`), when draw_cap > 0
+    const float* temperature;      // [rows]
+    const long long* top_k;        // [rows]
+    const float* top_p;            // [rows]
+    const long long* noise_keys;   // [rows, 2]
+    const bf16_t* table;           // [VOCAB, HIDDEN]: the code embedding
+    const bf16_t* feedback;        // [rows, HIDDEN]
+    long long* codes;              // [rows]
+    bf16_t* embedded;              // [rows, HIDDEN]
+    bf16_t* summed;                // [rows, HIDDEN]
+    long long num_layers, rows, tokens, kv_len, slot_stride, position_stride, draw_cap, noise_offset;
     double eps, final_eps, qk_eps, scale;
 };
 

@@ -265,6 +265,7 @@ class TalkerStage(StageBase):
                                   persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows,
                                   persistent_code_predictor_l2_keep_percent=(
                                       engine.persistent_code_predictor_l2_keep_percent),
+                                  persistent_code_predictor_draws=engine.persistent_code_predictor_draws,
                                   moe_layer_folds=engine.moe_layer_folds)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)

@@ -65,6 +65,7 @@ class TalkerRunner:
         persistent_code_predictor_max_rows: int = 32,
         moe_layer_folds: bool = False,
         persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
+        persistent_code_predictor_draws: bool = True,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -115,16 +116,17 @@ class TalkerRunner:
                 stack.use_small_batch_kernels()
                 if persistent_code_predictor:
                     self._use_persistent_pass(stack, persistent_code_predictor_max_rows,
-                                              persistent_code_predictor_l2_keep_percent)
+                                              persistent_code_predictor_l2_keep_percent,
+                                              persistent_code_predictor_draws and sampling_kernel)
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
             self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
 
-    def _use_persistent_pass(self, stack: Any, max_rows: int, l2_keep_percent: int) -> None:
-        """The code predictor's passes of up to `max_rows` rows as one persistent kernel each, or (logged) the Triton
-        kernels where the kernel does not take the model or cannot be built here (no NVRTC, too few
-        multiprocessors, another process's passes on this GPU)."""
+    def _use_persistent_pass(self, stack: Any, max_rows: int, l2_keep_percent: int, draws: bool) -> None:
+        """The code predictor's passes of up to `max_rows` rows as one persistent kernel each (`draws`: drawing the
+        codes in the same launch), or (logged) the Triton kernels where the kernel does not take the model or cannot
+        be built here (no NVRTC, too few multiprocessors, another process's passes on this GPU)."""
         try:
-            if not stack.use_persistent_pass(self.mtp_vocab, max_rows, l2_keep_percent):
+            if not stack.use_persistent_pass(self.mtp_vocab, max_rows, l2_keep_percent, draws):
                 log.warning("the persistent code-predictor pass does not take this model: Triton kernels it is")
         except KernelBuildError as exc:
             log.warning("the persistent code-predictor pass could not be built (%s): Triton kernels it is", exc)

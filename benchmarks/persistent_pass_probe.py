@@ -8,8 +8,9 @@ their logits are checked equal to the plain build's), or with every row's activa
 reads of x without the row count), or a share of the weights kept in L2 from pass to pass (evict_last), at a few row
 counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back after a read of 400 MB (as a
 Talker step's MoE layers stream their experts between frames), less that read alone; with L2 builds, the plain and
-those builds in a frame again with L2 set aside for kept lines (the device's most). Full-size Qwen3-Omni-30B code
-predictor, random bf16 weights."""
+those builds in a frame again with L2 set aside for kept lines (the device's most). Also the plain build followed
+by the Triton draw kernel (`top_k_draw_and_embed`), against the same pass drawing in its own launch (`draw`).
+Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from transformers import Qwen3OmniMoeConfig
 from benchmarks.draw_bench import replay_ms
 from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
-from omni_ray.layers.persistent_pass import PersistentPass, set_aside_l2
+from omni_ray.engine.sampler import CounterNoise, SamplingBatch
+from omni_ray.engine.top_k_draw import top_k_draw_and_embed
+from omni_ray.layers.persistent_pass import CodeDraw, PersistentPass, set_aside_l2
 
 VARIANTS: dict[str, dict[str, int]] = {
     "plain reads": {},
@@ -94,6 +97,18 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 set_aside_l2(x.device, 1 << 30)  # as much as the device sets aside (the limit is zero unless set)
                 row[f"{name}, in a frame, L2 set aside"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
                 set_aside_l2(x.device, 0)
+        # the served draw (top-k 50 / top-p 0.8 at temperature 0.9, cap 64): the Triton kernel after the pass, or
+        # the pass's own draw phase
+        params = SamplingBatch(*(torch.full((count,), v, device="cuda") for v in (0.9, 50, 0.8, 1.0)))
+        params.top_k = params.top_k.long()
+        keys = torch.randint(0, 2**32, (count, 2), dtype=torch.long, device="cuda")
+        table = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        feedback = torch.randn(count, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        draw = CodeDraw(params.temperature, params.top_k, params.top_p, keys, 0, 64, table, feedback)
+        row["plain reads, then the Triton draw"] = 1000 * replay_ms(lambda: top_k_draw_and_embed(
+            plain.logits(x, cache.layers, batch, cos, sin, head), params, CounterNoise(keys), 64, table, feedback)[0])[0]
+        row["plain reads, drawing in its launch"] = 1000 * replay_ms(
+            lambda: plain.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0]
         plain_logits = plain.logits(x, cache.layers, batch, cos, sin, head)
         row["max difference from plain reads"] = {
             name: (kernels[name].logits(x, cache.layers, batch, cos, sin, head).float() - plain_logits.float())

@@ -104,8 +104,11 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         u32* histogram = s.histogram[round & 1];
         if (t < 256) s.histogram[(round + 1) & 1][t] = 0;  // last read before the previous round's second barrier
 #pragma unroll
-        for (int e = 0; e < DRAW_PER_THREAD; ++e)
-            if ((key[e] & mask) == prefix) atomicAdd(&histogram[(key[e] >> shift) & 255], 1u);
+        for (int e = 0; e < DRAW_PER_THREAD; ++e) {  // one atomic per distinct byte a warp (a row's top bytes are few)
+            const bool counted = (key[e] & mask) == prefix;
+            const u32 digit = counted ? (key[e] >> shift) & 255 : 256, peers = __match_any_sync(0xffffffffu, digit);
+            if (counted && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], (u32)__popc(peers));
+        }
         __syncthreads();
         if (warp == 0) {  // lane l holds digits 255 - 8l down to 248 - 8l
             u32 counts[8], total = 0;

@@ -48,6 +48,12 @@ VARIANTS: dict[str, dict[str, int]] = {
     "L2 keeps 20%": {"L2_KEEP_PERCENT": 20},
     "L2 keeps 30%": {"L2_KEEP_PERCENT": 30},
     "L2 keeps none": {"L2_EVICT_FIRST": 1},  # every weight line evict_first
+    # the pass drawing in its launch, its draw phase ended early (timed drawing; `persistent_pass_draw.cuh`)
+    "draw stops after loads": {"DRAW_STOP_AFTER": 1},
+    "draw stops after select": {"DRAW_STOP_AFTER": 2},
+    "draw stops after ranking": {"DRAW_STOP_AFTER": 3},
+    "draw stops after sampling": {"DRAW_STOP_AFTER": 4},
+    "draw with plain atomics": {"DRAW_PLAIN_ATOMICS": 1},
 }
 # variants that only reorder loads or hint the cache: their logits must equal the plain build's, bit for bit
 SAME_AS_PLAIN = [name for name, defines in VARIANTS.items()
@@ -59,6 +65,18 @@ BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5
 def variant_key(name: str) -> str:
     """A build's name as `--variants` takes it: lower case, underscores for spaces (no quoting in a shell word)."""
     return name.lower().replace(" ", "_")
+
+
+def served_draw(cfg: Any, rows: int) -> CodeDraw:
+    """The Talker's served code-predictor draw for `rows` rows (top-k 50 / top-p 0.8 at temperature 0.9, cap 64),
+    random noise keys, code embeddings and feedback."""
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows,), value, device="cuda")
+
+    keys = torch.randint(0, 2**32, (rows, 2), dtype=torch.long, device="cuda")
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    feedback = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    return CodeDraw(full(0.9), full(50).long(), full(0.8), keys, 0, 64, table, feedback)
 
 
 def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
@@ -83,7 +101,12 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
         cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))
         row: dict[str, Any] = {"rows": count, "Triton kernels": 1000 * replay_ms(
             lambda: kernels_stack.last_logits(x, cache.layers, batch, (cos, sin), head))[0]}
+        draw = served_draw(cfg, count)
         for name, kernel in kernels.items():
+            if any(define.startswith("DRAW_") for define in VARIANTS[name]):
+                row[name] = 1000 * replay_ms(
+                    lambda kernel=kernel: kernel.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0]
+                continue
             row[name] = 1000 * replay_ms(lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0]
 
             def frame(kernel: PersistentPass = kernel) -> torch.Tensor:
@@ -97,16 +120,11 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 set_aside_l2(x.device, 1 << 30)  # as much as the device sets aside (the limit is zero unless set)
                 row[f"{name}, in a frame, L2 set aside"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
                 set_aside_l2(x.device, 0)
-        # the served draw (top-k 50 / top-p 0.8 at temperature 0.9, cap 64): the Triton kernel after the pass, or
-        # the pass's own draw phase
-        params = SamplingBatch(*(torch.full((count,), v, device="cuda") for v in (0.9, 50, 0.8, 1.0)))
-        params.top_k = params.top_k.long()
-        keys = torch.randint(0, 2**32, (count, 2), dtype=torch.long, device="cuda")
-        table = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-        feedback = torch.randn(count, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-        draw = CodeDraw(params.temperature, params.top_k, params.top_p, keys, 0, 64, table, feedback)
+        # the served draw: the Triton kernel after the pass, or the pass's own draw phase
+        params = SamplingBatch(draw.temperature, draw.top_k, draw.top_p, torch.ones_like(draw.top_p))
         row["plain reads, then the Triton draw"] = 1000 * replay_ms(lambda: top_k_draw_and_embed(
-            plain.logits(x, cache.layers, batch, cos, sin, head), params, CounterNoise(keys), 64, table, feedback)[0])[0]
+            plain.logits(x, cache.layers, batch, cos, sin, head), params, CounterNoise(draw.noise_keys), draw.cap,
+            draw.table, draw.feedback)[0])[0]
         row["plain reads, drawing in its launch"] = 1000 * replay_ms(
             lambda: plain.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0]
         plain_logits = plain.logits(x, cache.layers, batch, cos, sin, head)

@@ -12,6 +12,12 @@
 #include "persistent_pass_common.cuh"
 
 #define DRAW_MAX_CAP 256  // `top_k_draw.MAX_CAP`
+// Probe only (`benchmarks/persistent_pass_probe.py`; the results are then wrong): DRAW_STOP_AFTER 1 / 2 / 3 / 4 ends
+// the phase after the loads and greedy argmax / the radix select / the candidates ranked / the draw;
+// DRAW_PLAIN_ATOMICS counts each logit with its own shared atomic.
+#ifndef DRAW_STOP_AFTER
+#define DRAW_STOP_AFTER 5
+#endif
 #define DRAW_PER_THREAD (VOCAB / THREADS)
 #define DRAW_PER_LANE (DRAW_MAX_CAP / 32)
 
@@ -96,6 +102,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
     }
     if (lane == 0) s.greedy_value[warp] = best, s.greedy_col[warp] = best_col;
     __syncthreads();
+    if (DRAW_STOP_AFTER == 1) return;
 
     // the cap-th largest ordered logit, a byte at a time from the top
     u32 prefix = 0, mask = 0, remaining = (u32)cap;
@@ -106,8 +113,12 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
 #pragma unroll
         for (int e = 0; e < DRAW_PER_THREAD; ++e) {  // one atomic per distinct byte a warp (a row's top bytes are few)
             const bool counted = (key[e] & mask) == prefix;
+#ifdef DRAW_PLAIN_ATOMICS
+            if (counted) atomicAdd(&histogram[(key[e] >> shift) & 255], 1u);
+#else
             const u32 digit = counted ? (key[e] >> shift) & 255 : 256, peers = __match_any_sync(0xffffffffu, digit);
             if (counted && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], (u32)__popc(peers));
+#endif
         }
         __syncthreads();
         if (warp == 0) {  // lane l holds digits 255 - 8l down to 248 - 8l
@@ -133,6 +144,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         __syncthreads();
         prefix = s.prefix, remaining = s.remaining, mask |= 255u << shift;
     }
+    if (DRAW_STOP_AFTER == 2) return;
 
     // keep every logit above the threshold, and of those equal to it the `remaining` of lowest token id
 #pragma unroll
@@ -160,6 +172,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         s.ranked[rank] = mine;
     }
     __syncthreads();
+    if (DRAW_STOP_AFTER == 3) return;
 
     if (warp == 0) {  // lane l holds ranks l * per .. l * per + per - 1
         const int per = cap >= 32 ? cap / 32 : 1;
@@ -227,6 +240,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         }
     }
     __syncthreads();
+    if (DRAW_STOP_AFTER == 4) return;
 
     // the code's embedding, and the row's feedback plus it (rounded once, as torch adds)
     const u32* vector = reinterpret_cast<const u32*>(p.table + s.token * HIDDEN);

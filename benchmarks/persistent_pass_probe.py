@@ -53,7 +53,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "draw stops after select": {"DRAW_STOP_AFTER": 2},
     "draw stops after ranking": {"DRAW_STOP_AFTER": 3},
     "draw stops after sampling": {"DRAW_STOP_AFTER": 4},
-    "draw with plain atomics": {"DRAW_PLAIN_ATOMICS": 1},
 }
 # variants that only reorder loads or hint the cache: their logits must equal the plain build's, bit for bit
 SAME_AS_PLAIN = [name for name, defines in VARIANTS.items()

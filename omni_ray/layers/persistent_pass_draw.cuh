@@ -13,8 +13,7 @@
 
 #define DRAW_MAX_CAP 256  // `top_k_draw.MAX_CAP`
 // Probe only (`benchmarks/persistent_pass_probe.py`; the results are then wrong): DRAW_STOP_AFTER 1 / 2 / 3 / 4 ends
-// the phase after the loads and greedy argmax / the radix select / the candidates ranked / the draw;
-// DRAW_PLAIN_ATOMICS counts each logit with its own shared atomic.
+// the phase after the loads and greedy argmax / the radix select / the candidates ranked / the draw.
 #ifndef DRAW_STOP_AFTER
 #define DRAW_STOP_AFTER 5
 #endif
@@ -27,10 +26,13 @@ static_assert(VOCAB % THREADS == 0, "every thread holds as many of a row's logit
 // The draw's scratch, laid over the block's partial-sum area (free once the head's GEMM is done).
 struct DrawShared {
     unsigned long long candidates[DRAW_MAX_CAP];  // (ordered logit, VOCAB - 1 - token) of the selected, any order
-    unsigned long long ranked[DRAW_MAX_CAP];      // the same, largest first
+    float value[DRAW_MAX_CAP];       // by rank: the temperature-scaled logit (-inf past the row's top_k)
+    float noise_term[DRAW_MAX_CAP];  // by rank: log(noise), subtracted from the value to score it
+    int token_at[DRAW_MAX_CAP];      // by rank: the token id
     u32 histogram[2][256];  // a round's counts, and the next round's, zeroed meanwhile
     u32 ties[VOCAB / 32];  // a bit a token whose ordered logit equals the threshold
-    u32 prefix, remaining, count;
+    u32 warp_taken[WARPS];
+    u32 prefix, remaining;
     int greedy_col[WARPS];
     float greedy_value[WARPS];
     long long token;
@@ -78,10 +80,12 @@ __device__ __forceinline__ float exp_approx(float x) {
 __device__ void draw_row(const Params& p, int row, DrawShared& s) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, cap = (int)p.draw_cap;
     const bf16_t* logits = p.logits + (long long)row * VOCAB;
-    const float temperature = p.temperature[row];
+    // the row's sampling, asked for first (used only after the select)
+    const float temperature = p.temperature[row], dropped = 1.0f - p.top_p[row];
+    const long long top_k = min(max(p.top_k[row], 1LL), (long long)cap);
+    const u32 key0 = (u32)p.noise_keys[2 * row], key1 = (u32)p.noise_keys[2 * row + 1];
     for (int i = t; i < VOCAB / 32; i += THREADS) s.ties[i] = 0;
     if (t < 256) s.histogram[0][t] = 0;
-    if (t == 0) s.count = 0;
 
     // greedy: the first of equal maxima of the logits as they are; the rest sees them divided by the temperature
     u32 key[DRAW_PER_THREAD];
@@ -111,15 +115,9 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         u32* histogram = s.histogram[round & 1];
         if (t < 256) s.histogram[(round + 1) & 1][t] = 0;  // last read before the previous round's second barrier
 #pragma unroll
-        for (int e = 0; e < DRAW_PER_THREAD; ++e) {  // one atomic per distinct byte a warp (a row's top bytes are few)
-            const bool counted = (key[e] & mask) == prefix;
-#ifdef DRAW_PLAIN_ATOMICS
-            if (counted) atomicAdd(&histogram[(key[e] >> shift) & 255], 1u);
-#else
-            const u32 digit = counted ? (key[e] >> shift) & 255 : 256, peers = __match_any_sync(0xffffffffu, digit);
-            if (counted && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], (u32)__popc(peers));
-#endif
-        }
+        for (int e = 0; e < DRAW_PER_THREAD; ++e)  // (one atomic per distinct byte a warp, by __match_any_sync,
+            if ((key[e] & mask) == prefix)           // measured 4 us slower on an H100)
+                atomicAdd(&histogram[(key[e] >> shift) & 255], 1u);
         __syncthreads();
         if (warp == 0) {  // lane l holds digits 255 - 8l down to 248 - 8l
             u32 counts[8], total = 0;
@@ -153,6 +151,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
         if (key[e] == prefix) atomicOr(&s.ties[col >> 5], 1u << (col & 31));
     }
     __syncthreads();
+    u32 taken = 0;  // a bit an element
 #pragma unroll
     for (int e = 0; e < DRAW_PER_THREAD; ++e) {
         const int col = t + e * THREADS;
@@ -162,32 +161,50 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
             for (int w = 0; w < (col >> 5); ++w) below += __popc(s.ties[w]);
             take = below < remaining;
         }
-        if (take) s.candidates[atomicAdd(&s.count, 1u)] = ((unsigned long long)key[e] << 32) | (u32)(VOCAB - 1 - col);
+        taken |= (u32)take << e;
     }
+    // each thread's slots: the taken elements of the threads before it (a scan in the warp, then over the warps)
+    const u32 count = __popc(taken);
+    u32 before = count;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const u32 other = __shfl_up_sync(0xffffffffu, before, offset);
+        if (lane >= offset) before += other;
+    }
+    if (lane == 31) s.warp_taken[warp] = before;
+    before -= count;
     __syncthreads();
-    if (t < cap) {  // rank by counting: the keys are distinct (token ids in their low half)
+    for (int w = 0; w < warp; ++w) before += s.warp_taken[w];
+#pragma unroll
+    for (int e = 0; e < DRAW_PER_THREAD; ++e)
+        if (taken >> e & 1u)
+            s.candidates[before++] = ((unsigned long long)key[e] << 32) | (u32)(VOCAB - 1 - t - e * THREADS);
+    __syncthreads();
+    if (t < cap) {  // rank by counting (the keys are distinct: token ids in their low half), and the noise's term
         const unsigned long long mine = s.candidates[t];
         int rank = 0;
+#pragma unroll 8
         for (int j = 0; j < cap; ++j) rank += s.candidates[j] > mine;
-        s.ranked[rank] = mine;
+        const int token = VOCAB - 1 - (int)(u32)mine;
+        const u32 hashed = mix32(mix32((u32)(token + (int)p.noise_offset) ^ key0) + key1);
+        const float uniform = ((float)(hashed >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        s.value[rank] = rank < top_k ? from_ordered_bits((u32)(mine >> 32)) : NEG_INF;
+        s.noise_term[rank] = logf(fmaxf(-logf(uniform), 1e-30f));
+        s.token_at[rank] = token;
     }
     __syncthreads();
     if (DRAW_STOP_AFTER == 3) return;
 
     if (warp == 0) {  // lane l holds ranks l * per .. l * per + per - 1
         const int per = cap >= 32 ? cap / 32 : 1;
-        const long long top_k = min(max(p.top_k[row], 1LL), (long long)cap);
         float value[DRAW_PER_LANE], weight[DRAW_PER_LANE];
-        int token[DRAW_PER_LANE];
         float total = 0.0f;
-        const float largest = from_ordered_bits((u32)(s.ranked[0] >> 32));
+        const float largest = s.value[0];
 #pragma unroll
         for (int j = 0; j < DRAW_PER_LANE; ++j) {
             const int rank = lane * per + j;
             const bool valid = j < per && rank < cap;
-            const unsigned long long packed = valid ? s.ranked[rank] : 0ull;
-            value[j] = valid && rank < top_k ? from_ordered_bits((u32)(packed >> 32)) : NEG_INF;
-            token[j] = VOCAB - 1 - (int)(u32)packed;
+            value[j] = valid ? s.value[rank] : NEG_INF;
             weight[j] = valid ? exp_approx(value[j] - largest) : 0.0f;
             total += weight[j];
         }
@@ -206,8 +223,6 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
             if (lane + offset < 32) later += other;
         }
         later -= suffix;
-        const float dropped = 1.0f - p.top_p[row];
-        const u32 key0 = (u32)p.noise_keys[2 * row], key1 = (u32)p.noise_keys[2 * row + 1];
         float best_score = NEG_INF;
         int best_rank = DRAW_MAX_CAP;
 #pragma unroll
@@ -216,9 +231,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
             if (!(j < per && rank < cap)) continue;
             float v = value[j];
             if ((cumulative[j] + later <= dropped || v == NEG_INF) && rank > 0) v = NEG_INF;
-            const u32 hashed = mix32(mix32((u32)(token[j] + (int)p.noise_offset) ^ key0) + key1);
-            const float uniform = ((float)(hashed >> 8) + 0.5f) * (1.0f / 16777216.0f);
-            const float score = v - logf(fmaxf(-logf(uniform), 1e-30f));
+            const float score = v - s.noise_term[rank];
             if (score > best_score || best_rank == DRAW_MAX_CAP) best_score = score, best_rank = rank;  // ties: the first
         }
 #pragma unroll
@@ -229,7 +242,7 @@ __device__ void draw_row(const Params& p, int row, DrawShared& s) {
                 best_score = other, best_rank = other_rank;
         }
         if (lane == 0) {
-            const int drawn = min(best_rank < cap ? VOCAB - 1 - (int)(u32)s.ranked[best_rank] : 0, VOCAB - 1);
+            const int drawn = min(best_rank < cap ? s.token_at[best_rank] : 0, VOCAB - 1);
             float greedy = s.greedy_value[0];
             int greedy_col = s.greedy_col[0];
             for (int w = 1; w < WARPS; ++w)

@@ -1,6 +1,6 @@
 """The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
 its hardware counters: a code-predictor pass (five kernels a layer), the same pass and its head as the persistent
-kernel (`persistent_pass`) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under
+kernel (`persistent_pass`; `persistent_pass_draw`: drawing the codes in the same launch) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under
 `ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
 the names of the steps are printed between ncu's own lines, in launch order."""
 
@@ -17,6 +17,7 @@ from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_i
 from omni_ray.bench import FULL_CONFIG
 from omni_ray.layers import small_batch_moe
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
+from benchmarks.persistent_pass_probe import served_draw
 from omni_ray.layers.persistent_pass import PersistentPass
 
 Step = Callable[[], object]
@@ -37,15 +38,22 @@ def code_predictor_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[t
     return steps
 
 
-def persistent_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[tuple[str, Step]]:
-    """The code predictor's pass and its head as one persistent kernel, per row count."""
+def persistent_passes(config: Qwen3OmniMoeConfig, rows: list[int], draws: bool) -> list[tuple[str, Step]]:
+    """The code predictor's pass and its head as one persistent kernel, per row count; `draws`: the same launch
+    drawing the served codes too (`engine.persistent_code_predictor_draws`)."""
     cfg = config.talker_config.code_predictor_config
     stack, head = code_predictor_with_head(cfg)
-    kernel = PersistentPass(stack)
+    kernel = PersistentPass(stack, draws=draws)
     kernel.build(cfg.vocab_size)
     steps: list[tuple[str, Step]] = []
     for count in rows:
         cache, batch, x, (cos, sin) = decode_step_inputs(cfg, stack, count, len(stack.layers))
+        if draws:
+            draw = served_draw(cfg, count)
+            steps.append((f"persistent pass + head + draw, {count} rows",
+                          lambda cache=cache, batch=batch, x=x, cos=cos, sin=sin, draw=draw: kernel.draw(
+                              x, cache.layers, batch, cos, sin, head, draw)))
+            continue
         steps.append((f"persistent pass + head, {count} rows",
                       lambda cache=cache, batch=batch, x=x, cos=cos, sin=sin: kernel.logits(
                           x, cache.layers, batch, cos, sin, head)))
@@ -80,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage in args.stages.split(","):
         if stage == "code_predictor":
             steps += code_predictor_passes(config, rows)
-        elif stage == "persistent_pass":
-            steps += persistent_passes(config, rows)
+        elif stage in ("persistent_pass", "persistent_pass_draw"):
+            steps += persistent_passes(config, rows, draws=stage == "persistent_pass_draw")
         else:
             steps += moe_layer_steps(config, stage, rows)
     with torch.no_grad():

@@ -86,7 +86,7 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
     read_alone_us = 1000 * replay_ms(lambda: between.sum(dtype=torch.float32))[0]
     for name in variants:
         defines = VARIANTS[name]
-        kernel = PersistentPass(stack)
+        kernel = PersistentPass(stack, draws=True)  # `draw` times the draw phase too
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
     plain = kernels["plain reads"]

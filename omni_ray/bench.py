@@ -197,7 +197,7 @@ def bench_talker(
     sampling_kernel: bool = True, code_predictor_kernels: bool = True, moe_kernels: bool = True,
     prefill_graph_tokens: int | None = None, moe_layer_kernels: bool = True, persistent_code_predictor: bool = False,
     moe_layer_folds: bool = False, persistent_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
-    persistent_draws: bool = True,
+    persistent_draws: bool = False,
 ) -> list[dict[str, Any]]:
     text = config.talker_config.text_config
     slot_len = max(prompt + 2 * steps + 16, max_seq_len)
@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent-l2-keep-percent", type=int, default=DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
                         help="with --persistent-code-predictor: the share of its weights L2 is asked to keep from pass "
                         "to pass (`engine.persistent_code_predictor_l2_keep_percent`; 0: plain reads)")
-    parser.add_argument("--persistent-separate-draw", action="store_true",
-                        help="with --persistent-code-predictor: each pass's codes drawn by the Triton draw kernel after "
-                        "it, not in its launch (`engine.persistent_code_predictor_draws: false`)")
+    parser.add_argument("--persistent-draws", action="store_true",
+                        help="with --persistent-code-predictor: each pass's launch also draws its codes, instead of the "
+                        "Triton draw kernel after it (`engine.persistent_code_predictor_draws`)")
     parser.add_argument("--weights-evict-first", action="store_true",
                         help="the Triton GEMMs that read each weight once mark its lines first to go from L2 "
                         "(`small_batch.weights_evict_first`)")
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                              sampling, args.max_seq_len, not args.no_sampling_kernel,
                              not args.no_code_predictor_kernels, not args.no_moe_kernels, args.prefill_graph_tokens,
                              not args.no_moe_layer_kernels, args.persistent_code_predictor, args.moe_layer_folds,
-                             args.persistent_l2_keep_percent, not args.persistent_separate_draw)
+                             args.persistent_l2_keep_percent, args.persistent_draws)
     for row in rows:
         row["floor_ms"] = floors[row["stage"], row["batch"]]
     meta = run_meta("omni_ray.bench", argv, dtype=args.dtype, mode=("eager (no CUDA graphs)" if args.eager else "CUDA graphs")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                         if args.persistent_l2_keep_percent else " (plain reads: no L2 hints)")
                        if args.persistent_code_predictor else "")
                     + (", each pass's codes drawn in its launch" if args.persistent_code_predictor
-                       and not args.persistent_separate_draw and not args.no_sampling_kernel else "")
+                       and args.persistent_draws and not args.no_sampling_kernel else "")
                     + (", one-tile GEMMs' weights evict_first from L2" if args.weights_evict_first else "")
                     + (", MoE experts as grouped GEMMs" if args.no_moe_kernels else "")
                     + (", MoE layers' decode steps as the layers' own code" if args.no_moe_layer_kernels else "")

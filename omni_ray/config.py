@@ -266,12 +266,14 @@ class TalkerSettings(EngineSettings):
         "8 / 32 rows against 3.3 / 4.2 / 5.8 with plain reads; logits equal bit for bit",
     )
     persistent_code_predictor_draws: bool = Field(
-        default=True,
+        default=False,
         description="with `persistent_code_predictor` and the sampling kernel: each pass's launch also draws every "
         "row's code from its logits (a block a row after one more grid barrier: top-k by radix select, top-p, the "
-        "counter noise, the code's embedding and the frame's feedback sum), as the Triton draw kernel that runs after "
-        "the pass otherwise; the same codes unless a top-p sum, added in another order, lands within an ulp of its "
-        "threshold. False: the separate draw kernel",
+        "counter noise, the code's embedding and the frame's feedback sum) instead of the Triton draw kernel after "
+        "it; the same codes (GPU test, bit for bit) unless a top-p sum, added in another order, lands within an ulp "
+        "of its threshold. Opt-in: not yet faster. On an H100 (session 46) a pass + head + draw took 153 / 163 / 196 "
+        "us at 1 / 8 / 32 rows against 148 / 158 / 196 with the Triton kernel after it, and the Talker's engine "
+        "step 3.2 / 4.0 / 5.9 ms against 3.1 / 4.0 / 5.7",
     )
 
     @model_validator(mode="after")

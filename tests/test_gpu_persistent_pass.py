@@ -145,7 +145,7 @@ def test_the_draw_in_the_pass_equals_the_draw_kernel(rows: int) -> None:
     drawing = random_code_predictor()
     plain = copy.deepcopy(drawing)
     assert drawing.use_small_batch_kernels() and plain.use_small_batch_kernels()
-    assert drawing.use_persistent_pass(2048) and plain.use_persistent_pass(2048, draws=False)
+    assert drawing.use_persistent_pass(2048, draws=True) and plain.use_persistent_pass(2048)
     caches = [SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
     table = (torch.randn(2048, 1024, device="cuda") * 0.05).to(torch.bfloat16)
     temperature = torch.full((rows,), 0.9, device="cuda")

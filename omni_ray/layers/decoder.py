@@ -166,7 +166,7 @@ class DecoderStack(nn.Module):
         return True
 
     def use_persistent_pass(self, head_rows: int, max_rows: int = persistent_pass.MAX_ROWS,
-                            l2_keep_percent: int = 0, draws: bool = True) -> bool:
+                            l2_keep_percent: int = 0, draws: bool = False) -> bool:
         """Run `last_logits` over a few rows (at most `max_rows` rows and 32 rows x tokens, 2 tokens a row) as one
         persistent CUDA kernel for heads of `head_rows` rows (`persistent_pass`), built now, asking L2 to keep
         `l2_keep_percent` of its weights from pass to pass; with `draws`, `last_draw` draws the codes in that launch

@@ -218,7 +218,7 @@ class PersistentPass:
     most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `draws`: `draw` may
     also draw each row's code in the same launch (else the caller draws from `logits`)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = True) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = False) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
         if not 0 <= l2_keep_percent <= 100:

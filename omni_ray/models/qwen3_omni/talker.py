@@ -65,7 +65,7 @@ class TalkerRunner:
         persistent_code_predictor_max_rows: int = 32,
         moe_layer_folds: bool = False,
         persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
-        persistent_code_predictor_draws: bool = True,
+        persistent_code_predictor_draws: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model

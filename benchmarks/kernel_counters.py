@@ -1,8 +1,8 @@
 """The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
 its hardware counters: a code-predictor pass (five kernels a layer), the same pass and its head as the persistent
-kernel (`persistent_pass`; `persistent_pass_draw`: drawing the codes in the same launch) and one eight-kernel MoE layer of the Talker and the Thinker, per row count. Run under
-`ncu --profile-from-start off` (the `ncu` step of `benchmarks/gpu_suite.sh`);
-the names of the steps are printed between ncu's own lines, in launch order."""
+kernel (`persistent_pass`; `persistent_pass_draw`: drawing the codes in the same launch) and one eight-kernel MoE
+layer of the Talker and the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of
+`benchmarks/gpu_suite.sh`); the names of the steps are printed between ncu's own lines, in launch order."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from benchmarks.moe_layer_bench import KEYS, Step as LayerInputs, stage_stack, step_inputs
+from benchmarks.persistent_pass_probe import served_draw
 from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG
 from omni_ray.layers import small_batch_moe
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from benchmarks.persistent_pass_probe import served_draw
 from omni_ray.layers.persistent_pass import PersistentPass
 
 Step = Callable[[], object]

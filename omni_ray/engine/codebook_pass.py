@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_ray.engine.sampler import CounterNoise, SamplingBatch, sample
-from omni_ray.engine.top_k_draw import MAX_CAP, KernelDraw
+from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderStack
 from omni_ray.layers.persistent_pass import CodeDraw
@@ -41,8 +41,8 @@ def codebook_pass(
     Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
     made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
     longer: compiled layers and a one-kernel draw are what the Talker uses."""
-    if isinstance(draw, KernelDraw) and filtered and top_k_cap is not None and top_k_cap <= MAX_CAP:
-        # the persistent pass's launch draws too, where it runs this pass
+    if isinstance(draw, KernelDraw) and filtered and top_k_cap is not None:
+        # the persistent pass's launch draws too, where it runs this pass and takes the cap (`draw_applies`)
         drawn = stack.last_draw(embeds, kv_caches, batch, (cos, sin), head, CodeDraw(
             params.temperature, params.top_k, params.top_p, noise_keys, noise_offset, top_k_cap, table, feedback))
         if drawn is not None:

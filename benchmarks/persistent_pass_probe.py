@@ -9,7 +9,10 @@ reads of x without the row count), or a share of the weights kept in L2 from pas
 counts. Besides the pass alone, each build's pass in a frame: 15 passes back to back after a read of 400 MB (as a
 Talker step's MoE layers stream their experts between frames), less that read alone; with L2 builds, the plain and
 those builds in a frame again with L2 set aside for kept lines (the device's most). Also the plain build followed
-by the Triton draw kernel (`top_k_draw_and_embed`), against the same pass drawing in its own launch (`draw`).
+by the Triton draw kernel (`top_k_draw_and_embed`), against the same pass drawing in its own launch (`draw`); and a
+frame's 15 passes in one launch (`PASSES_IN_LAUNCH`; per pass, not drawing and drawing, each pass after the first
+reading the codes the one before drew) against the served forms' 15 launches each followed by the Triton draw, or
+each drawing in its launch: what the launches' gaps, their first weight copies and the draw kernels cost a frame.
 Full-size Qwen3-Omni-30B code predictor, random bf16 weights."""
 
 from __future__ import annotations
@@ -53,10 +56,15 @@ VARIANTS: dict[str, dict[str, int]] = {
     "draw stops after select": {"DRAW_STOP_AFTER": 2},
     "draw stops after ranking": {"DRAW_STOP_AFTER": 3},
     "draw stops after sampling": {"DRAW_STOP_AFTER": 4},
+    # a frame's passes in one launch, each after the last (the next q/k/v share asked for during the draw): per pass
+    "15 passes in one launch": {"PASSES_IN_LAUNCH": 15},
+    "15 passes in one launch keeping 10% in L2": {"PASSES_IN_LAUNCH": 15, "L2_KEEP_PERCENT": 10},
 }
-# variants that only reorder loads or hint the cache: their logits must equal the plain build's, bit for bit
+# variants that only reorder loads, hint the cache or repeat the pass (not drawing, over the same inputs) in one
+# launch: their logits must equal the plain build's, bit for bit
 SAME_AS_PLAIN = [name for name, defines in VARIANTS.items()
-                  if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT", "L2_EVICT_FIRST"}]
+                  if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT", "L2_EVICT_FIRST",
+                                                  "PASSES_IN_LAUNCH"}]
 FRAME_PASSES = 15  # a frame's code-predictor passes
 BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
 
@@ -101,26 +109,46 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"rows": count, "Triton kernels": 1000 * replay_ms(
             lambda: kernels_stack.last_logits(x, cache.layers, batch, (cos, sin), head))[0]}
         draw = served_draw(cfg, count)
+        params = SamplingBatch(draw.temperature, draw.top_k, draw.top_p, torch.ones_like(draw.top_p))
+
+        def frame(kernel: PersistentPass, drawing: str = "") -> torch.Tensor:
+            """A frame's passes after the read between frames: `kernel`'s launches, each drawing in its launch
+            (drawing="in launch") or followed by the Triton draw (drawing="after"), or not drawing."""
+            between.sum(dtype=torch.float32)
+            for _ in range(FRAME_PASSES // kernel.passes_in_launch):
+                if drawing == "in launch":
+                    out = kernel.draw(x, cache.layers, batch, cos, sin, head, draw)[0]
+                else:
+                    out = kernel.logits(x, cache.layers, batch, cos, sin, head)
+                    if drawing == "after":
+                        out = top_k_draw_and_embed(out, params, CounterNoise(draw.noise_keys), draw.cap, draw.table,
+                                                   draw.feedback)[0]
+            return out
+
+        def per_pass_in_a_frame(kernel: PersistentPass, drawing: str = "") -> float:
+            return (1000 * replay_ms(lambda: frame(kernel, drawing))[0] - read_alone_us) / FRAME_PASSES
+
         for name, kernel in kernels.items():
             if any(define.startswith("DRAW_") for define in VARIANTS[name]):
                 row[name] = 1000 * replay_ms(
                     lambda kernel=kernel: kernel.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0]
                 continue
-            row[name] = 1000 * replay_ms(lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0]
-
-            def frame(kernel: PersistentPass = kernel) -> torch.Tensor:
-                between.sum(dtype=torch.float32)
-                for _ in range(FRAME_PASSES):
-                    logits = kernel.logits(x, cache.layers, batch, cos, sin, head)
-                return logits
-
-            row[f"{name}, in a frame"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
+            passes = kernel.passes_in_launch  # a launch's passes: the times below are per pass
+            row[name] = 1000 * replay_ms(
+                lambda kernel=kernel: kernel.logits(x, cache.layers, batch, cos, sin, head))[0] / passes
+            row[f"{name}, in a frame"] = per_pass_in_a_frame(kernel)
+            if passes > 1:  # drawing too: a later pass reads the codes the pass before drew
+                row[f"{name}, drawing"] = 1000 * replay_ms(
+                    lambda kernel=kernel: kernel.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0] / passes
+                row[f"{name}, drawing, in a frame"] = per_pass_in_a_frame(kernel, "in launch")
+            elif name in ("plain reads", "L2 keeps 10%"):  # the served forms, to set a frame in one launch against
+                row[f"{name}, then the Triton draw, in a frame"] = per_pass_in_a_frame(kernel, "after")
+                row[f"{name}, drawing in its launch, in a frame"] = per_pass_in_a_frame(kernel, "in launch")
             if keeping and (name == "plain reads" or "L2_KEEP_PERCENT" in VARIANTS[name]):
                 set_aside_l2(x.device, 1 << 30)  # as much as the device sets aside (the limit is zero unless set)
-                row[f"{name}, in a frame, L2 set aside"] = (1000 * replay_ms(frame)[0] - read_alone_us) / FRAME_PASSES
+                row[f"{name}, in a frame, L2 set aside"] = per_pass_in_a_frame(kernel)
                 set_aside_l2(x.device, 0)
         # the served draw: the Triton kernel after the pass, or the pass's own draw phase
-        params = SamplingBatch(draw.temperature, draw.top_k, draw.top_p, torch.ones_like(draw.top_p))
         row["plain reads, then the Triton draw"] = 1000 * replay_ms(lambda: top_k_draw_and_embed(
             plain.logits(x, cache.layers, batch, cos, sin, head), params, CounterNoise(draw.noise_keys), draw.cap,
             draw.table, draw.feedback)[0])[0]
@@ -156,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{meta['date']}, commit {meta['commit']}", f"# command: {meta['command']}", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" if n in r else "–" for n in names) + " |" for r in rows]
-    lines += ["", "Largest logit difference from the plain build (must be 0: those builds only reorder loads):"]
+    lines += ["", "Largest logit difference from the plain build (must be 0: those builds only reorder loads or repeat "
+              "the pass):"]
     lines += [f"- {r['rows']} rows: {r['max difference from plain reads']}" for r in rows]
     write_results(args.out, "persistent_pass_probe", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     return 0

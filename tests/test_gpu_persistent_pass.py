@@ -188,3 +188,45 @@ def test_the_draw_in_the_pass_equals_the_draw_kernel(rows: int) -> None:
     assert replayed is not None
     for r, g in zip(replayed, got):
         torch.testing.assert_close(r, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_passes_in_one_launch_equal_launches_one_after_the_other(rows: int) -> None:
+    """The probe's build that runs three passes in a launch (`PASSES_IN_LAUNCH`), drawing, against three launches of
+    the served build, each fed the code embeddings the one before drew: the same codes, embeddings and feedback sums
+    of the last pass, and the same keys and values, bit for bit (the weights' fills counted across passes, the next
+    pass's q/k/v asked for during the draw)."""
+    pytest.importorskip("triton")
+    from omni_ray.layers.persistent_pass import CodeDraw, PersistentPass
+
+    torch.manual_seed(0)
+    stack = random_code_predictor()
+    assert stack.use_small_batch_kernels()
+    single, several = PersistentPass(stack, draws=True), PersistentPass(stack, draws=True)
+    single.build(2048)
+    several.build(2048, {"PASSES_IN_LAUNCH": 3})
+    head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+    table = (torch.randn(2048, 1024, device="cuda") * 0.05).to(torch.bfloat16)
+    feedback = (torch.randn(rows, 1024, device="cuda") * 0.1).to(torch.bfloat16)
+    temperature = torch.full((rows,), 0.9, device="cuda")
+    temperature[1::4] = 0.0  # greedy rows
+    keys = torch.randint(0, 2**32, (rows, 2), dtype=torch.long, device="cuda")
+    draw = CodeDraw(temperature, torch.full((rows,), 50, dtype=torch.long, device="cuda"),
+                    torch.full((rows,), 0.8, device="cuda"), keys, 4096, 64, table, feedback)
+    chained, launched = (SlotKVCache(5, 32, KV_LEN, 8, 128, torch.bfloat16, "cuda") for _ in range(2))
+    passes = frame_passes(stack, rows, 2)
+    _, batch, x, cos, sin = next(passes)  # a frame's first pass (two tokens) fills positions 0-1 of both caches
+    stack.last_logits(x, chained.layers, batch, (cos, sin), head)
+    for (k0, v0), (k1, v1) in zip(chained.layers, launched.layers):
+        k1.copy_(k0)
+        v1.copy_(v0)
+    _, batch, x, cos, sin = next(passes)  # then one token a pass, each written at position 2
+    inputs = x
+    for _ in range(3):
+        expected = single.draw(inputs, chained.layers, batch, cos, sin, head, draw)
+        inputs = expected[1][:, None]
+    got = several.draw(x, launched.layers, batch, cos, sin, head, draw)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for (k0, v0), (k1, v1) in zip(chained.layers, launched.layers):  # position 2 holds the last pass's: a launch
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)              # rereading x would leave the first pass's

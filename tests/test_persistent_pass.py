@@ -22,12 +22,13 @@ CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
-@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}, {"L2_EVICT_FIRST": 1}], ids=["served", "l2_keep", "l2_evict_first"])
+@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}, {"L2_EVICT_FIRST": 1}, {"PASSES_IN_LAUNCH": 15}],
+                         ids=["served", "l2_keep", "l2_evict_first", "passes_in_launch"])
 def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path, probe: dict[str, int]) -> None:
     """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
     reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local memory),
-    under the one-block-a-multiprocessor register limit. Also the probe's build whose copies hint L2 to keep a share
-    of the weights."""
+    under the one-block-a-multiprocessor register limit. Also the probe's builds whose copies hint L2 to keep a share
+    of the weights, and that run a frame's passes in one launch."""
     defines = {**CODE_PREDICTOR, "BLOCKS": persistent_pass.BLOCKS, "WARPS": persistent_pass.WARPS, **probe}
     command = ["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "pass.cubin"),
                *(f"-D{k}={v}" for k, v in defines.items()), str(persistent_pass.SOURCE)]

@@ -237,6 +237,7 @@ class PersistentPass:
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
+        self.passes_in_launch = 1  # passes a launch runs, each after the last (`PASSES_IN_LAUNCH`, probe builds)
         self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
         self._function: ctypes.c_void_p | None = None
         self._module = ctypes.c_void_p()
@@ -252,7 +253,8 @@ class PersistentPass:
 
     def build(self, vocab: int, probe_defines: dict[str, int] | None = None) -> None:
         """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture). `probe_defines`:
-        the source's SKIP_* switches, for timing by difference only."""
+        the source's SKIP_* switches, for timing by difference only, or PASSES_IN_LAUNCH (a launch runs that many
+        passes, each after the last; drawing, a later pass reads the codes the pass before drew)."""
         if self._function is not None:
             if vocab != self.vocab:
                 raise ValueError(f"built for a head of {self.vocab} rows, not {vocab}")
@@ -268,6 +270,7 @@ class PersistentPass:
                    "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
                    "L2_KEEP_PERCENT": self.l2_keep_percent, **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
+        self.passes_in_launch = int(defines.get("PASSES_IN_LAUNCH", 1))  # a probe's build may run several
         lib = _driver()
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).synchronize()  # the context is current on this thread
@@ -361,6 +364,7 @@ class PersistentPass:
         drawn: list[torch.Tensor | None] = [None, None, None]
         if draw is not None:
             assert self.draw_applies(draw), "a draw the kernel's phase does not take"
+            assert self.passes_in_launch == 1 or tokens == 1, "a later pass reads one drawn embedding a row"
             drawn = [torch.empty(rows, dtype=torch.long, device=self.device),
                      torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device),
                      torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device)]

@@ -196,11 +196,16 @@ __device__ __forceinline__ u32 share_bytes(const Params& p, int index) {
     }
 }
 
-// This block's share of GEMM `index` copied into its buffer (nothing past the last GEMM).
-__device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* buffer0, bf16_t* buffer1,
-                                            const u32 (&barriers)[2]) {
+// The mbarrier that counts the launch's fill `fill` of a weight buffer: fills alternate between two adjacent mbarriers
+// (the first at `mbarriers`), whichever buffer they fill.
+__device__ __forceinline__ u32 fill_barrier(u32 mbarriers, int fill) { return mbarriers + 8 * (fill & 1); }
+
+// This block's share of the pass's GEMM `index` copied into its buffer (nothing past the last GEMM), counted on the
+// mbarrier of the launch's fill `fill`.
+__device__ __forceinline__ void ask_weights(const Params& p, int index, int fill, bf16_t* buffer0, bf16_t* buffer1,
+                                            u32 mbarriers) {
     const long long block = blockIdx.x;
-    const u32 barrier = barriers[index & 1];
+    const u32 barrier = fill_barrier(mbarriers, fill);
 #ifndef SKIP_WEIGHTS
     if (index <= 4 * p.num_layers) {
 #ifndef CP_ASYNC_COPIES
@@ -234,13 +239,13 @@ __device__ __forceinline__ void ask_weights(const Params& p, int index, bf16_t* 
 #endif
 }
 
-// Wait until GEMM `index`'s share is in its buffer (the next GEMM's copies already asked for), then the block's barrier.
-__device__ __forceinline__ void wait_weights(int index, const u32 (&barriers)[2]) {
+// Wait until the launch's fill `fill` is in its buffer (the next fill already asked for), then the block's barrier.
+__device__ __forceinline__ void wait_weights(int fill, u32 mbarriers) {
 #if !defined(NO_WAIT) && !defined(SKIP_WEIGHTS)
 #ifdef CP_ASYNC_COPIES
     asm volatile("cp.async.wait_group 1;" ::: "memory");
 #else
-    const u32 barrier = barriers[index & 1], parity = (index >> 1) & 1;  // the buffer's (index / 2)-th fill
+    const u32 barrier = fill_barrier(mbarriers, fill), parity = (fill >> 1) & 1;  // its (fill / 2)-th phase
     u32 done = 0;
     while (!done) {
         asm volatile("{ .reg .pred full; mbarrier.try_wait.parity.shared::cta.b64 full, [%1], %2; selp.u32 %0, 1, 0, full; }"

@@ -79,9 +79,10 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
     const ScaledCopy no_copy = {nullptr, nullptr, nullptr};
     for (int l = 0; l < layers; ++l) {
         const LayerPointers& layer = p.layers[l];
-        const int g = 4 * l, f = *pass * fills + g;  // the pass's GEMM and the launch's fill of it
-        ask_weights(p, g + 1, f + 1, buffer0(), buffer1(), mbarriers);
-        wait_weights(f, mbarriers);
+        const int g = 4 * l;  // the pass's GEMM, and below the launch's fill of GEMM g + k
+        const auto fill = [&](int k) { return *pass * fills + g + k; };
+        ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);
+        wait_weights(fill(0), mbarriers);
         if (l == 0)  // the embeddings come unnormed; every later layer's input was scaled by the down phase before
             gemm_rows<QKV_C / 8, HIDDEN, NORM_HERE, false, false>(layer_input(p, 0, *pass), HIDDEN, rows, buffer0(),
                                                                  layer.input_norm, eps, no_squares, nullptr,
@@ -93,23 +94,23 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
                                                                   blockIdx.x * QKV_C, partial(), partial_squares(),
                                                                   no_copy);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, g + 2, *pass * fills + g + 2, buffer0(), buffer1(), mbarriers);  // gate/up: during attention, o
+        ask_weights(p, g + 2, fill(2), buffer0(), buffer1(), mbarriers);  // gate/up streams in during attention and o
         attention(p, layer);
         grid_barrier(p.counters, ++generation);
-        wait_weights(*pass * fills + g + 1, mbarriers);
+        wait_weights(fill(1), mbarriers);
         const ScaledCopy post_normed = {layer.post_norm, p.x_b_scaled, p.row_squares};
         gemm_rows<O_C / 8, ATTN_W, NO_NORM, false, true>(p.attn_out, ATTN_W, rows, buffer1(), nullptr, 0.0f,
                                                          no_squares, layer_input(p, l, *pass), p.x_b, HIDDEN,
                                                          blockIdx.x * O_C, partial(), partial_squares(), post_normed);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, g + 3, *pass * fills + g + 3, buffer0(), buffer1(), mbarriers);
-        wait_weights(*pass * fills + g + 2, mbarriers);
+        ask_weights(p, g + 3, fill(3), buffer0(), buffer1(), mbarriers);
+        wait_weights(fill(2), mbarriers);
         gemm_rows<2 * GU_C / 8, HIDDEN, NORM_AHEAD, true, false>(p.x_b_scaled, HIDDEN, rows, buffer0(), nullptr, eps,
                                                                 ahead, nullptr, p.hidden, INTER, blockIdx.x * GU_C,
                                                                 partial(), partial_squares(), no_copy);
         grid_barrier(p.counters, ++generation);
-        ask_weights(p, g + 4, *pass * fills + g + 4, buffer0(), buffer1(), mbarriers);
-        wait_weights(*pass * fills + g + 3, mbarriers);
+        ask_weights(p, g + 4, fill(4), buffer0(), buffer1(), mbarriers);
+        wait_weights(fill(3), mbarriers);
         const ScaledCopy next_normed = {l + 1 < layers ? p.layers[l + 1].input_norm : p.final_norm, p.x_a_scaled,
                                         p.row_squares};
         gemm_rows<DOWN_C / 8, INTER, NO_NORM, false, true>(p.hidden, INTER, rows, buffer1(), nullptr, 0.0f,
@@ -119,8 +120,9 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
     }
     // the final norm (scaled ahead by the last down phase) and the head, over each row's last token
     const int g = 4 * layers;
-    if (!ask_next) ask_weights(p, g + 1, *pass * fills + g + 1, buffer0(), buffer1(), mbarriers);  // nothing left
-    wait_weights(*pass * fills + g, mbarriers);
+    const auto fill = [&](int k) { return *pass * fills + g + k; };
+    if (!ask_next) ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);  // nothing left
+    wait_weights(fill(0), mbarriers);
     const RowSquares last_tokens = {p.row_squares, (int)p.tokens, (int)p.tokens - 1};
     gemm_rows<HEAD_C / 8, HIDDEN, NORM_AHEAD, false, false>(p.x_a_scaled + (p.tokens - 1) * HIDDEN,
                                                            p.tokens * HIDDEN, (int)p.rows, buffer0(), nullptr,
@@ -128,7 +130,7 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
                                                            blockIdx.x * HEAD_C, partial(), partial_squares(), no_copy);
     if (ask_next) {  // the next pass's q/k/v share goes where the head's was: it streams in while the rows draw
         __syncthreads();
-        ask_weights(p, 0, *pass * fills + g + 1, buffer0(), buffer1(), mbarriers);
+        ask_weights(p, 0, fill(1), buffer0(), buffer1(), mbarriers);
     }
     if (p.draw_cap > 0) {  // every row's code from its logits, a block a row
         grid_barrier(p.counters, ++generation);

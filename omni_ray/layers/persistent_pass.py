@@ -361,16 +361,18 @@ class PersistentPass:
         pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
                     0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
                     head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr()]
-        drawn: list[torch.Tensor | None] = [None, None, None]
+        codes: torch.Tensor | None = None
+        embedded: torch.Tensor | None = None
+        summed: torch.Tensor | None = None
         if draw is not None:
             assert self.draw_applies(draw), "a draw the kernel's phase does not take"
             assert self.passes_in_launch == 1 or tokens == 1, "a later pass reads one drawn embedding a row"
-            drawn = [torch.empty(rows, dtype=torch.long, device=self.device),
-                     torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device),
-                     torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device)]
+            codes = torch.empty(rows, dtype=torch.long, device=self.device)
+            embedded = torch.empty(rows, self.hidden, dtype=embeds.dtype, device=self.device)
+            summed = torch.empty_like(embedded)
             inputs = [t.contiguous() for t in (draw.temperature.float(), draw.top_k.long(), draw.top_p.float(),
                                                 draw.noise_keys.long(), draw.table, draw.feedback.reshape(rows, -1))]
-            pointers += [t.data_ptr() for t in inputs] + [t.data_ptr() for t in drawn if t is not None]
+            pointers += [t.data_ptr() for t in (*inputs, codes, embedded, summed)]
         else:
             pointers += [0] * 9
         integers = [len(self._weights), rows, tokens, batch.kv_len, k_cache.stride(0), k_cache.stride(1),
@@ -381,7 +383,7 @@ class PersistentPass:
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
                "cuLaunchKernel")
-        return logits, drawn[0], drawn[1], drawn[2]
+        return logits, codes, embedded, summed
 
 
 def unsupported(stack: Any) -> str | None:

@@ -111,6 +111,11 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
         draw = served_draw(cfg, count)
         params = SamplingBatch(draw.temperature, draw.top_k, draw.top_p, torch.ones_like(draw.top_p))
 
+        def triton_draw(logits: torch.Tensor) -> torch.Tensor:
+            """The served draw after a pass: `top_k_draw_and_embed`'s codes from `logits`."""
+            return top_k_draw_and_embed(logits, params, CounterNoise(draw.noise_keys), draw.cap, draw.table,
+                                        draw.feedback)[0]
+
         def frame(kernel: PersistentPass, drawing: str = "") -> torch.Tensor:
             """A frame's passes after the read between frames: `kernel`'s launches, each drawing in its launch
             (drawing="in launch") or followed by the Triton draw (drawing="after"), or not drawing."""
@@ -121,8 +126,7 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 else:
                     out = kernel.logits(x, cache.layers, batch, cos, sin, head)
                     if drawing == "after":
-                        out = top_k_draw_and_embed(out, params, CounterNoise(draw.noise_keys), draw.cap, draw.table,
-                                                   draw.feedback)[0]
+                        out = triton_draw(out)
             return out
 
         def per_pass_in_a_frame(kernel: PersistentPass, drawing: str = "") -> float:
@@ -149,9 +153,8 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
                 row[f"{name}, in a frame, L2 set aside"] = per_pass_in_a_frame(kernel)
                 set_aside_l2(x.device, 0)
         # the served draw: the Triton kernel after the pass, or the pass's own draw phase
-        row["plain reads, then the Triton draw"] = 1000 * replay_ms(lambda: top_k_draw_and_embed(
-            plain.logits(x, cache.layers, batch, cos, sin, head), params, CounterNoise(draw.noise_keys), draw.cap,
-            draw.table, draw.feedback)[0])[0]
+        row["plain reads, then the Triton draw"] = 1000 * replay_ms(
+            lambda: triton_draw(plain.logits(x, cache.layers, batch, cos, sin, head)))[0]
         row["plain reads, drawing in its launch"] = 1000 * replay_ms(
             lambda: plain.draw(x, cache.layers, batch, cos, sin, head, draw)[0])[0]
         plain_logits = plain.logits(x, cache.layers, batch, cos, sin, head)

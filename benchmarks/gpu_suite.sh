@@ -58,10 +58,35 @@ run_step() {  # name, command...
   local started=$SECONDS
   # a step cut off by its limit leaves its Ray cluster (and Serve's proxy on port 8000) behind: clear it first
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  touch "$OUT/logs/.step_started"
+  sample_memory "$OUT/logs/$name.gpu_memory.txt" & local sampler=$!
   timeout -k 15 "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
+  kill "$sampler" 2> /dev/null
   echo "$name rc=$rc $((SECONDS - started))s"
-  [ "$rc" = 0 ] || failed_steps="$failed_steps $name"
+  [ "$rc" = 0 ] || { failed_steps="$failed_steps $name"; ray_errors "$name"; }
+}
+
+# every 10 s while a step runs: each GPU's memory in use, and each process's (under MPS, its clients')
+sample_memory() {
+  command -v nvidia-smi > /dev/null || return 0
+  while sleep 10; do
+    echo "# $(date +%T)"
+    nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader
+    nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader
+  done > "$1" 2>&1
+}
+
+# a failed step that ran Ray: its replicas' errors (the service's benchmark runs with log_to_driver off, so a replica
+# that failed at startup leaves nothing in the step's log): the tail of each worker stderr and Serve log that has one
+ray_errors() {
+  local logs
+  logs=$(readlink -f /tmp/ray/session_latest)/logs
+  [ -d "$logs" ] && [ "$logs" -nt "$OUT/logs/.step_started" ] || return 0  # no Ray cluster of this step's
+  for file in "$logs"/worker-*.err "$logs"/serve/*.log; do
+    [ -s "$file" ] && grep -qE "Error|Traceback|out of memory" "$file" || continue
+    echo "== $file"; tail -n 60 "$file"
+  done > "$OUT/logs/$1.ray_errors.txt" 2>&1
 }
 
 mps_on() {

@@ -67,7 +67,7 @@ run_step() {  # name, command...
   [ "$rc" = 0 ] || { failed_steps="$failed_steps $name"; ray_errors "$name"; }
 }
 
-# every 10 s while a step runs: each GPU's memory in use, and each process's (under MPS, its clients')
+# every 10 s while a step runs: each GPU's memory in use, and each process's as nvidia-smi lists them
 sample_memory() {
   command -v nvidia-smi > /dev/null || return 0
   while sleep 10; do

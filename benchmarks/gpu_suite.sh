@@ -67,12 +67,13 @@ run_step() {  # name, command...
   [ "$rc" = 0 ] || { failed_steps="$failed_steps $name"; ray_errors "$name"; }
 }
 
-# every 10 s while a step runs: each GPU's memory in use, and each process's as nvidia-smi lists them
+# every 10 s while a step runs: each GPU's use (a kernel spinning forever shows 100%) and memory in use, and each
+# process's memory as nvidia-smi lists them
 sample_memory() {
   command -v nvidia-smi > /dev/null || return 0
   while sleep 10; do
     echo "# $(date +%T)"
-    nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used,memory.total --format=csv,noheader
     nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader
   done > "$1" 2>&1
 }

@@ -59,7 +59,7 @@ run_step() {  # name, command...
   # a step cut off by its limit leaves its Ray cluster (and Serve's proxy on port 8000) behind: clear it first
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
   touch "$OUT/logs/.step_started"
-  sample_memory "$OUT/logs/$name.gpu_memory.txt" & local sampler=$!
+  sample_gpus "$OUT/logs/$name.gpu_memory.txt" & local sampler=$!
   timeout -k 15 "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
   kill "$sampler" 2> /dev/null
@@ -69,7 +69,7 @@ run_step() {  # name, command...
 
 # every 10 s while a step runs: each GPU's use (a kernel spinning forever shows 100%) and memory in use, and each
 # process's memory as nvidia-smi lists them
-sample_memory() {
+sample_gpus() {
   command -v nvidia-smi > /dev/null || return 0
   while sleep 10; do
     echo "# $(date +%T)"

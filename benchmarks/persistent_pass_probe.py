@@ -33,6 +33,8 @@ from omni_ray.layers.persistent_pass import CodeDraw, PersistentPass, set_aside_
 
 VARIANTS: dict[str, dict[str, int]] = {
     "plain reads": {},
+    # the plain build launched as a plain grid, not a cooperative one (the served launch); the define is unused
+    "non-cooperative launch": {"NONCOOPERATIVE_LAUNCH": 1},
     "no attention": {"SKIP_ATTENTION": 1},
     "no GEMM products": {"SKIP_GEMMS": 1},
     "no weight copies": {"SKIP_WEIGHTS": 1},
@@ -64,7 +66,7 @@ VARIANTS: dict[str, dict[str, int]] = {
 # launch: their logits must equal the plain build's, bit for bit
 SAME_AS_PLAIN = [name for name, defines in VARIANTS.items()
                   if defines and set(defines) <= {"CHUNK_TILES_IN_FLIGHT", "L2_KEEP_PERCENT", "L2_EVICT_FIRST",
-                                                  "PASSES_IN_LAUNCH"}]
+                                                  "PASSES_IN_LAUNCH", "NONCOOPERATIVE_LAUNCH"}]
 FRAME_PASSES = 15  # a frame's code-predictor passes
 BETWEEN_FRAMES_BYTES = 400 << 20  # 8x L2: a Talker step's MoE layers read 0.6-5 GB between frames
 
@@ -94,7 +96,8 @@ def probe(rows: list[int], variants: list[str]) -> list[dict[str, Any]]:
     read_alone_us = 1000 * replay_ms(lambda: between.sum(dtype=torch.float32))[0]
     for name in variants:
         defines = VARIANTS[name]
-        kernel = PersistentPass(stack, draws=True)  # `draw` times the draw phase too
+        kernel = PersistentPass(stack, draws=True,  # `draw` times the draw phase too
+                                cooperative="NONCOOPERATIVE_LAUNCH" not in defines)
         kernel.build(cfg.vocab_size, defines)
         kernels[name] = kernel
     plain = kernels["plain reads"]

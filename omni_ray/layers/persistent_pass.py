@@ -216,15 +216,19 @@ class PersistentPass:
     `logits` runs the layers over a few rows' new tokens, writes their keys and values, and returns the last
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
     most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `draws`: `draw` may
-    also draw each row's code in the same launch (else the caller draws from `logits`)."""
+    also draw each row's code in the same launch (else the caller draws from `logits`). `cooperative`: launch as a
+    cooperative grid, which the GPU starts only once every block can be resident, so the grid barriers cannot wait
+    on blocks that another process's kernels keep off the GPU (false: a plain launch, for the probe)."""
 
-    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = False) -> None:
+    def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = False,
+                 cooperative: bool = True) -> None:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows {max_rows}: the kernel takes 1 to {MAX_ROWS} rows")
         if not 0 <= l2_keep_percent <= 100:
             raise ValueError(f"l2_keep_percent {l2_keep_percent}: a share of the weights, 0 to 100")
         self.max_rows = max_rows
         self.draws = draws
+        self.cooperative = cooperative
         self.l2_keep_percent = l2_keep_percent  # the weights' lines L2 is asked to keep from pass to pass (0: none)
         spec = stack.spec
         layer0 = stack.layers[0]
@@ -286,6 +290,11 @@ class PersistentPass:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if per_sm.value * sms < BLOCKS:
             raise KernelBuildError(f"{BLOCKS} blocks must be resident at once: {sms} SMs x {per_sm.value} a SM")
+        cooperative_launch, supported = 95, ctypes.c_int()  # CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
+        _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(supported), cooperative_launch,
+                                             ctypes.c_int(self.device.index or 0)), "cuDeviceGetAttribute")
+        if self.cooperative and not supported.value:
+            raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
 
     def max_active_clusters(self, cluster: int) -> int:
@@ -381,8 +390,12 @@ class PersistentPass:
         params = parameter_block(layers, pointers, integers, floats)
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments, None),
-               "cuLaunchKernel")
+        if self.cooperative:  # the same arguments but the last (no `extra`)
+            _check(lib, lib.cuLaunchCooperativeKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream,
+                                                      arguments), "cuLaunchCooperativeKernel")
+        else:
+            _check(lib, lib.cuLaunchKernel(function, BLOCKS, 1, 1, WARPS * 32, 1, 1, self.smem, stream, arguments,
+                                           None), "cuLaunchKernel")
         return logits, codes, embedded, summed
 
 

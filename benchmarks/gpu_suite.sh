@@ -28,7 +28,8 @@
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file: set it where the repository
 # is, since a copied work tree may carry a stale .git; unset, files name git's HEAD, with +changes if the tree differs), E2E_SET (extra
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
-# step, default 280), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
+# step, default 280), STACKS_EVERY (seconds: py-spy dumps each stage replica's threads that often while a step runs,
+# into logs/STEP.stacks.txt; needs .whl/py-spy.gz), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
 # GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
 # (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine,
 # profile, smallbatch and vocoder: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
@@ -60,9 +61,11 @@ run_step() {  # name, command...
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
   touch "$OUT/logs/.step_started"
   sample_gpus "$OUT/logs/$name.gpu_memory.txt" & local sampler=$!
+  local stacks=""
+  [ -n "${STACKS_EVERY:-}" ] && { sample_stacks "$OUT/logs/$name.stacks.txt" & stacks=$!; }
   timeout -k 15 "$limit" "$@" >> "$OUT/logs/$name.log" 2>&1
   local rc=$?
-  kill "$sampler" 2> /dev/null
+  kill "$sampler" $stacks 2> /dev/null
   echo "$name rc=$rc $((SECONDS - started))s"
   [ "$rc" = 0 ] || { failed_steps="$failed_steps $name"; ray_errors "$name"; }
 }
@@ -75,6 +78,18 @@ sample_gpus() {
     echo "# $(date +%T)"
     nvidia-smi --query-gpu=index,utilization.gpu,memory.used,memory.total --format=csv,noheader
     nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader
+  done > "$1" 2>&1
+}
+
+# every STACKS_EVERY s while a step runs: each stage replica's Python threads, as py-spy dumps them without pausing
+# the process (where a stalled service's threads sit: a wait on the GPU, on a peer, or a busy loop)
+sample_stacks() {
+  [ -x /tmp/spy/py-spy ] || return 0
+  while sleep "$STACKS_EVERY"; do
+    for pid in $(pgrep -f "ServeReplica:"); do
+      echo "# $(date +%T) $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-80)"
+      /tmp/spy/py-spy dump --nonblocking -p "$pid" 2>&1 | head -n 400
+    done
   done > "$1" 2>&1
 }
 

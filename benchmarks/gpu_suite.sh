@@ -17,7 +17,8 @@
 # benchmarks/expert_reads.py), talkerhost (where a Talker step's host time goes, per stretch of its launch;
 # benchmarks/talker_host_time.py), lanes (Talker engine lanes stepping at once against one lane of all the rows;
 # benchmarks/talker_lanes_bench.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
-# code-predictor pass by difference: each part left out in turn), vocoder (window vs stateful vocoder;
+# code-predictor pass by difference: each part left out in turn), mpsprobe (the persistent pass replayed while another
+# process runs Thinker-like kernels on the same GPU: does it stall? MPS_mpsprobe_TAG=1 under MPS), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
@@ -109,7 +110,7 @@ mps_on() {
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$1] (MPS daemon on)"; return; fi
   nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/$1.log"
 }
-mps_off() { [ "${DRY_RUN:-0}" = 1 ] || { echo quit | nvidia-cuda-mps-control; }; }
+mps_off() { [ "${DRY_RUN:-0}" = 1 ] || timeout 30 bash -c 'echo quit | nvidia-cuda-mps-control'; }
 
 for step in "${@:-tests engine vocoder e2e}"; do
   for tagged in $step; do
@@ -130,6 +131,10 @@ for step in "${@:-tests engine vocoder e2e}"; do
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
       draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
       persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
+      # shellcheck disable=SC2086
+      mpsprobe) [ "$mps" = 1 ] && mps_on "$tag"  # the persistent pass beside another process's kernels
+                run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.mps_coresidency_probe ${!extra_var:-} --out "$OUT/results/$tag"
+                [ "$mps" = 1 ] && mps_off ;;
       persistentpass) run_step "$tag" python -m benchmarks.persistent_pass_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       gemv) run_step "$tag" python -m benchmarks.gemv_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;

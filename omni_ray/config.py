@@ -154,6 +154,12 @@ class EngineSettings(_Strict):
         default=20.0, ge=0, le=1000, description="the longest a request waits for admission under `admission_quiet_ms`"
     )
     gil_switch_interval_ms: float = Field(default=0.2, gt=0, le=5, description=GIL_SWITCH_DESCRIPTION)
+    stall_timeout_s: float = Field(
+        default=180.0, ge=0,
+        description="the replica fails Serve's health check once one engine step has waited on the device this long "
+        "(a step takes milliseconds, a shape's first CUDA graph capture or compile seconds), and Serve replaces it: "
+        "its requests end with an error instead of hanging on a stuck GPU. 0: never",
+    )
 
     def launches_ahead(self, device: str) -> bool:
         """`launch_ahead` as set, or on for a CUDA device when unset."""
@@ -244,7 +250,9 @@ class TalkerSettings(EngineSettings):
         "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage). Opt-in: "
         "faster per pass on an H200 (122-165 against 158-184 us at 1-32 rows, session 36), but in the 1-GPU service "
         "its blocks slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant "
-        "for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a shared one",
+        "for a Talker on a GPU of its own. On a GPU shared under MPS (the 1-GPU layout, one-stream passes only) the "
+        "service hung in 3 of 5 runs on an H100, its Talker step never finishing (sessions 50-51, cause not found): "
+        "the 1-GPU layouts leave it off",
     )
     persistent_code_predictor_max_rows: int = Field(
         default=32,

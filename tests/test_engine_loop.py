@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 from omni_ray.engine.kv_cache import KVCacheFull
-from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, AdmissionWindow, EngineLoop, run_to_end
+from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, AdmissionWindow, EngineLoop, EngineStalled, run_to_end
 
 TIMEOUT = 1.5
 
@@ -81,14 +81,15 @@ class FakeRunner:
 
 
 class Harness:
-    def __init__(self, runner: FakeRunner, max_batch: int, admission: AdmissionWindow = AdmissionWindow()) -> None:
+    def __init__(self, runner: FakeRunner, max_batch: int, admission: AdmissionWindow = AdmissionWindow(),
+                 stall_timeout_s: float = 0.0) -> None:
         self.runner = runner
         self.outputs: list[list[tuple[str, int]]] = []
         self.failures: list[tuple[str, Exception]] = []
         self.cond = threading.Condition()
         self.needed: dict[str, int] = {}
         self.loop = EngineLoop(runner, self._on_outputs, self._on_failure, max_batch=max_batch, name="test",
-                               admission=admission)
+                               admission=admission, stall_timeout_s=stall_timeout_s)
 
     def _on_outputs(self, outputs: list[tuple[str, int]]) -> None:
         with self.cond:
@@ -122,8 +123,9 @@ class Harness:
 def make() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def factory(max_batch: int = 8, admission: AdmissionWindow = AdmissionWindow(), **runner_kwargs: object) -> Harness:
-        h = Harness(FakeRunner(**runner_kwargs), max_batch, admission)  # type: ignore[arg-type]
+    def factory(max_batch: int = 8, admission: AdmissionWindow = AdmissionWindow(), stall_timeout_s: float = 0.0,
+                **runner_kwargs: object) -> Harness:
+        h = Harness(FakeRunner(**runner_kwargs), max_batch, admission, stall_timeout_s)  # type: ignore[arg-type]
         made.append(h)
         return h
 
@@ -306,6 +308,45 @@ def test_step_exception_fails_that_step_and_loop_keeps_serving(make: Callable[..
     assert len(h.failures) == 2
     assert h.loop._thread.is_alive()
     assert h.loop.stats()["steps"] == len(h.runner.batches) - 1  # the failed step is not counted
+
+
+def test_a_step_stuck_past_the_stall_timeout_fails_the_health_check_until_it_ends(
+    make: Callable[..., Harness],
+) -> None:
+    """A step that waits on the device (here: on a permit) longer than the stall timeout makes `check_stalled` raise,
+    and so the stage's Serve health check (which Serve answers by replacing the replica); once the step ends, the
+    loop is healthy again. Between steps and with no timeout, it never raises."""
+    from types import SimpleNamespace
+
+    from omni_ray.engine.lanes import EngineLanes
+    from omni_ray.stages.base import StageBase
+
+    h = make(stall_timeout_s=0.2, gated=True)
+    h.loop.check_stalled()  # not started: between rounds
+    h.add(FakeSeq("A", steps_needed=2))
+    h.loop.start()
+    h.runner.wait_batches(1)
+    h.loop.check_stalled()  # within the limit
+    time.sleep(0.3)
+    with pytest.raises(EngineStalled, match=r"engine loop 'test' has waited \d+ s .*1 requests running.*stuck"):
+        h.loop.check_stalled()
+    with pytest.raises(EngineStalled):
+        EngineLanes([h.loop]).check_stalled()
+    with pytest.raises(EngineStalled):
+        StageBase.check_health(SimpleNamespace(engine=h.loop))  # type: ignore[arg-type]
+    h.runner.allow(2)
+    h.wait_finished("A")
+    h.loop.check_stalled()
+    StageBase.check_health(SimpleNamespace(engine=h.loop))  # type: ignore[arg-type]
+
+    untimed = make(gated=True)  # stall_timeout_s 0: no limit
+    untimed.add(FakeSeq("B", steps_needed=1))
+    untimed.loop.start()
+    untimed.runner.wait_batches(1)
+    time.sleep(0.3)
+    untimed.loop.check_stalled()
+    untimed.runner.allow(1)
+    untimed.wait_finished("B")
 
 
 def test_not_ready_sequence_is_kept_out_of_steps_until_notified(make: Callable[..., Harness]) -> None:

@@ -78,6 +78,10 @@ class EarlyCollectingRunner(PipelinedRunner[S, O], Protocol[S, O]):  # type: ign
     def collect_early(self, handle: Any) -> list[O]: ...
 
 
+class EngineStalled(RuntimeError):
+    """An engine loop's step has waited on the device past its stall timeout."""
+
+
 class EngineLoop(Generic[S, O]):
     """Requests join and leave between steps. Each step runs every running sequence that is ready.
 
@@ -101,8 +105,11 @@ class EngineLoop(Generic[S, O]):
         launch_ahead: bool = False,
         gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
         admission: AdmissionWindow = AdmissionWindow(),
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self.runner = runner
+        self.stall_timeout_s = stall_timeout_s  # `check_stalled`'s limit on one round of device work (0: none)
+        self._round_started: float | None = None  # monotonic s the round under way began (None: between rounds)
         self.admission = admission
         self._last_arrival = 0.0  # monotonic s of the latest add()
         self._first_waiting = 0.0  # of the oldest sequence still waiting for admission
@@ -189,6 +196,23 @@ class EngineLoop(Generic[S, O]):
                 "outputs_cpu_ms_p50": statistics.median(r[5] for r in recent) if recent else 0.0,
             }
 
+    def check_stalled(self) -> None:
+        """Raise `EngineStalled` while one round (a step's launch and the previous step's read-back) has taken longer
+        than `stall_timeout_s`: the device is stuck on this replica's work (a step takes milliseconds, a shape's
+        first capture seconds), and the process's CUDA context cannot get it back. The stage's Serve health check
+        calls this, so that Serve replaces the replica and its requests fail instead of hanging."""
+        started = self._round_started
+        if self.stall_timeout_s <= 0 or started is None:
+            return
+        waited = time.monotonic() - started
+        if waited > self.stall_timeout_s:
+            with self._cond:
+                running = len(self._running)
+            message = (f"engine loop {self.name!r} has waited {waited:.0f} s on one step's device work "
+                       f"(limit {self.stall_timeout_s:.0f} s, {running} requests running): the GPU is stuck")
+            log.error(message)
+            raise EngineStalled(message)
+
     def _ready(self, seq: S) -> bool:
         ready = getattr(self.runner, "ready", None)
         return True if ready is None else bool(ready(seq))
@@ -242,6 +266,7 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = time.perf_counter()
+            self._round_started = time.monotonic()
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
@@ -255,6 +280,7 @@ class EngineLoop(Generic[S, O]):
                 if not self.pipelined and pending is not None:
                     self._collect(*pending)
                     pending = None
+            self._round_started = None
             if launched is not None:
                 with self._cond:
                     self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,

@@ -156,7 +156,7 @@ class ThinkerStage(StageBase):
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
                                  gil_switch_interval_s=engine.gil_switch_interval_ms / 1000,
-                                 admission=engine.admission_window())
+                                 admission=engine.admission_window(), stall_timeout_s=engine.stall_timeout_s)
         self.engine.start()
         self.start_reporting()
 
@@ -272,7 +272,7 @@ class TalkerStage(StageBase):
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
                                     engine.launches_ahead(res.device), engine.gil_switch_interval_ms / 1000,
-                                    engine.admission_window()))
+                                    engine.admission_window(), engine.stall_timeout_s))
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 from omni_ray.engine.kv_cache import KVCacheFull
-from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, AdmissionWindow, EngineLoop, EngineStalled, run_to_end
+from omni_ray.engine.loop import GIL_SWITCH_INTERVAL_S, AdmissionWindow, EngineLoop, EngineUnhealthy, run_to_end
 
 TIMEOUT = 1.5
 
@@ -313,7 +313,7 @@ def test_step_exception_fails_that_step_and_loop_keeps_serving(make: Callable[..
 def test_a_step_stuck_past_the_stall_timeout_fails_the_health_check_until_it_ends(
     make: Callable[..., Harness],
 ) -> None:
-    """A step that waits on the device (here: on a permit) longer than the stall timeout makes `check_stalled` raise,
+    """A step that waits on the device (here: on a permit) longer than the stall timeout makes `check_health` raise,
     and so the stage's Serve health check (which Serve answers by replacing the replica); once the step ends, the
     loop is healthy again. Between steps and with no timeout, it never raises."""
     from types import SimpleNamespace
@@ -322,21 +322,21 @@ def test_a_step_stuck_past_the_stall_timeout_fails_the_health_check_until_it_end
     from omni_ray.stages.base import StageBase
 
     h = make(stall_timeout_s=0.2, gated=True)
-    h.loop.check_stalled()  # not started: between rounds
+    h.loop.check_health()  # not started: between rounds
     h.add(FakeSeq("A", steps_needed=2))
     h.loop.start()
     h.runner.wait_batches(1)
-    h.loop.check_stalled()  # within the limit
+    h.loop.check_health()  # within the limit
     time.sleep(0.3)
-    with pytest.raises(EngineStalled, match=r"engine loop 'test' has waited \d+ s .*1 requests running.*stuck"):
-        h.loop.check_stalled()
-    with pytest.raises(EngineStalled):
-        EngineLanes([h.loop]).check_stalled()
-    with pytest.raises(EngineStalled):
+    with pytest.raises(EngineUnhealthy, match=r"engine loop 'test' has waited \d+ s .*1 requests running.*stuck"):
+        h.loop.check_health()
+    with pytest.raises(EngineUnhealthy):
+        EngineLanes([h.loop]).check_health()
+    with pytest.raises(EngineUnhealthy):
         StageBase.check_health(SimpleNamespace(engine=h.loop))  # type: ignore[arg-type]
     h.runner.allow(2)
     h.wait_finished("A")
-    h.loop.check_stalled()
+    h.loop.check_health()
     StageBase.check_health(SimpleNamespace(engine=h.loop))  # type: ignore[arg-type]
 
     untimed = make(gated=True)  # stall_timeout_s 0: no limit
@@ -344,9 +344,39 @@ def test_a_step_stuck_past_the_stall_timeout_fails_the_health_check_until_it_end
     untimed.loop.start()
     untimed.runner.wait_batches(1)
     time.sleep(0.3)
-    untimed.loop.check_stalled()
+    untimed.loop.check_health()
     untimed.runner.allow(1)
     untimed.wait_finished("B")
+
+
+def test_a_step_that_loses_the_cuda_context_fails_the_health_check_for_good(make: Callable[..., Harness]) -> None:
+    """A step that fails with a CUDA error that loses the process's context (a kernel's fault or trap) fails its
+    requests, and from then on the health check, with what the runner's kernels reported (`describe_failure`); a
+    step's other errors fail only that step."""
+    h = make(max_batch=1)
+    h.runner.describe_failure = lambda: "the persistent pass stalled at a grid barrier"  # type: ignore[attr-defined]
+    h.add(FakeSeq("P", steps_needed=2, poison=True))  # RuntimeError("boom"): the device is fine
+    h.loop.start()
+    h.wait(lambda: len(h.failures) == 1)
+    h.loop.check_health()
+    lost = RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported")
+    original_step = h.runner.step
+
+    def losing_step(seqs: list[FakeSeq]) -> list[tuple[str, int]]:
+        raise lost
+
+    h.runner.step = losing_step  # type: ignore[method-assign]
+    h.add(FakeSeq("L", steps_needed=2))
+    h.wait(lambda: len(h.failures) == 2)
+    assert h.failures[1] == ("L", lost)
+    with pytest.raises(EngineUnhealthy, match="(?s)lost its device: CUDA error: unspecified launch failure.*"
+                                              "the persistent pass stalled at a grid barrier"):
+        h.loop.check_health()
+    h.runner.step = original_step  # type: ignore[method-assign]
+    h.add(FakeSeq("A", steps_needed=1))
+    h.wait_finished("A")
+    with pytest.raises(EngineUnhealthy):  # a lost context is never got back: Serve replaces the replica
+        h.loop.check_health()
 
 
 def test_not_ready_sequence_is_kept_out_of_steps_until_notified(make: Callable[..., Harness]) -> None:

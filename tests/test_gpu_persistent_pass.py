@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +234,40 @@ def test_passes_in_one_launch_equal_launches_one_after_the_other(rows: int) -> N
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     for (k0, v0), (k1, v1) in zip(chained.layers, launched.layers):  # position 2 holds the last pass's: a launch
         assert torch.equal(k0, k1) and torch.equal(v0, v1)              # rereading x would leave the first pass's
+
+
+STALLED_LAUNCH = """
+import torch
+from _code_predictor import KV_LEN, frame_passes, random_code_predictor
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.layers.persistent_pass import PersistentPass
+
+stack = random_code_predictor()
+stack.fuse_projections()
+kernel = PersistentPass(stack, max_rows=1)
+kernel.build(2048, {"STALL_TEST": 1})
+cache = SlotKVCache(5, 1, KV_LEN, 8, 128, torch.bfloat16, "cuda")
+start, batch, x, cos, sin = next(frame_passes(stack, 1, 1))
+head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+try:
+    kernel.logits(x, cache.layers, batch, cos, sin, head)
+    torch.cuda.synchronize()
+    print("FINISHED")
+except Exception as exc:
+    print("ERROR", type(exc).__name__, exc)
+print("REPORT", kernel.stall())
+"""
+
+
+def test_a_stalled_pass_traps_and_says_where_it_waited(tmp_path: Path) -> None:
+    """A build whose block 0 never reaches the first grid barrier (`STALL_TEST`): the other 127 blocks wait there for
+    2 s, then the launch traps instead of spinning for ever. The host gets a CUDA error, and the pass's report (host
+    memory, readable with the context lost) says which barrier stalled and how many blocks had arrived. In a
+    subprocess: a trapped launch loses its process's CUDA context."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()]),
+           "TMPDIR": str(tmp_path)}  # its own claim on the GPU (this process may hold one)
+    done = subprocess.run([sys.executable, "-c", STALLED_LAUNCH], capture_output=True, text=True, timeout=240, env=env)
+    assert "FINISHED" not in done.stdout, done.stdout
+    assert "ERROR" in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "REPORT the persistent pass stalled at a grid barrier: block " in done.stdout, done.stdout
+    assert "saw 127 of 128 arrivals (barrier 1) for 2 s" in done.stdout, done.stdout

@@ -22,8 +22,9 @@ CODE_PREDICTOR = {"HIDDEN": 1024, "HEADS": 16, "KV_HEADS": 8, "HEAD_DIM": 128, "
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build without a GPU")
-@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}, {"L2_EVICT_FIRST": 1}, {"PASSES_IN_LAUNCH": 15}],
-                         ids=["served", "l2_keep", "l2_evict_first", "passes_in_launch"])
+@pytest.mark.parametrize("probe", [{}, {"L2_KEEP_PERCENT": 20}, {"L2_EVICT_FIRST": 1}, {"PASSES_IN_LAUNCH": 15},
+                                   {"STALL_TEST": 1}],
+                         ids=["served", "l2_keep", "l2_evict_first", "passes_in_launch", "stall_test"])
 def test_the_kernel_builds_for_the_h200_without_spills(tmp_path: Path, probe: dict[str, int]) -> None:
     """nvcc for sm_90 with the code predictor's shapes (as NVRTC gets them at run time): it compiles, and ptxas
     reports no spilled registers and no stack frame (registers arrays indexed at run time would go to local memory),
@@ -65,7 +66,7 @@ def test_the_parameter_block_matches_the_kernels_params_struct() -> None:
     assert [name for _, name in params] == [
         "layers[MAX_LAYERS]", "embeds", "cos", "sin", "write_index", "slots", "final_norm", "head", "logits", "x_a",
         "x_b", "qkv_out", "attn_out", "hidden", "x_a_scaled", "x_b_scaled", "row_squares", "counters",
-        "temperature", "top_k", "top_p", "noise_keys", "table", "feedback", "codes", "embedded", "summed",
+        "stall_report", "temperature", "top_k", "top_p", "noise_keys", "table", "feedback", "codes", "embedded", "summed",
         "num_layers", "rows", "tokens", "kv_len", "slot_stride", "position_stride", "draw_cap", "noise_offset",
         "eps", "final_eps", "qk_eps", "scale"]
     assert len(layer_fields) == persistent_pass.LAYER_FIELDS

@@ -48,10 +48,10 @@ class EngineLanes(Generic[S, O]):
         for loop in self.loops:
             loop.notify()
 
-    def check_stalled(self) -> None:
-        """`EngineLoop.check_stalled` for every lane."""
+    def check_health(self) -> None:
+        """`EngineLoop.check_health` for every lane."""
         for loop in self.loops:
-            loop.check_stalled()
+            loop.check_health()
 
     def stats(self) -> dict[str, float]:
         """Counts add up over the lanes. The step time is the slowest lane's, which sets their streams' pace. The

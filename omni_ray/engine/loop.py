@@ -78,8 +78,19 @@ class EarlyCollectingRunner(PipelinedRunner[S, O], Protocol[S, O]):  # type: ign
     def collect_early(self, handle: Any) -> list[O]: ...
 
 
-class EngineStalled(RuntimeError):
-    """An engine loop's step has waited on the device past its stall timeout."""
+class EngineUnhealthy(RuntimeError):
+    """An engine loop's device is stuck (a step waited past the stall timeout) or lost (a kernel faulted or trapped)."""
+
+
+# a CUDA error after which the process's context is lost (every later call fails): a fault or a trap in a kernel
+CONTEXT_LOST = ("unspecified launch failure", "illegal memory access", "illegal instruction", "misaligned address",
+                "device-side assert", "an illegal", "launch timed out")
+
+
+def loses_the_device(error: BaseException) -> bool:
+    """Whether `error` is a CUDA error that leaves the process's context unusable."""
+    text = str(error).lower()
+    return "cuda" in text and any(marker in text for marker in CONTEXT_LOST)
 
 
 class EngineLoop(Generic[S, O]):
@@ -108,8 +119,9 @@ class EngineLoop(Generic[S, O]):
         stall_timeout_s: float = 0.0,
     ) -> None:
         self.runner = runner
-        self.stall_timeout_s = stall_timeout_s  # `check_stalled`'s limit on one round of device work (0: none)
+        self.stall_timeout_s = stall_timeout_s  # `check_health`'s limit on one round of device work (0: none)
         self._round_started: float | None = None  # monotonic s the round under way began (None: between rounds)
+        self.device_lost: str | None = None  # the CUDA error that lost this process's context, once one has
         self.admission = admission
         self._last_arrival = 0.0  # monotonic s of the latest add()
         self._first_waiting = 0.0  # of the oldest sequence still waiting for admission
@@ -196,11 +208,14 @@ class EngineLoop(Generic[S, O]):
                 "outputs_cpu_ms_p50": statistics.median(r[5] for r in recent) if recent else 0.0,
             }
 
-    def check_stalled(self) -> None:
-        """Raise `EngineStalled` while one round (a step's launch and the previous step's read-back) has taken longer
-        than `stall_timeout_s`: the device is stuck on this replica's work (a step takes milliseconds, a shape's
-        first capture seconds), and the process's CUDA context cannot get it back. The stage's Serve health check
-        calls this, so that Serve replaces the replica and its requests fail instead of hanging."""
+    def check_health(self) -> None:
+        """Raise `EngineUnhealthy` once the device is lost (a step failed with a CUDA error that loses the context: a
+        kernel that faulted or trapped) or stuck: one round (a step's launch and the previous step's read-back) has
+        taken longer than `stall_timeout_s` (a step takes milliseconds, a shape's first capture seconds). The
+        process's CUDA context cannot get either back. The stage's Serve health check calls this, so that Serve
+        replaces the replica and its requests fail instead of hanging."""
+        if self.device_lost is not None:
+            raise EngineUnhealthy(f"engine loop {self.name!r} lost its device: {self.device_lost}")
         started = self._round_started
         if self.stall_timeout_s <= 0 or started is None:
             return
@@ -211,7 +226,7 @@ class EngineLoop(Generic[S, O]):
             message = (f"engine loop {self.name!r} has waited {waited:.0f} s on one step's device work "
                        f"(limit {self.stall_timeout_s:.0f} s, {running} requests running): the GPU is stuck")
             log.error(message)
-            raise EngineStalled(message)
+            raise EngineUnhealthy(message)
 
     def _ready(self, seq: S) -> bool:
         ready = getattr(self.runner, "ready", None)
@@ -339,6 +354,12 @@ class EngineLoop(Generic[S, O]):
 
     def _fail(self, batch: list[S], exc: Exception) -> None:
         log.exception("%s step failed", self.name)
+        describe = getattr(self.runner, "describe_failure", None)  # what the runner's kernels reported, if anything
+        detail = describe() if describe is not None else None
+        if detail:
+            log.error("%s step failed: %s", self.name, detail)
+        if loses_the_device(exc) and self.device_lost is None:
+            self.device_lost = f"{exc}" + (f" ({detail})" if detail else "")
         with self._cond:
             for seq in batch:
                 if seq in self._running:

@@ -15,7 +15,8 @@
 // out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); CP_ASYNC_COPIES
 // copies the weights as the first version did. PASSES_IN_LAUNCH (probe; default 1) runs that many passes in one
 // launch, each after the last: a later pass reads the codes the pass before drew (when drawing), or the same inputs
-// again; its q/k/v share streams in while the rows draw. A served build sets none of them.
+// again; its q/k/v share streams in while the rows draw. STALL_TEST (tests) holds block 0 before the first grid
+// barrier for good, so the others stall there and report it (`report_stall`). A served build sets none of them.
 // No system headers: NVRTC (or nvcc) builds it with this folder as the include path.
 
 #include "persistent_pass_common.cuh"
@@ -82,7 +83,7 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
         const int g = 4 * l;  // the pass's GEMM, and below the launch's fill of GEMM g + k
         const auto fill = [&](int k) { return *pass * fills + g + k; };
         ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(0), mbarriers);
+        wait_weights(fill(0), mbarriers, p.stall_report);
         if (l == 0)  // the embeddings come unnormed; every later layer's input was scaled by the down phase before
             gemm_rows<QKV_C / 8, HIDDEN, NORM_HERE, false, false>(layer_input(p, 0, *pass), HIDDEN, rows, buffer0(),
                                                                  layer.input_norm, eps, no_squares, nullptr,
@@ -93,36 +94,36 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
                                                                   eps, ahead, nullptr, p.qkv_out, QKV_N,
                                                                   blockIdx.x * QKV_C, partial(), partial_squares(),
                                                                   no_copy);
-        grid_barrier(p.counters, ++generation);
+        grid_barrier(p.counters, ++generation, p.stall_report);
         ask_weights(p, g + 2, fill(2), buffer0(), buffer1(), mbarriers);  // gate/up streams in during attention and o
         attention(p, layer);
-        grid_barrier(p.counters, ++generation);
-        wait_weights(fill(1), mbarriers);
+        grid_barrier(p.counters, ++generation, p.stall_report);
+        wait_weights(fill(1), mbarriers, p.stall_report);
         const ScaledCopy post_normed = {layer.post_norm, p.x_b_scaled, p.row_squares};
         gemm_rows<O_C / 8, ATTN_W, NO_NORM, false, true>(p.attn_out, ATTN_W, rows, buffer1(), nullptr, 0.0f,
                                                          no_squares, layer_input(p, l, *pass), p.x_b, HIDDEN,
                                                          blockIdx.x * O_C, partial(), partial_squares(), post_normed);
-        grid_barrier(p.counters, ++generation);
+        grid_barrier(p.counters, ++generation, p.stall_report);
         ask_weights(p, g + 3, fill(3), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(2), mbarriers);
+        wait_weights(fill(2), mbarriers, p.stall_report);
         gemm_rows<2 * GU_C / 8, HIDDEN, NORM_AHEAD, true, false>(p.x_b_scaled, HIDDEN, rows, buffer0(), nullptr, eps,
                                                                 ahead, nullptr, p.hidden, INTER, blockIdx.x * GU_C,
                                                                 partial(), partial_squares(), no_copy);
-        grid_barrier(p.counters, ++generation);
+        grid_barrier(p.counters, ++generation, p.stall_report);
         ask_weights(p, g + 4, fill(4), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(3), mbarriers);
+        wait_weights(fill(3), mbarriers, p.stall_report);
         const ScaledCopy next_normed = {l + 1 < layers ? p.layers[l + 1].input_norm : p.final_norm, p.x_a_scaled,
                                         p.row_squares};
         gemm_rows<DOWN_C / 8, INTER, NO_NORM, false, true>(p.hidden, INTER, rows, buffer1(), nullptr, 0.0f,
                                                            no_squares, p.x_b, p.x_a, HIDDEN, blockIdx.x * DOWN_C,
                                                            partial(), partial_squares(), next_normed);
-        grid_barrier(p.counters, ++generation);
+        grid_barrier(p.counters, ++generation, p.stall_report);
     }
     // the final norm (scaled ahead by the last down phase) and the head, over each row's last token
     const int g = 4 * layers;
     const auto fill = [&](int k) { return *pass * fills + g + k; };
     if (!ask_next) ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);  // nothing left
-    wait_weights(fill(0), mbarriers);
+    wait_weights(fill(0), mbarriers, p.stall_report);
     const RowSquares last_tokens = {p.row_squares, (int)p.tokens, (int)p.tokens - 1};
     gemm_rows<HEAD_C / 8, HIDDEN, NORM_AHEAD, false, false>(p.x_a_scaled + (p.tokens - 1) * HIDDEN,
                                                            p.tokens * HIDDEN, (int)p.rows, buffer0(), nullptr,
@@ -133,7 +134,7 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
         ask_weights(p, 0, fill(1), buffer0(), buffer1(), mbarriers);
     }
     if (p.draw_cap > 0) {  // every row's code from its logits, a block a row
-        grid_barrier(p.counters, ++generation);
+        grid_barrier(p.counters, ++generation, p.stall_report);
         for (int row = blockIdx.x; row < (int)p.rows; row += gridDim.x)
             draw_row(p, row, *reinterpret_cast<DrawShared*>(partial()));
     }
@@ -148,6 +149,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+#ifdef STALL_TEST
+    if (blockIdx.x == 0)
+        while (true) asm volatile("nanosleep.u32 1000;" ::: "memory");
+#endif
 
     ask_weights(p, 0, 0, buffer0(), buffer1(), mbarriers);
 #if PASSES_IN_LAUNCH == 1
@@ -160,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
         __syncthreads();
         one_pass(p, PassInShared{&pass}, next + 1 < PASSES_IN_LAUNCH, mbarriers);
         if (next + 1 < PASSES_IN_LAUNCH)  // every row's code drawn, every block past the head
-            grid_barrier(p.counters, (next + 1) * grid_barriers_a_pass(p));
+            grid_barrier(p.counters, (next + 1) * grid_barriers_a_pass(p), p.stall_report);
     }
 #endif
     // the last block past every barrier zeroes the counters for the next launch

@@ -81,7 +81,7 @@ def _nvrtc() -> ctypes.CDLL:
     raise KernelBuildError("no NVRTC library (libnvrtc.so) in this process or on the library path")
 
 
-def compile_cubin(source: str, defines: dict[str, int], arch: str) -> bytes:
+def compile_cubin(source: str, defines: dict[str, int | str], arch: str) -> bytes:
     """`source` compiled by NVRTC for `arch` (e.g. "sm_90") with `defines` as -D macros and this folder as the
     include path (the `persistent_pass_*.cuh` it includes): the cubin's bytes."""
     lib = _nvrtc()
@@ -182,6 +182,8 @@ def claim_gpu(identity: str, directory: str | None = None) -> bool:
     return True
 
 
+STALL_SECONDS = 2.0  # a wait past this traps (the source's STALL_NS): a pass takes about 150 us
+
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -272,7 +274,8 @@ class PersistentPass:
         major, minor = torch.cuda.get_device_capability(self.device)
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
                    "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
-                   "L2_KEEP_PERCENT": self.l2_keep_percent, **(probe_defines or {})}
+                   "L2_KEEP_PERCENT": self.l2_keep_percent, "STALL_NS": f"{int(STALL_SECONDS * 1e9)}ull",
+                   **(probe_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
         self.passes_in_launch = int(defines.get("PASSES_IN_LAUNCH", 1))  # a probe's build may run several
         lib = _driver()
@@ -296,6 +299,21 @@ class PersistentPass:
         if self.cooperative and not supported.value:
             raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
+        # where a launch that stalled says what it waited for before it traps: host memory the GPU writes, read back
+        # after the error (the context is lost then; host memory still reads)
+        self._stall_report = torch.zeros(8, dtype=torch.int32).pin_memory()
+
+    def stall(self) -> str | None:
+        """What a launch that stalled reported before it trapped (`report_stall` in the source), or None."""
+        report = getattr(self, "_stall_report", None)
+        if report is None or not int(report[0]):
+            return None
+        flag, where, block, count, seen, target = report[:6].tolist()
+        if where == 1:
+            return (f"the persistent pass stalled at a grid barrier: block {block} saw {seen} of {target} arrivals "
+                    f"(barrier {count}) for {STALL_SECONDS:.0f} s")
+        return (f"the persistent pass stalled waiting for a weight copy: block {block}, fill {count}, phase parity "
+                f"{seen}, for {STALL_SECONDS:.0f} s")
 
     def max_active_clusters(self, cluster: int) -> int:
         """How many clusters of `cluster` blocks of this kernel the GPU holds at once (the driver's count)."""
@@ -369,7 +387,8 @@ class PersistentPass:
                   for weights, (k, v) in zip(self._weights, kv_caches)]
         pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
                     0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
-                    head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr()]
+                    head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr(),
+                    self._stall_report.data_ptr()]
         codes: torch.Tensor | None = None
         embedded: torch.Tensor | None = None
         summed: torch.Tensor | None = None

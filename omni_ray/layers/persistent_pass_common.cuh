@@ -60,6 +60,7 @@ struct Params {
     bf16_t* x_b_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_b times the post-attention norm's scale
     float* row_squares;            // scratch [BLOCKS, MAX_ROWS]: each block's sums of squares of x_a's or x_b's rows
     u32* counters;                 // [2], zero between launches
+    u32* stall_report;             // [8] in host-mapped memory: a wait that stalled (`report_stall`)
     // the draw after the head (`persistent_pass_draw.cuh`), when draw_cap > 0
     const float* temperature;      // [rows]
     const long long* top_k;        // [rows]
@@ -121,18 +122,53 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// A wait that stalls: after STALL_NS of spinning, the block writes what it waited for into the host-mapped report
+// ([1]: 1 a grid barrier, 2 a weight copy; [2] the block; [3] the barrier's generation or the fill; [4] the arrivals
+// seen or the phase parity; [5] the arrivals awaited; [0] 1 once written) and traps, so that the launch fails with
+// an error the host can read the report after, instead of spinning for ever (the pass takes about 150 us).
+#ifndef STALL_NS
+#define STALL_NS 2000000000ull
+#endif
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __noinline__ void report_stall(u32* report, u32 where, u32 generation, u32 seen, u32 target) {
+    volatile u32* out = report;
+    if (out[0] == 0u) {  // the first to stall (racing blocks may overwrite each other: any one report will do)
+        out[1] = where, out[2] = blockIdx.x, out[3] = generation, out[4] = seen, out[5] = target;
+        __threadfence_system();
+        out[0] = 1u;
+        __threadfence_system();
+    }
+    __trap();
+}
+
+// Whether a wait that began at `*since` (0: not yet timed, set now) has gone on past STALL_NS.
+__device__ __forceinline__ bool stalled(unsigned long long& since) {
+    const unsigned long long now = global_ns();
+    if (since == 0) since = now;
+    return now - since > STALL_NS;
+}
+
 // All blocks wait here until each has arrived `generation` times. Thread 0 releases the block's writes and acquires
 // the others'; the block's barriers order its other threads around that. (A flag per block, each released by its
 // block and acquired by thread t for block t, measured 2.4 times as slow: session 37.)
-__device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation) {
+__device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation, u32* report) {
     __syncthreads();
     if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(arrived) : "memory");
         const u32 target = generation * gridDim.x;
         u32 seen;
-        do {
+        unsigned long long since = 0;
+        while (true) {
             asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-        } while (seen < target);
+            if (seen >= target) break;
+            if (stalled(since)) report_stall(report, 1u, generation, seen, target);
+        }
     }
     __syncthreads();
 }
@@ -240,16 +276,19 @@ __device__ __forceinline__ void ask_weights(const Params& p, int index, int fill
 }
 
 // Wait until the launch's fill `fill` is in its buffer (the next fill already asked for), then the block's barrier.
-__device__ __forceinline__ void wait_weights(int fill, u32 mbarriers) {
+__device__ __forceinline__ void wait_weights(int fill, u32 mbarriers, u32* report) {
 #if !defined(NO_WAIT) && !defined(SKIP_WEIGHTS)
 #ifdef CP_ASYNC_COPIES
     asm volatile("cp.async.wait_group 1;" ::: "memory");
 #else
     const u32 barrier = fill_barrier(mbarriers, fill), parity = (fill >> 1) & 1;  // its (fill / 2)-th phase
     u32 done = 0;
-    while (!done) {
+    unsigned long long since = 0;
+    while (true) {
         asm volatile("{ .reg .pred full; mbarrier.try_wait.parity.shared::cta.b64 full, [%1], %2; selp.u32 %0, 1, 0, full; }"
                      : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+        if (done) break;
+        if (stalled(since)) report_stall(report, 2u, (u32)fill, parity, 0u);
     }
 #endif
 #endif

@@ -117,11 +117,11 @@ class StageBase:
 
     # ---- relay -------------------------------------------------------------------------------------------
     def check_health(self) -> None:
-        """Serve's health check (every `health_check_period_s`): a replica whose engine waits on a stuck device fails
-        it (`EngineLoop.check_stalled`), and Serve replaces the replica."""
+        """Serve's health check (every `health_check_period_s`): a replica whose engine's device is stuck or lost
+        fails it (`EngineLoop.check_health`), and Serve replaces the replica."""
         engine = getattr(self, "engine", None)
-        if engine is not None and hasattr(engine, "check_stalled"):
-            engine.check_stalled()
+        if engine is not None and hasattr(engine, "check_health"):
+            engine.check_health()
 
     async def relay_peer(self) -> RelayPeer:
         """This replica's relay address; the listener starts on first use (on the replica's event loop)."""

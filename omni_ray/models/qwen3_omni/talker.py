@@ -152,6 +152,11 @@ class TalkerRunner:
                 self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
         capture_prefills(self.graphs, self.cache, prefill, width, dtype, self._prefill_forward)
 
+    def describe_failure(self) -> str | None:
+        """What the persistent code-predictor pass said, if a launch of it stalled and trapped (the step failed)."""
+        kernel = getattr(self.model.code_predictor.model, "persistent", None)
+        return kernel.stall() if kernel is not None else None
+
     def admit(self, seq: TalkerSequence) -> None:
         self.slots.allocate(seq)
         seq.noise = NoiseSource(seq.sampling)

@@ -264,7 +264,8 @@ def test_a_stalled_pass_traps_and_says_where_it_waited(tmp_path: Path) -> None:
     2 s, then the launch traps instead of spinning for ever. The host gets a CUDA error, and the pass's report (host
     memory, readable with the context lost) says which barrier stalled and how many blocks had arrived. In a
     subprocess: a trapped launch loses its process's CUDA context."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()]),
+    paths = [str(Path(__file__).parent), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path),
            "TMPDIR": str(tmp_path)}  # its own claim on the GPU (this process may hold one)
     done = subprocess.run([sys.executable, "-c", STALLED_LAUNCH], capture_output=True, text=True, timeout=240, env=env)
     assert "FINISHED" not in done.stdout, done.stdout

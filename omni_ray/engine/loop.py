@@ -84,7 +84,7 @@ class EngineUnhealthy(RuntimeError):
 
 # a CUDA error after which the process's context is lost (every later call fails): a fault or a trap in a kernel
 CONTEXT_LOST = ("unspecified launch failure", "illegal memory access", "illegal instruction", "misaligned address",
-                "device-side assert", "an illegal", "launch timed out")
+                "device-side assert", "launch timed out")
 
 
 def loses_the_device(error: BaseException) -> bool:

@@ -219,8 +219,8 @@ class PersistentPass:
     token's logits by a head, all in one launch. `max_rows`: the most rows (streams) a pass it takes may have, at
     most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `draws`: `draw` may
     also draw each row's code in the same launch (else the caller draws from `logits`). `cooperative`: launch as a
-    cooperative grid, which the GPU starts only once every block can be resident, so the grid barriers cannot wait
-    on blocks that another process's kernels keep off the GPU (false: a plain launch, for the probe)."""
+    cooperative grid, which the GPU starts only once every block can be resident, as the grid barriers need (false:
+    a plain launch, which assumes it; for the probe)."""
 
     def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = False,
                  cooperative: bool = True) -> None:
@@ -248,6 +248,9 @@ class PersistentPass:
         self._function: ctypes.c_void_p | None = None
         self._module = ctypes.c_void_p()
         self._lib: ctypes.CDLL | None = None  # the driver, once built
+        # where a launch that stalled says what it waited for before it traps (`report_stall`): host memory the GPU
+        # writes, read back after the error (the context is lost then; host memory still reads). Made by `build`.
+        self._stall_report: torch.Tensor | None = None
         self._weights = [
             (layer.self_attn.qkv, layer.self_attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight,
              layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.q_norm.weight,
@@ -299,16 +302,14 @@ class PersistentPass:
         if self.cooperative and not supported.value:
             raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
-        # where a launch that stalled says what it waited for before it traps: host memory the GPU writes, read back
-        # after the error (the context is lost then; host memory still reads)
         self._stall_report = torch.zeros(8, dtype=torch.int32).pin_memory()
 
     def stall(self) -> str | None:
         """What a launch that stalled reported before it trapped (`report_stall` in the source), or None."""
-        report = getattr(self, "_stall_report", None)
+        report = self._stall_report
         if report is None or not int(report[0]):
             return None
-        flag, where, block, count, seen, target = report[:6].tolist()
+        where, block, count, seen, target = report[1:6].tolist()
         if where == 1:
             return (f"the persistent pass stalled at a grid barrier: block {block} saw {seen} of {target} arrivals "
                     f"(barrier {count}) for {STALL_SECONDS:.0f} s")
@@ -368,8 +369,8 @@ class PersistentPass:
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, draw: CodeDraw | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         self.build(head.shape[0])
-        lib, function = self._lib, self._function
-        assert lib is not None and function is not None and self.vocab is not None
+        lib, function, report = self._lib, self._function, self._stall_report
+        assert lib is not None and function is not None and report is not None and self.vocab is not None
         rows, tokens, width = embeds.shape
         assert width == self.hidden and head.shape[1] == width and head.is_contiguous()
         embeds, cos, sin = embeds.contiguous(), cos.reshape(rows * tokens, -1).contiguous(), sin.reshape(
@@ -388,7 +389,7 @@ class PersistentPass:
         pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
                     0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
                     head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr(),
-                    self._stall_report.data_ptr()]
+                    report.data_ptr()]
         codes: torch.Tensor | None = None
         embedded: torch.Tensor | None = None
         summed: torch.Tensor | None = None

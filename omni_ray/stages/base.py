@@ -115,7 +115,6 @@ class StageBase:
             metrics["kv_occupancy"] = stats["kv_used"] / stats["kv_total"]
         return metrics
 
-    # ---- relay -------------------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Serve's health check (every `health_check_period_s`): a replica whose engine's device is stuck or lost
         fails it (`EngineLoop.check_health`), and Serve replaces the replica."""
@@ -123,6 +122,7 @@ class StageBase:
         if engine is not None and hasattr(engine, "check_health"):
             engine.check_health()
 
+    # ---- relay -------------------------------------------------------------------------------------------
     async def relay_peer(self) -> RelayPeer:
         """This replica's relay address; the listener starts on first use (on the replica's event loop)."""
         self._bind_loop()

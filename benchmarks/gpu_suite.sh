@@ -95,15 +95,20 @@ sample_stacks() {
 }
 
 # a failed step that ran Ray: its replicas' errors (the service's benchmark runs with log_to_driver off, so a replica
-# that failed at startup leaves nothing in the step's log): the tail of each worker stderr and Serve log that has one
+# that failed at startup leaves nothing in the step's log): first any stuck or lost device the engines reported (a
+# persistent pass's stall report, a health check's reason), then the tail of each worker stderr and Serve log that has one
 ray_errors() {
   local logs
   logs=$(readlink -f /tmp/ray/session_latest)/logs
   [ -d "$logs" ] && [ "$logs" -nt "$OUT/logs/.step_started" ] || return 0  # no Ray cluster of this step's
-  for file in "$logs"/worker-*.err "$logs"/serve/*.log; do
-    [ -s "$file" ] && grep -qE "Error|Traceback|out of memory" "$file" || continue
-    echo "== $file"; tail -n 60 "$file"
-  done > "$OUT/logs/$1.ray_errors.txt" 2>&1
+  {
+    echo "== stuck or lost devices"
+    grep -rhE "persistent pass stalled|lost its device|on one step's device work" "$logs" | sort -u | head -n 20
+    for file in "$logs"/worker-*.err "$logs"/serve/*.log; do
+      [ -s "$file" ] && grep -qE "Error|Traceback|out of memory" "$file" || continue
+      echo "== $file"; tail -n 60 "$file"
+    done
+  } > "$OUT/logs/$1.ray_errors.txt" 2>&1
 }
 
 mps_on() {

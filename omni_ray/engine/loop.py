@@ -120,7 +120,7 @@ class EngineLoop(Generic[S, O]):
     ) -> None:
         self.runner = runner
         self.stall_timeout_s = stall_timeout_s  # `check_health`'s limit on one round of device work (0: none)
-        self._round_started: float | None = None  # monotonic s the round under way began (None: between rounds)
+        self._round_started: float | None = None  # perf_counter s the round under way began (None: between rounds)
         self.device_lost: str | None = None  # the CUDA error that lost this process's context, once one has
         self.admission = admission
         self._last_arrival = 0.0  # monotonic s of the latest add()
@@ -219,7 +219,7 @@ class EngineLoop(Generic[S, O]):
         started = self._round_started
         if self.stall_timeout_s <= 0 or started is None:
             return
-        waited = time.monotonic() - started
+        waited = time.perf_counter() - started
         if waited > self.stall_timeout_s:
             with self._cond:
                 running = len(self._running)
@@ -280,8 +280,7 @@ class EngineLoop(Generic[S, O]):
                     self._cond.wait(timeout=self._admission_held_s() or 0.1)
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            started = time.perf_counter()
-            self._round_started = time.monotonic()
+            started = self._round_started = time.perf_counter()
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None

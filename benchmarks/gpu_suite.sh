@@ -22,7 +22,7 @@
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS), e2e1prof (e2eprof's profiles in the 1-GPU layout), e2e1spy (e2e1 with 3 rounds per level, a stage replica
+# MPS; MPS_e2e1_TAG=0: without it), e2e1prof (e2eprof's profiles in the 1-GPU layout), e2e1spy (e2e1 with 3 rounds per level, a stage replica
 # sampled by py-spy for 5 + 5 s of c=32: SPY_STAGE, default thinker; py-spy from .whl/py-spy.gz), baseline (transformers' generate()), divergence (where the
 # Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
 # log).
@@ -199,10 +199,11 @@ for step in "${@:-tests engine vocoder e2e}"; do
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
               --rounds 3 $extra --out "$OUT/results/$tag"
             mps_off ;;
-      e2e1) mps_on "$tag"  # four processes on one GPU: always under MPS
+      e2e1) mps=${!mps_var:-1}  # four processes on one GPU: under MPS unless MPS_e2e1_TAG=0
+            [ "$mps" = 1 ] && mps_on "$tag"
             # shellcheck disable=SC2086
             run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"
-            mps_off ;;
+            [ "$mps" = 1 ] && mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
       # shellcheck disable=SC2086
       divergence) run_step "$tag" python -m benchmarks.talker_divergence ${!extra_var:-} ;;

@@ -103,7 +103,7 @@ ray_errors() {
   [ -d "$logs" ] && [ "$logs" -nt "$OUT/logs/.step_started" ] || return 0  # no Ray cluster of this step's
   {
     echo "== stuck or lost devices"
-    grep -rhE "persistent pass stalled|lost its device|on one step's device work" "$logs" | sort -u | head -n 20
+    grep -rhE "persistent pass stalled|persistent pass found|lost its device|on one step's device work" "$logs" | sort -u | head -n 20
     for file in "$logs"/worker-*.err "$logs"/serve/*.log; do
       [ -s "$file" ] && grep -qE "Error|Traceback|out of memory" "$file" || continue
       echo "== $file"; tail -n 60 "$file"

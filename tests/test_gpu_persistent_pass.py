@@ -237,18 +237,25 @@ def test_passes_in_one_launch_equal_launches_one_after_the_other(rows: int) -> N
 
 
 STALLED_LAUNCH = """
+import sys
 import torch
 from _code_predictor import KV_LEN, frame_passes, random_code_predictor
 from omni_ray.engine.kv_cache import SlotKVCache
-from omni_ray.layers.persistent_pass import PersistentPass
+from omni_ray.layers.persistent_pass import GUARD_WORDS, PersistentPass, barrier_counters
 
+case = sys.argv[1]
 stack = random_code_predictor()
 stack.fuse_projections()
 kernel = PersistentPass(stack, max_rows=1)
-kernel.build(2048, {"STALL_TEST": 1})
+kernel.build(2048, {"STALL_TEST": 1} if case == "held_block" else None)
 cache = SlotKVCache(5, 1, KV_LEN, 8, 128, torch.bfloat16, "cuda")
 start, batch, x, cos, sin = next(frame_passes(stack, 1, 1))
 head = torch.randn(2048, 1024, device="cuda").to(torch.bfloat16) * 0.03
+counters = barrier_counters(torch.device("cuda", torch.cuda.current_device()))
+if case == "exits_left":  # as if another launch on these counters were leaving
+    counters[GUARD_WORDS + 1] = 5
+if case == "guard_written":  # an 8-byte 4 written over the first guard words
+    counters[:2] = torch.tensor([4, 0], dtype=torch.int32)
 try:
     kernel.logits(x, cache.layers, batch, cos, sin, head)
     torch.cuda.synchronize()
@@ -259,16 +266,27 @@ print("REPORT", kernel.stall())
 """
 
 
-def test_a_stalled_pass_traps_and_says_where_it_waited(tmp_path: Path) -> None:
-    """A build whose block 0 never reaches the first grid barrier (`STALL_TEST`): the other 127 blocks wait there for
-    2 s, then the launch traps instead of spinning for ever. The host gets a CUDA error, and the pass's report (host
-    memory, readable with the context lost) says which barrier stalled and how many blocks had arrived. In a
-    subprocess: a trapped launch loses its process's CUDA context."""
+@pytest.mark.parametrize("case, reported", [
+    ("held_block", "saw 127 of 128 arrivals (barrier 1) for 2 s (counters then: arrivals 127, exits 0, blocks in "
+                   "flight 127; canaries intact)"),  # block 0 is held before it enters
+    ("exits_left", "found its barrier counters not at rest at launch"),
+    ("guard_written", "found its barrier counters not at rest at launch"),
+])
+def test_a_stalled_or_misplaced_launch_traps_and_says_why(tmp_path: Path, case: str, reported: str) -> None:
+    """A launch that cannot go on traps instead of spinning for ever: the host gets a CUDA error, and the pass's
+    report (host memory, readable with the context lost) says why. `held_block`: a build whose block 0 never reaches
+    the first grid barrier (`STALL_TEST`), so the other 127 wait there for 2 s. `exits_left`, `guard_written`: the
+    barrier counters not at rest at launch (another launch's exits; a foreign write over the guard words before
+    them), which every block checks as it starts. In a subprocess: a trapped launch loses its process's context."""
     paths = [str(Path(__file__).parent), os.getcwd(), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path),
            "TMPDIR": str(tmp_path)}  # its own claim on the GPU (this process may hold one)
-    done = subprocess.run([sys.executable, "-c", STALLED_LAUNCH], capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run([sys.executable, "-c", STALLED_LAUNCH, case], capture_output=True, text=True, timeout=240,
+                          env=env)
     assert "FINISHED" not in done.stdout, done.stdout
     assert "ERROR" in done.stdout, (done.stdout, done.stderr[-3000:])
-    assert "REPORT the persistent pass stalled at a grid barrier: block " in done.stdout, done.stdout
-    assert "saw 127 of 128 arrivals (barrier 1) for 2 s" in done.stdout, done.stdout
+    assert "REPORT the persistent pass " in done.stdout and reported in done.stdout, done.stdout
+    if case == "exits_left":
+        assert "0 arrivals and 5 exits" in done.stdout and "canaries intact" in done.stdout, done.stdout
+    if case == "guard_written":
+        assert "written over: 0x4, 0x0" in done.stdout, done.stdout

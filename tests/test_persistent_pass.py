@@ -164,3 +164,21 @@ def test_settings_that_could_hang_the_gpu_are_refused() -> None:
                                           "engine": {"persistent_code_predictor": True}})
     TalkerStageConfig.model_validate({"resources": {"device": "cuda", "num_gpus": 0.5,
                                                     "mps_client_priority": "below_normal"}})
+
+
+def test_a_stall_report_says_what_the_launch_waited_for_and_what_was_written_over() -> None:
+    """The report a trapped launch leaves (`report_stall`'s words) in words: a barrier's wait with the counters it saw,
+    and a launch that found its counters not at rest, naming each guard word or canary something wrote over."""
+    canary = persistent_pass.CANARY
+    assert persistent_pass.describe_stall([0] * persistent_pass.REPORT_WORDS) is None
+    barrier = [1, 1, 2, 25, 4, 3200, 4, 0, 128, canary, canary, canary, canary, canary, 0, 0]
+    assert persistent_pass.describe_stall(barrier) == (
+        "the persistent pass stalled at a grid barrier: block 2 saw 4 of 3200 arrivals (barrier 25) for 2 s "
+        "(counters then: arrivals 4, exits 0, blocks in flight 128; canaries intact)")
+    written = [1, 3, 7, 0, 4, 0, 4, 0, 1, canary, 4, 0, canary, canary, 0, 0]
+    assert persistent_pass.describe_stall(written) == (
+        "the persistent pass found its barrier counters not at rest at launch: block 7 saw 0 blocks in flight before "
+        "it, 4 arrivals and 0 exits (counters then: arrivals 4, exits 0, blocks in flight 1; written over: 0x4, 0x0)")
+    copy = [1, 2, 5, 3, 1, 0, 0, 0, 128, canary, canary, canary, canary, canary, 0, 0]
+    assert persistent_pass.describe_stall(copy).startswith(
+        "the persistent pass stalled waiting for a weight copy: block 5, fill 3, phase parity 1, for 2 s")

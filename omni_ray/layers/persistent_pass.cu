@@ -83,7 +83,7 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
         const int g = 4 * l;  // the pass's GEMM, and below the launch's fill of GEMM g + k
         const auto fill = [&](int k) { return *pass * fills + g + k; };
         ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(0), mbarriers, p.stall_report);
+        wait_weights(fill(0), mbarriers, p.stall_report, p.counters);
         if (l == 0)  // the embeddings come unnormed; every later layer's input was scaled by the down phase before
             gemm_rows<QKV_C / 8, HIDDEN, NORM_HERE, false, false>(layer_input(p, 0, *pass), HIDDEN, rows, buffer0(),
                                                                  layer.input_norm, eps, no_squares, nullptr,
@@ -98,20 +98,20 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
         ask_weights(p, g + 2, fill(2), buffer0(), buffer1(), mbarriers);  // gate/up streams in during attention and o
         attention(p, layer);
         grid_barrier(p.counters, ++generation, p.stall_report);
-        wait_weights(fill(1), mbarriers, p.stall_report);
+        wait_weights(fill(1), mbarriers, p.stall_report, p.counters);
         const ScaledCopy post_normed = {layer.post_norm, p.x_b_scaled, p.row_squares};
         gemm_rows<O_C / 8, ATTN_W, NO_NORM, false, true>(p.attn_out, ATTN_W, rows, buffer1(), nullptr, 0.0f,
                                                          no_squares, layer_input(p, l, *pass), p.x_b, HIDDEN,
                                                          blockIdx.x * O_C, partial(), partial_squares(), post_normed);
         grid_barrier(p.counters, ++generation, p.stall_report);
         ask_weights(p, g + 3, fill(3), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(2), mbarriers, p.stall_report);
+        wait_weights(fill(2), mbarriers, p.stall_report, p.counters);
         gemm_rows<2 * GU_C / 8, HIDDEN, NORM_AHEAD, true, false>(p.x_b_scaled, HIDDEN, rows, buffer0(), nullptr, eps,
                                                                 ahead, nullptr, p.hidden, INTER, blockIdx.x * GU_C,
                                                                 partial(), partial_squares(), no_copy);
         grid_barrier(p.counters, ++generation, p.stall_report);
         ask_weights(p, g + 4, fill(4), buffer0(), buffer1(), mbarriers);
-        wait_weights(fill(3), mbarriers, p.stall_report);
+        wait_weights(fill(3), mbarriers, p.stall_report, p.counters);
         const ScaledCopy next_normed = {l + 1 < layers ? p.layers[l + 1].input_norm : p.final_norm, p.x_a_scaled,
                                         p.row_squares};
         gemm_rows<DOWN_C / 8, INTER, NO_NORM, false, true>(p.hidden, INTER, rows, buffer1(), nullptr, 0.0f,
@@ -123,7 +123,7 @@ __device__ __forceinline__ void one_pass(const Params& p, Pass pass, bool ask_ne
     const int g = 4 * layers;
     const auto fill = [&](int k) { return *pass * fills + g + k; };
     if (!ask_next) ask_weights(p, g + 1, fill(1), buffer0(), buffer1(), mbarriers);  // nothing left
-    wait_weights(fill(0), mbarriers, p.stall_report);
+    wait_weights(fill(0), mbarriers, p.stall_report, p.counters);
     const RowSquares last_tokens = {p.row_squares, (int)p.tokens, (int)p.tokens - 1};
     gemm_rows<HEAD_C / 8, HIDDEN, NORM_AHEAD, false, false>(p.x_a_scaled + (p.tokens - 1) * HIDDEN,
                                                            p.tokens * HIDDEN, (int)p.rows, buffer0(), nullptr,
@@ -155,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
 #endif
 
     ask_weights(p, 0, 0, buffer0(), buffer1(), mbarriers);
+    enter_launch(p.counters, p.stall_report);  // while the first weights stream in
 #if PASSES_IN_LAUNCH == 1
     one_pass(p, OnlyPass{}, false, mbarriers);
 #else
@@ -170,6 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decoder_pass(const Para
 #endif
     // the last block past every barrier zeroes the counters for the next launch
     if (threadIdx.x == 0) {
+        atomicSub(p.counters + 2, 1u);
         __threadfence();
         if (atomicAdd(p.counters + 1, 1u) == gridDim.x - 1) {
             p.counters[0] = 0;

@@ -183,17 +183,43 @@ def claim_gpu(identity: str, directory: str | None = None) -> bool:
 
 
 STALL_SECONDS = 2.0  # a wait past this traps (the source's STALL_NS): a pass takes about 150 us
+CANARY = 0xC0DE5EED  # the source's CANARY: in the guard words before the barrier counters and in their last word
+GUARD_WORDS = 4
+REPORT_WORDS = 16
 
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def barrier_counters(device: torch.device) -> torch.Tensor:
-    """The two zeroed counters a launch's grid barriers count on, one pair per device and stream (every launch
-    leaves them at zero; launches on one stream run one after the other)."""
+    """The counters a launch's grid barriers count on, one set per device and stream (every launch leaves them at
+    rest; launches on one stream run one after the other): int32 [4 + GUARD_WORDS], guard words holding CANARY, then
+    arrivals and exits (zero), blocks in flight (zero) and CANARY. A launch that finds them otherwise reports it."""
     key = (device, torch.cuda.current_stream(device).stream_id)
     if key not in _counters:
-        _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        canary = CANARY - (1 << 32)  # as int32
+        counters = torch.full((GUARD_WORDS + 4,), canary, dtype=torch.int32, device=device)
+        counters[GUARD_WORDS:GUARD_WORDS + 3].zero_()
+        _counters[key] = counters
     return _counters[key]
+
+
+def describe_stall(report: list[int]) -> str | None:
+    """A launch's report (`report_stall` in the source, REPORT_WORDS words as unsigned ints) in words, or None."""
+    if not report[0]:
+        return None
+    where, block, count, seen, target = report[1:6]
+    arrivals, exits, in_flight, canary = report[6:10]
+    written_over = [f"{word:#x}" for word in report[10:10 + GUARD_WORDS] + [canary] if word != CANARY]
+    counters = (f"counters then: arrivals {arrivals}, exits {exits}, blocks in flight {in_flight}; "
+                + (f"written over: {', '.join(written_over)}" if written_over else "canaries intact"))
+    if where == 1:
+        return (f"the persistent pass stalled at a grid barrier: block {block} saw {seen} of {target} arrivals "
+                f"(barrier {count}) for {STALL_SECONDS:.0f} s ({counters})")
+    if where == 3:
+        return (f"the persistent pass found its barrier counters not at rest at launch: block {block} saw {count} "
+                f"blocks in flight before it, {seen} arrivals and {target} exits ({counters})")
+    return (f"the persistent pass stalled waiting for a weight copy: block {block}, fill {count}, phase parity "
+            f"{seen}, for {STALL_SECONDS:.0f} s ({counters})")
 
 
 @dataclass
@@ -302,19 +328,14 @@ class PersistentPass:
         if self.cooperative and not supported.value:
             raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
-        self._stall_report = torch.zeros(8, dtype=torch.int32).pin_memory()
+        self._stall_report = torch.zeros(REPORT_WORDS, dtype=torch.int32).pin_memory()
 
     def stall(self) -> str | None:
         """What a launch that stalled reported before it trapped (`report_stall` in the source), or None."""
         report = self._stall_report
-        if report is None or not int(report[0]):
+        if report is None:
             return None
-        where, block, count, seen, target = report[1:6].tolist()
-        if where == 1:
-            return (f"the persistent pass stalled at a grid barrier: block {block} saw {seen} of {target} arrivals "
-                    f"(barrier {count}) for {STALL_SECONDS:.0f} s")
-        return (f"the persistent pass stalled waiting for a weight copy: block {block}, fill {count}, phase parity "
-                f"{seen}, for {STALL_SECONDS:.0f} s")
+        return describe_stall([word & 0xFFFFFFFF for word in report.tolist()])
 
     def max_active_clusters(self, cluster: int) -> int:
         """How many clusters of `cluster` blocks of this kernel the GPU holds at once (the driver's count)."""
@@ -388,7 +409,8 @@ class PersistentPass:
                   for weights, (k, v) in zip(self._weights, kv_caches)]
         pointers = [embeds.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(),
                     0 if batch.rows_are_slots else batch.slots.data_ptr(), self.stack.norm.weight.data_ptr(),
-                    head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch), counters.data_ptr(),
+                    head.data_ptr(), logits.data_ptr(), *(t.data_ptr() for t in scratch),
+                    counters[GUARD_WORDS:].data_ptr(),
                     report.data_ptr()]
         codes: torch.Tensor | None = None
         embedded: torch.Tensor | None = None

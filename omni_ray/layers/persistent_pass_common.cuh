@@ -59,8 +59,8 @@ struct Params {
     bf16_t* x_a_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_a times the next norm's scale
     bf16_t* x_b_scaled;            // scratch [MAX_ROWS, HIDDEN]: x_b times the post-attention norm's scale
     float* row_squares;            // scratch [BLOCKS, MAX_ROWS]: each block's sums of squares of x_a's or x_b's rows
-    u32* counters;                 // [2], zero between launches
-    u32* stall_report;             // [8] in host-mapped memory: a wait that stalled (`report_stall`)
+    u32* counters;                 // [4] after GUARD_WORDS: arrivals, exits, blocks in flight (0), CANARY
+    u32* stall_report;             // [16] in host-mapped memory: a wait that stalled (`report_stall`)
     // the draw after the head (`persistent_pass_draw.cuh`), when draw_cap > 0
     const float* temperature;      // [rows]
     const long long* top_k;        // [rows]
@@ -123,12 +123,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // A wait that stalls: after STALL_NS of spinning, the block writes what it waited for into the host-mapped report
-// ([1]: 1 a grid barrier, 2 a weight copy; [2] the block; [3] the barrier's generation or the fill; [4] the arrivals
-// seen or the phase parity; [5] the arrivals awaited; [0] 1 once written) and traps, so that the launch fails with
-// an error the host can read the report after, instead of spinning for ever (the pass takes about 150 us).
+// ([1]: 1 a grid barrier, 2 a weight copy, 3 a launch whose counters were not at rest; [2] the block; [3] the
+// barrier's generation, the fill, or the blocks already in flight; [4] the arrivals seen or the phase parity; [5] the
+// arrivals awaited or the exits; [6..9] the counters then; [10..13] the guard words before them; [0] 1 once written)
+// and traps, so that the launch fails with an error the host can read the report after, instead of spinning for
+// ever (the pass takes about 150 us).
 #ifndef STALL_NS
 #define STALL_NS 2000000000ull
 #endif
+// The counters' own word [3] and the four guard words before them ([-4..-1]) hold CANARY, written by the host: any
+// other value there was written over them by something else.
+#define CANARY 0xC0DE5EEDu
+#define GUARD_WORDS 4
 
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
@@ -136,15 +142,34 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
-__device__ __noinline__ void report_stall(u32* report, u32 where, u32 generation, u32 seen, u32 target) {
+__device__ __noinline__ void report_stall(u32* report, const u32* counters, u32 where, u32 generation, u32 seen,
+                                          u32 target) {
     volatile u32* out = report;
+    const volatile u32* now = counters;
     if (out[0] == 0u) {  // the first to stall (racing blocks may overwrite each other: any one report will do)
         out[1] = where, out[2] = blockIdx.x, out[3] = generation, out[4] = seen, out[5] = target;
+        for (int i = 0; i < 4; ++i) out[6 + i] = now[i];
+        for (int i = 0; i < GUARD_WORDS; ++i) out[10 + i] = now[i - GUARD_WORDS];
         __threadfence_system();
         out[0] = 1u;
         __threadfence_system();
     }
     __trap();
+}
+
+// A launch starts on counters at rest: no arrivals past this launch's first barrier, no exits, no other launch's
+// blocks in flight, every canary in place. Anything else means two launches share the counters at once, or something
+// wrote over them: the block reports it (where 3) and traps rather than pass barriers it should not.
+__device__ __forceinline__ void enter_launch(u32* counters, u32* report) {
+    if (threadIdx.x == 0) {
+        const u32 in_flight = atomicAdd(counters + 2, 1u);  // this launch's blocks that started before: < gridDim.x
+        const volatile u32* now = counters;
+        bool guarded = now[3] == CANARY;
+        for (int i = 1; i <= GUARD_WORDS; ++i) guarded = guarded && now[-i] == CANARY;
+        const u32 arrivals = now[0], exits = now[1];
+        if (in_flight >= gridDim.x || arrivals >= gridDim.x || exits != 0u || !guarded)
+            report_stall(report, counters, 3u, in_flight, arrivals, exits);
+    }
 }
 
 // Whether a wait that began at `*since` (0: not yet timed, set now) has gone on past STALL_NS.
@@ -167,7 +192,7 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation, u32* 
         while (true) {
             asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
             if (seen >= target) break;
-            if (stalled(since)) report_stall(report, 1u, generation, seen, target);
+            if (stalled(since)) report_stall(report, arrived, 1u, generation, seen, target);
         }
     }
     __syncthreads();
@@ -276,7 +301,7 @@ __device__ __forceinline__ void ask_weights(const Params& p, int index, int fill
 }
 
 // Wait until the launch's fill `fill` is in its buffer (the next fill already asked for), then the block's barrier.
-__device__ __forceinline__ void wait_weights(int fill, u32 mbarriers, u32* report) {
+__device__ __forceinline__ void wait_weights(int fill, u32 mbarriers, u32* report, const u32* counters) {
 #if !defined(NO_WAIT) && !defined(SKIP_WEIGHTS)
 #ifdef CP_ASYNC_COPIES
     asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -288,7 +313,7 @@ __device__ __forceinline__ void wait_weights(int fill, u32 mbarriers, u32* repor
         asm volatile("{ .reg .pred full; mbarrier.try_wait.parity.shared::cta.b64 full, [%1], %2; selp.u32 %0, 1, 0, full; }"
                      : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
         if (done) break;
-        if (stalled(since)) report_stall(report, 2u, (u32)fill, parity, 0u);
+        if (stalled(since)) report_stall(report, counters, 2u, (u32)fill, parity, 0u);
     }
 #endif
 #endif

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import torch
 
+from omni_ray.device_memory import DeviceBuffer
 from omni_ray.layers.attention import AttentionBatch
 
 SOURCE = Path(__file__).with_name("persistent_pass.cu")
@@ -187,19 +188,36 @@ CANARY = 0xC0DE5EED  # the source's CANARY: in the guard words before the barrie
 GUARD_WORDS = 4
 REPORT_WORDS = 16
 
+COUNTER_SETS = 64  # streams a process's launches may run on, each with its own set of counters
+_COUNTER_WORDS = GUARD_WORDS + 4
+_counter_slabs: dict[torch.device, DeviceBuffer] = {}
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counter_slab(device: torch.device) -> DeviceBuffer:
+    """The device's COUNTER_SETS sets of barrier counters, at rest, in device memory of their own (`device_memory`:
+    no tensor ever shares it, and no graph's memset rewrites it). Made outside any graph capture (`build`)."""
+    if device not in _counter_slabs:
+        slab = DeviceBuffer(COUNTER_SETS * _COUNTER_WORDS * 4, device)
+        at_rest = torch.full((COUNTER_SETS, _COUNTER_WORDS), CANARY - (1 << 32), dtype=torch.int32)  # as int32
+        at_rest[:, GUARD_WORDS:GUARD_WORDS + 3] = 0
+        slab.tensor.view(torch.int32).copy_(at_rest.reshape(-1))
+        torch.cuda.synchronize(device)
+        _counter_slabs[device] = slab
+    return _counter_slabs[device]
 
 
 def barrier_counters(device: torch.device) -> torch.Tensor:
     """The counters a launch's grid barriers count on, one set per device and stream (every launch leaves them at
-    rest; launches on one stream run one after the other): int32 [4 + GUARD_WORDS], guard words holding CANARY, then
+    rest; launches on one stream run one after the other): int32 [GUARD_WORDS + 4], guard words holding CANARY, then
     arrivals and exits (zero), blocks in flight (zero) and CANARY. A launch that finds them otherwise reports it."""
     key = (device, torch.cuda.current_stream(device).stream_id)
     if key not in _counters:
-        canary = CANARY - (1 << 32)  # as int32
-        counters = torch.full((GUARD_WORDS + 4,), canary, dtype=torch.int32, device=device)
-        counters[GUARD_WORDS:GUARD_WORDS + 3].zero_()
-        _counters[key] = counters
+        taken = sum(1 for other, _ in _counters if other == device)
+        if taken == COUNTER_SETS:
+            raise RuntimeError(f"persistent passes on more than {COUNTER_SETS} streams of {device}")
+        words = _counter_slab(device).tensor.view(torch.int32)
+        _counters[key] = words[taken * _COUNTER_WORDS:(taken + 1) * _COUNTER_WORDS]
     return _counters[key]
 
 
@@ -328,6 +346,7 @@ class PersistentPass:
         if self.cooperative and not supported.value:
             raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
+        _counter_slab(self.device)  # before any capture: an allocation
         self._stall_report = torch.zeros(REPORT_WORDS, dtype=torch.int32).pin_memory()
 
     def stall(self) -> str | None:

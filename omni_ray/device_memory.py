@@ -1,0 +1,79 @@
+"""Device memory of its own from the CUDA driver (`cuMemAlloc`), outside PyTorch's caching allocator.
+
+For state that outlives every CUDA graph that reads it and must never share memory with a tensor: the persistent
+code-predictor pass's barrier counters. In PyTorch's allocator (allocated in a graph capture, under
+`expandable_segments:True` on an H100) an int64 0x71 landed on them in three 1-GPU service runs of three (session
+52), and a barrier then waited for good. Tensors view the memory through `__cuda_array_interface__`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+_lib: ctypes.CDLL | None = None
+
+
+def _driver() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        _lib = ctypes.CDLL("libcuda.so.1")
+    return _lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        message = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(message))
+        raise RuntimeError(f"{what}: CUDA error {result} ({(message.value or b'?').decode()})")
+
+
+class _Context:
+    """The device's primary context (the one PyTorch uses) made current on the calling thread for a driver call."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.init()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle, self.context = ctypes.c_int(), ctypes.c_void_p()
+        _check(_driver().cuDeviceGet(ctypes.byref(handle), ctypes.c_int(index)), "cuDeviceGet")
+        _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(self.context), handle), "cuDevicePrimaryCtxRetain")
+
+    def __enter__(self) -> None:
+        _check(_driver().cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+
+    def __exit__(self, *exc: Any) -> None:
+        popped = ctypes.c_void_p()
+        _driver().cuCtxPopCurrent_v2(ctypes.byref(popped))
+
+
+class _ArrayInterface:
+    """What `torch.as_tensor` reads to view `nbytes` bytes at a device address without copying."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+class DeviceBuffer:
+    """`nbytes` of device memory of its own, zeroed, as a uint8 tensor (`tensor`). Freed when collected: nothing may
+    read it then. Not during a CUDA graph capture (an allocation)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self._context = _Context(device)
+        self.address = ctypes.c_uint64()
+        with self._context:
+            _check(_driver().cuMemAlloc_v2(ctypes.byref(self.address), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+            _check(_driver().cuMemsetD8_v2(self.address, ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)), "cuMemsetD8")
+            _check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")  # zeroed before any stream uses it
+        self.tensor = torch.as_tensor(_ArrayInterface(self.address.value, nbytes), device=device)
+
+    def __del__(self) -> None:
+        try:
+            if self.address.value:
+                with self._context:
+                    _driver().cuMemFree_v2(self.address)
+        except Exception:  # interpreter shutdown: the driver may be gone; the process's memory goes with it
+            pass

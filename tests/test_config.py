@@ -62,9 +62,10 @@ def test_gpu_layouts_place_stages_as_documented() -> None:
     for layout in ("deployments/qwen3_omni_30b_1gpu.yaml", "benchmarks/serve_30b_random_1gpu.yaml"):
         one = PipelineConfig.from_yaml(ROOT / layout).stages
         assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0
-        # the persistent code-predictor pass stays off on a GPU shared under MPS (it hung the service there, sessions
-        # 50-51), and every engine stage fails Serve's health check on a step stuck past its stall timeout
-        assert not one.talker.engine.persistent_code_predictor
+        # on a GPU shared with the Thinker the persistent code-predictor pass takes one-stream passes only (its 128
+        # blocks hold every SM), and every engine stage fails Serve's health check on a step stuck past its stall timeout
+        assert one.talker.engine.persistent_code_predictor
+        assert one.talker.engine.persistent_code_predictor_max_rows == 1
         assert one.talker.engine.stall_timeout_s == one.thinker.engine.stall_timeout_s == 180
 
 

@@ -18,7 +18,9 @@
 # benchmarks/talker_host_time.py), lanes (Talker engine lanes stepping at once against one lane of all the rows;
 # benchmarks/talker_lanes_bench.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
 # code-predictor pass by difference: each part left out in turn), mpsprobe (the persistent pass replayed while another
-# process runs Thinker-like kernels on the same GPU: does it stall? MPS_mpsprobe_TAG=1 under MPS), vocoder (window vs stateful vocoder;
+# process runs Thinker-like kernels on the same GPU: does it stall? MPS_mpsprobe_TAG=1 under MPS), allocprobe (does
+# PyTorch's allocator hand out memory a live tensor kept from a graph capture holds? benchmarks/allocator_alias_probe.py;
+# run it under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
@@ -140,6 +142,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       mpsprobe) [ "$mps" = 1 ] && mps_on "$tag"  # the persistent pass beside another process's kernels
                 run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.mps_coresidency_probe ${!extra_var:-} --out "$OUT/results/$tag"
                 [ "$mps" = 1 ] && mps_off ;;
+      # shellcheck disable=SC2086
+      allocprobe) run_step "$tag" python -m benchmarks.allocator_alias_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       persistentpass) run_step "$tag" python -m benchmarks.persistent_pass_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       gemv) run_step "$tag" python -m benchmarks.gemv_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;

@@ -188,7 +188,7 @@ CANARY = 0xC0DE5EED  # the source's CANARY: in the guard words before the barrie
 GUARD_WORDS = 4
 REPORT_WORDS = 16
 
-COUNTER_SETS = 64  # streams a process's launches may run on, each with its own set of counters
+COUNTER_SETS = 256  # streams a process's launches may run on (torch draws streams from pools of 32), a set each
 _COUNTER_WORDS = GUARD_WORDS + 4
 _counter_slabs: dict[torch.device, DeviceBuffer] = {}
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from omni_ray.device_memory import DeviceBuffer
 from omni_ray.layers.attention import AttentionBatch, SMALL_KEY_ATTENTION_MAX_KEYS
 
 try:
@@ -274,17 +275,35 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
 TAIL_COUNTER = ARRIVAL_COUNTERS - 1  # the one a `launch_rows_matmul` kernel's tail counts every program in
+ARRIVAL_SETS = 64  # streams a device's sets in memory of their own serve (1 MiB); further ones get tensors
+_arrival_slabs: dict[torch.device, DeviceBuffer] = {}
+_slab_sets_taken: dict[torch.device, int] = {}
 
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The zeroed int32 counters a split-depth `rows_matmul` counts its programs' arrivals in, one set per device and
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
-    on its own stream keeps that stream's set)."""
+    on its own stream keeps that stream's set). Counters that outlive every graph reading them, so on a GPU in
+    device memory of their own (`device_memory`): in PyTorch's allocator something wrote over the persistent pass's
+    like counters (session 52), and a set off zero would leave a column block's sums unadded in every later launch."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
-    if key not in _arrivals:  # (allocated inside a capture, its zeroing is the graph's first node: still zeros)
-        _arrivals[key] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    if key not in _arrivals:
+        _arrivals[key] = _new_arrival_counters(device)
     return _arrivals[key]
+
+
+def _new_arrival_counters(device: torch.device) -> torch.Tensor:
+    """A set from the device's slab (made outside a graph capture: an allocation), or a tensor on a CPU, past
+    ARRIVAL_SETS streams, or when the first set is asked for inside a capture (then its zeroing is the graph's first
+    node: still zeros at each replay)."""
+    if device.type == "cuda" and device not in _arrival_slabs and not torch.cuda.is_current_stream_capturing():
+        _arrival_slabs[device] = DeviceBuffer(ARRIVAL_SETS * ARRIVAL_COUNTERS * 4, device)
+    taken = _slab_sets_taken.get(device, 0)
+    if device in _arrival_slabs and taken < ARRIVAL_SETS:
+        _slab_sets_taken[device] = taken + 1
+        return _arrival_slabs[device].tensor.view(torch.int32)[taken * ARRIVAL_COUNTERS:(taken + 1) * ARRIVAL_COUNTERS]
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def rows_matmul(

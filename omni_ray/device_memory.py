@@ -1,9 +1,10 @@
 """Device memory of its own from the CUDA driver (`cuMemAlloc`), outside PyTorch's caching allocator.
 
 For state that outlives every CUDA graph that reads it and must never share memory with a tensor: the persistent
-code-predictor pass's barrier counters. In PyTorch's allocator (allocated in a graph capture, under
-`expandable_segments:True` on an H100) an int64 0x71 landed on them in three 1-GPU service runs of three (session
-52), and a barrier then waited for good. Tensors view the memory through `__cuda_array_interface__`.
+code-predictor pass's barrier counters and the split-depth GEMMs' arrival counters. The pass's counters, a tensor from
+PyTorch's allocator (allocated in a graph capture, under `expandable_segments:True` on an H100), were written over in
+the 1-GPU service (session 52: an int64 0x71 at their first bytes), and a grid barrier then waited for good. Tensors
+view the memory through `__cuda_array_interface__`.
 """
 
 from __future__ import annotations

@@ -283,9 +283,9 @@ _slab_sets_taken: dict[torch.device, int] = {}
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The zeroed int32 counters a split-depth `rows_matmul` counts its programs' arrivals in, one set per device and
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
-    on its own stream keeps that stream's set). Counters that outlive every graph reading them, so on a GPU in
-    device memory of their own (`device_memory`): in PyTorch's allocator something wrote over the persistent pass's
-    like counters (session 52), and a set off zero would leave a column block's sums unadded in every later launch."""
+    on its own stream keeps that stream's set). On a GPU they live in device memory of their own (`device_memory`):
+    the persistent pass's barrier counters, kept the same way in PyTorch's allocator, were written over there
+    (session 52), and a set off zero would leave a column block's sums unadded in every later launch."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _arrivals:

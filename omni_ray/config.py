@@ -250,9 +250,9 @@ class TalkerSettings(EngineSettings):
         "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage). Opt-in: "
         "faster per pass on an H200 (122-165 against 158-184 us at 1-32 rows, session 36), but in the 1-GPU service "
         "its blocks slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant "
-        "for a Talker on a GPU of its own. On a GPU shared under MPS (the 1-GPU layout, one-stream passes only) the "
-        "service hung in 3 of 5 runs on an H100, its Talker step never finishing (sessions 50-51, cause not found): "
-        "the 1-GPU layouts leave it off",
+        "for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a shared one (the 1-GPU "
+        "layouts: one-stream passes). It hung the 1-GPU service on an H100 in 3 of 5 runs (sessions 50-51) until its "
+        "barrier counters, written over in PyTorch's allocator, moved to memory of their own (session 52)",
     )
     persistent_code_predictor_max_rows: int = Field(
         default=32,

@@ -78,3 +78,38 @@ class DeviceBuffer:
                     _driver().cuMemFree_v2(self.address)
         except Exception:  # interpreter shutdown: the driver may be gone; the process's memory goes with it
             pass
+
+
+class StreamCounterSets:
+    """Sets of `words` int32 counters in device memory of their own, one set per (device, stream) that asks: state
+    that kernels on one stream leave at rest for the next launch and CUDA graphs bake the address of. A device's slab
+    of `sets` sets, each starting as `at_rest`, is made on its first ask outside a graph capture (an allocation)."""
+
+    def __init__(self, words: int, sets: int, at_rest: list[int]) -> None:
+        assert len(at_rest) == words
+        self.words, self.sets, self.at_rest = words, sets, at_rest
+        self._slabs: dict[torch.device, DeviceBuffer] = {}
+        self._handed: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def make_slab(self, device: torch.device) -> None:
+        if device not in self._slabs:
+            slab = DeviceBuffer(self.sets * self.words * 4, device)
+            at_rest = torch.tensor(self.at_rest, dtype=torch.int32).repeat(self.sets)
+            slab.tensor.view(torch.int32).copy_(at_rest)
+            torch.cuda.synchronize(device)
+            self._slabs[device] = slab
+
+    def for_current_stream(self, device: torch.device) -> torch.Tensor | None:
+        """The current stream's set (int32 [words]), or None when every set is taken or the slab is not made and
+        cannot be now (inside a graph capture)."""
+        key = (device, torch.cuda.current_stream(device).stream_id)
+        if key not in self._handed:
+            if device not in self._slabs and torch.cuda.is_current_stream_capturing():
+                return None
+            self.make_slab(device)
+            taken = sum(1 for other, _ in self._handed if other == device)
+            if taken == self.sets:
+                return None
+            words = self._slabs[device].tensor.view(torch.int32)
+            self._handed[key] = words[taken * self.words:(taken + 1) * self.words]
+        return self._handed[key]

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from omni_ray.device_memory import DeviceBuffer
+from omni_ray.device_memory import StreamCounterSets
 from omni_ray.layers.attention import AttentionBatch
 
 SOURCE = Path(__file__).with_name("persistent_pass.cu")
@@ -189,36 +189,21 @@ GUARD_WORDS = 4
 REPORT_WORDS = 16
 
 COUNTER_SETS = 256  # streams a process's launches may run on (torch draws streams from pools of 32), a set each
-_COUNTER_WORDS = GUARD_WORDS + 4
-_counter_slabs: dict[torch.device, DeviceBuffer] = {}
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _counter_slab(device: torch.device) -> DeviceBuffer:
-    """The device's COUNTER_SETS sets of barrier counters, at rest, in device memory of their own (`device_memory`:
-    no tensor ever shares it, and no graph's memset rewrites it). Made outside any graph capture (`build`)."""
-    if device not in _counter_slabs:
-        slab = DeviceBuffer(COUNTER_SETS * _COUNTER_WORDS * 4, device)
-        at_rest = torch.full((COUNTER_SETS, _COUNTER_WORDS), CANARY - (1 << 32), dtype=torch.int32)  # as int32
-        at_rest[:, GUARD_WORDS:GUARD_WORDS + 3] = 0
-        slab.tensor.view(torch.int32).copy_(at_rest.reshape(-1))
-        torch.cuda.synchronize(device)
-        _counter_slabs[device] = slab
-    return _counter_slabs[device]
+_CANARY_INT32 = CANARY - (1 << 32)
+# in device memory of their own (`device_memory`): no tensor ever shares it, and no graph's memset rewrites it
+_barrier_sets = StreamCounterSets(GUARD_WORDS + 4, COUNTER_SETS,
+                                  [_CANARY_INT32] * GUARD_WORDS + [0, 0, 0, _CANARY_INT32])
 
 
 def barrier_counters(device: torch.device) -> torch.Tensor:
     """The counters a launch's grid barriers count on, one set per device and stream (every launch leaves them at
     rest; launches on one stream run one after the other): int32 [GUARD_WORDS + 4], guard words holding CANARY, then
     arrivals and exits (zero), blocks in flight (zero) and CANARY. A launch that finds them otherwise reports it."""
-    key = (device, torch.cuda.current_stream(device).stream_id)
-    if key not in _counters:
-        taken = sum(1 for other, _ in _counters if other == device)
-        if taken == COUNTER_SETS:
-            raise RuntimeError(f"persistent passes on more than {COUNTER_SETS} streams of {device}")
-        words = _counter_slab(device).tensor.view(torch.int32)
-        _counters[key] = words[taken * _COUNTER_WORDS:(taken + 1) * _COUNTER_WORDS]
-    return _counters[key]
+    counters = _barrier_sets.for_current_stream(device)
+    if counters is None:
+        raise RuntimeError(f"no barrier counters for this stream of {device}: more than {COUNTER_SETS} streams, or "
+                           "asked for inside a graph capture before the kernel was built")
+    return counters
 
 
 def describe_stall(report: list[int]) -> str | None:
@@ -346,7 +331,7 @@ class PersistentPass:
         if self.cooperative and not supported.value:
             raise KernelBuildError("the device does not launch cooperative grids")
         self.vocab, self._function, self._lib = vocab, function, lib
-        _counter_slab(self.device)  # before any capture: an allocation
+        _barrier_sets.make_slab(self.device)  # before any capture: an allocation
         self._stall_report = torch.zeros(REPORT_WORDS, dtype=torch.int32).pin_memory()
 
     def stall(self) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from omni_ray.device_memory import DeviceBuffer
+from omni_ray.device_memory import StreamCounterSets
 from omni_ray.layers.attention import AttentionBatch, SMALL_KEY_ATTENTION_MAX_KEYS
 
 try:
@@ -276,8 +276,7 @@ _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
 TAIL_COUNTER = ARRIVAL_COUNTERS - 1  # the one a `launch_rows_matmul` kernel's tail counts every program in
 ARRIVAL_SETS = 64  # streams a device's sets in memory of their own serve (1 MiB); further ones get tensors
-_arrival_slabs: dict[torch.device, DeviceBuffer] = {}
-_slab_sets_taken: dict[torch.device, int] = {}
+_arrival_sets = StreamCounterSets(ARRIVAL_COUNTERS, ARRIVAL_SETS, [0] * ARRIVAL_COUNTERS)
 
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
@@ -285,25 +284,15 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
     on its own stream keeps that stream's set). On a GPU they live in device memory of their own (`device_memory`):
     the persistent pass's barrier counters, kept the same way in PyTorch's allocator, were written over there
-    (session 52), and a set off zero would leave a column block's sums unadded in every later launch."""
+    (session 52), and a set off zero would leave a column block's sums unadded in every later launch. A tensor on a
+    CPU, past ARRIVAL_SETS streams, or when the first set is asked for inside a capture (then its zeroing is the
+    graph's first node: still zeros at each replay)."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _arrivals:
-        _arrivals[key] = _new_arrival_counters(device)
+        own = _arrival_sets.for_current_stream(device) if device.type == "cuda" else None
+        _arrivals[key] = own if own is not None else torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return _arrivals[key]
-
-
-def _new_arrival_counters(device: torch.device) -> torch.Tensor:
-    """A set from the device's slab (made outside a graph capture: an allocation), or a tensor on a CPU, past
-    ARRIVAL_SETS streams, or when the first set is asked for inside a capture (then its zeroing is the graph's first
-    node: still zeros at each replay)."""
-    if device.type == "cuda" and device not in _arrival_slabs and not torch.cuda.is_current_stream_capturing():
-        _arrival_slabs[device] = DeviceBuffer(ARRIVAL_SETS * ARRIVAL_COUNTERS * 4, device)
-    taken = _slab_sets_taken.get(device, 0)
-    if device in _arrival_slabs and taken < ARRIVAL_SETS:
-        _slab_sets_taken[device] = taken + 1
-        return _arrival_slabs[device].tensor.view(torch.int32)[taken * ARRIVAL_COUNTERS:(taken + 1) * ARRIVAL_COUNTERS]
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def rows_matmul(

@@ -12,6 +12,12 @@ This probe replays that pattern alone and checks each fresh allocation's address
   which makes the allocator release its cached blocks, freed again.
 Any fresh tensor whose bytes overlap a live kept tensor's is an alias: the probe counts them and writes the first few.
 
+A second check replays the service's capture order: a second `GraphCache` (one shared pool, as a runner's) first
+captures "prefill" step functions whose freed intermediates are small int64 tensors holding the prompt length (113),
+then "decode" ones that allocate their stream's kept tensor inside the capture (the capture stream's first ask, as
+the counters were). It reports whether a kept tensor sits on an earlier graph's freed intermediate, and whether
+replaying the prefill graphs writes over a kept tensor set to a sentinel.
+
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.allocator_alias_probe --out DIR
 """
 
@@ -30,12 +36,15 @@ from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.host_inputs import upload
 
 _kept: dict[int, torch.Tensor] = {}  # stream id -> the small tensor its first capture or launch allocated
+_kept_in_capture: set[int] = set()  # the streams whose kept tensor a capture allocated
 
 
 def _kept_for_stream(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).stream_id
     if stream not in _kept:
         _kept[stream] = torch.zeros(8, dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            _kept_in_capture.add(stream)
     return _kept[stream]
 
 
@@ -44,6 +53,45 @@ def _step(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
     kept.add_(0)  # read and written by the step, as the counters were
     h = torch.relu(x @ w)
     return {"out": (h @ w.T).sum(-1), "norm": h.float().pow(2).mean(-1)}
+
+
+_prefill_intermediates: list[tuple[int, int]] = []  # address ranges the prefill captures allocated and freed
+
+
+def _prefill(x: torch.Tensor, length: torch.Tensor) -> dict[str, torch.Tensor]:
+    lengths = length.to(torch.int64).expand(x.shape[0]).clone()  # int64, [rows]: as a step's sequence lengths
+    positions = lengths - 1
+    starts = torch.cumsum(lengths, 0) - lengths
+    if torch.cuda.is_current_stream_capturing():
+        _prefill_intermediates.extend(_ranges([lengths, positions, starts]))
+    return {"out": x.float().sum(-1) + (positions + starts).float()}
+
+
+def _capture_order_check(device: torch.device, width: int) -> dict[str, Any]:
+    """Prefill graphs first, then decode graphs that keep a capture-time tensor: overlap and replay checks."""
+    graphs = GraphCache(device, enabled=True)
+    w = torch.randn(width, width, device=device, dtype=torch.bfloat16)
+    length = torch.tensor([113], dtype=torch.int32, device=device)
+    for rows in (1, 2, 4, 8):
+        graphs.run(("prefill", rows), _prefill, {"x": torch.randn(rows, width, device=device), "length": length})
+    before = set(_kept)
+    for rows in (1, 2, 4):
+        graphs.run(("decode", rows), _step, {"x": torch.randn(rows, width, device=device, dtype=torch.bfloat16),
+                                             "w": w})
+    capture_kept = [_kept[stream] for stream in (set(_kept) - before) & _kept_in_capture]
+    overlaps = [[start, end] for start, end in _ranges(capture_kept)
+                for low, high in _prefill_intermediates if start < high and low < end]
+    sentinel = -7
+    for kept in capture_kept:
+        kept.fill_(sentinel)
+    for rows in (1, 2, 4, 8):
+        graphs.run(("prefill", rows), _prefill, {"x": torch.randn(rows, width, device=device), "length": length})
+    torch.cuda.synchronize(device)
+    written = [kept.tolist() for kept in capture_kept if bool((kept != sentinel).any())]
+    return {"kept_in_captures": len(capture_kept), "kept_on_prefill_intermediates": overlaps,
+            "kept_written_by_prefill_replays": written,
+            "verdict": ("a prefill replay wrote over a kept tensor" if written else
+                        "a kept tensor sits on a prefill intermediate" if overlaps else "no overlap")}
 
 
 def _ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -58,6 +106,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
+    capture_order = _capture_order_check(device, args.width)
     rng = random.Random(0)
     w = torch.randn(args.width, args.width, device=device, dtype=torch.bfloat16)
     graphs = GraphCache(device, enabled=True)
@@ -98,10 +147,14 @@ def main() -> None:
     results = {**run_meta("benchmarks.allocator_alias_probe", None, gpu=torch.cuda.get_device_name()), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "rounds": args.rounds,
                "fresh_tensors_checked": checked, "kept_tensors": len(_kept), "graphs": len(graphs),
                "pressure_rounds": pressure_rounds, "aliases": aliases,
-               "verdict": "a fresh tensor overlapped a live one" if aliases else "no overlap"}
+               "verdict": "a fresh tensor overlapped a live one" if aliases else "no overlap",
+               "capture_order": capture_order}
     table = (f"# allocator alias probe\n\n{results['alloc_conf'] or 'default allocator'}: {checked} fresh tensors "
              f"checked over {args.rounds} rounds ({pressure_rounds} out-of-memory releases), {len(_kept)} kept "
-             f"tensors, {len(graphs)} graphs: {results['verdict']}\n")
+             f"tensors, {len(graphs)} graphs: {results['verdict']}\n\ncapture order (prefill graphs, then decode graphs "
+             f"keeping a tensor allocated in their capture): {capture_order['kept_in_captures']} kept, "
+             f"{capture_order['verdict']}; kept values after the prefill replays: "
+             f"{capture_order['kept_written_by_prefill_replays'] or 'unchanged'}\n")
     write_results(args.out, "allocator_alias", results, table)
 
 

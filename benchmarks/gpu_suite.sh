@@ -131,7 +131,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
              # which tests passed; a per-test limit, so one stuck test fails with its traceback instead of ending the step
              # shellcheck disable=SC2086
              run_step tests python -m pytest -v -rA --tb=short --durations=0 -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
-               ${GPU_TESTS:-tests/test_gpu_host_transfers.py tests/test_gpu_top_k_draw.py tests/test_gpu_small_batch.py tests/test_gpu_persistent_pass.py tests/test_gpu_small_batch_moe.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
+               ${GPU_TESTS:-tests/test_gpu_device_memory.py tests/test_gpu_host_transfers.py tests/test_gpu_top_k_draw.py tests/test_gpu_small_batch.py tests/test_gpu_persistent_pass.py tests/test_gpu_small_batch_moe.py tests/test_gpu_vocoder.py tests/test_gpu_ipc.py tests/test_gpu_relay.py tests/test_gpu_engine.py} ;;
       # shellcheck disable=SC2086
       engine) run_step "$tag" python -m omni_ray.bench --compile --thinker-sampling served --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086

@@ -1,10 +1,12 @@
 """Device memory of its own from the CUDA driver (`cuMemAlloc`), outside PyTorch's caching allocator.
 
 For state that outlives every CUDA graph that reads it and must never share memory with a tensor: the persistent
-code-predictor pass's barrier counters and the split-depth GEMMs' arrival counters. The pass's counters, a tensor from
-PyTorch's allocator (allocated in a graph capture, under `expandable_segments:True` on an H100), were written over in
-the 1-GPU service (session 52: an int64 0x71 at their first bytes), and a grid barrier then waited for good. Tensors
-view the memory through `__cuda_array_interface__`.
+code-predictor pass's barrier counters and the split-depth GEMMs' arrival counters. The pass's counters were once a
+tensor from PyTorch's allocator, allocated inside a graph capture (a capture stream's first ask), so in the pool the
+runner's graphs share, on memory that graphs captured before had used for intermediates. Each replay of those graphs
+wrote there: in the 1-GPU service a Talker prefill left an int64 0x71 at the counters' first bytes (session 52), and a
+grid barrier then waited for good; `benchmarks/allocator_alias_probe.py` replays the pattern (session 53). Tensors
+view this memory through `__cuda_array_interface__`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ class GraphCache:
     buffers, from the device or from the host. Outputs are the graph's own buffers, valid until the next `run` of
     any key (all graphs share one memory pool), so callers consume or clone them first. `fn` must not sync with the
     host, and everything it writes must be idempotent for the same inputs (capture runs it once eagerly, then
-    replays it)."""
+    replays it). Nor may `fn` keep a tensor it allocates inside the capture (a lazily made buffer, say) for later
+    runs: it lies in the shared pool, where graphs captured before write their intermediates at every replay
+    (session 53: a Talker prefill's replay wrote over the persistent pass's counters kept that way). Each capture
+    checks the pool for such tensors and logs them (`kept_in_pool`)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.enabled = enabled and device.type == "cuda"
@@ -62,6 +66,7 @@ class GraphCache:
         # runners replaying at once on their own streams (engine lanes) would both write it.
         self._capture_stream = torch.cuda.Stream(device) if self.enabled else None
         self.capture_ms = 0.0
+        self.kept_in_pool: list[int] = []  # bytes of each block a capture allocated and something still holds
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -107,6 +112,8 @@ class GraphCache:
         with torch.cuda.stream(side):  # warm up kernels (and their lazy library init) outside the capture
             fn(**static)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.stream(self._capture_stream):  # cuBLAS's workspaces for this stream, outside the pool
+            _use_cublas(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
             outputs = fn(**static)
@@ -115,4 +122,37 @@ class GraphCache:
         elapsed = (time.perf_counter() - start) * 1000
         self.capture_ms += elapsed
         log.info("captured CUDA graph %s in %.0f ms (%d graphs)", key, elapsed, len(self._graphs))
+        kept = self._kept_in_pool()
+        if len(kept) > len(self.kept_in_pool):
+            log.error("after capturing CUDA graph %s, %d block(s) of its pool (%s bytes) are held by something other "
+                      "than the graphs' outputs: a tensor allocated inside a capture and kept, which replays of "
+                      "other graphs write over", key, len(kept), ", ".join(map(str, kept)))
+        self.kept_in_pool = kept
         return entry
+
+    def _kept_in_pool(self) -> list[int]:
+        """The sizes of the live blocks in this cache's pool that hold none of the graphs' outputs."""
+        outputs = [tensor.untyped_storage().data_ptr() for entry in self._graphs.values()
+                   for tensor in entry.outputs.values()]
+        kept = _live_blocks_without(self._pool, self.device, outputs)
+        if kept:  # a tensor in a reference cycle may be unreachable yet uncollected
+            gc.collect()
+            kept = _live_blocks_without(self._pool, self.device, outputs)
+        return [size for _, size in kept]
+
+
+def _live_blocks_without(pool: tuple[int, int], device: torch.device, addresses: list[int]) -> list[tuple[int, int]]:
+    """(address, size) of each allocated block of `pool` on `device` that contains none of `addresses`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    blocks = [(block["address"], block["size"]) for segment in torch.cuda.memory_snapshot()
+              if segment["device"] == index and tuple(segment["segment_pool_id"]) == tuple(pool)
+              for block in segment["blocks"] if block["state"] == "active_allocated"]
+    return [(start, size) for start, size in blocks if not any(start <= a < start + size for a in addresses)]
+
+
+def _use_cublas(device: torch.device) -> None:
+    """One tiny matmul and one with a bias, so that cuBLAS and cuBLASLt allocate the current stream's workspaces now
+    (inside a capture they would come from the graphs' pool and stay there)."""
+    a = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+    torch.nn.functional.linear(a, a, a[0])
+    torch.mm(a, a)

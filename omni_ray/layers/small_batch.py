@@ -275,7 +275,8 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
 _arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 ARRIVAL_COUNTERS = 4096  # column blocks x row blocks of one split-depth launch
 TAIL_COUNTER = ARRIVAL_COUNTERS - 1  # the one a `launch_rows_matmul` kernel's tail counts every program in
-ARRIVAL_SETS = 64  # streams a device's sets in memory of their own serve (1 MiB); further ones get tensors
+ARRIVAL_SETS = 96  # streams a device's sets in memory of their own serve (1.5 MiB): torch's stream pools hold 32 per
+# priority, and the default stream is one more; further streams get tensors outside any capture
 _arrival_sets = StreamCounterSets(ARRIVAL_COUNTERS, ARRIVAL_SETS, [0] * ARRIVAL_COUNTERS)
 
 
@@ -283,14 +284,18 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     """The zeroed int32 counters a split-depth `rows_matmul` counts its programs' arrivals in, one set per device and
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
     on its own stream keeps that stream's set). On a GPU they live in device memory of their own (`device_memory`):
-    the persistent pass's barrier counters, kept the same way in PyTorch's allocator, were written over there
-    (session 52), and a set off zero would leave a column block's sums unadded in every later launch. A tensor on a
-    CPU, past ARRIVAL_SETS streams, or when the first set is asked for inside a capture (then its zeroing is the
-    graph's first node: still zeros at each replay)."""
+    a tensor allocated inside a capture sits in the graphs' shared pool, where the replays of graphs captured before
+    it write their intermediates (session 53: the persistent pass's barrier counters, kept that way, held a prefill's
+    position 112 afterwards), and a set off zero leaves a column block's sums unadded in every later launch. A tensor
+    on a CPU, or past ARRIVAL_SETS streams outside a capture; inside a capture with no set left, an error (the
+    capture then fails and its step runs eagerly)."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _arrivals:
         own = _arrival_sets.for_current_stream(device) if device.type == "cuda" else None
+        if own is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"no arrival counters for this stream of {device} inside a graph capture: more than "
+                               f"{ARRIVAL_SETS} streams, or the first ask of the process is in a capture")
         _arrivals[key] = own if own is not None else torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return _arrivals[key]
 

@@ -54,13 +54,15 @@ def scrape() -> dict[str, float]:
 
 def startup_phases(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
     """Each stage replica's startup phases from /metrics (`omni_stage_startup_<phase>_s`): stage → phase → seconds,
-    the slowest replica's where a stage has several."""
+    the slowest replica's where a stage has several; and as "graph_pool_kept", the most blocks a replica's graph pools
+    hold that no graph's outputs do (`omni_stage_graph_pool_kept_blocks`)."""
     out: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        match = re.match(r'omni_stage_startup_(\w+?)_s\{.*stage="(\w+)"', key)
+        match = re.match(r'omni_stage_(?:startup_(\w+?)_s|(graph_pool_kept)_blocks)\{.*stage="(\w+)"', key)
         if match:
-            phases = out.setdefault(match.group(2), {})
-            phases[match.group(1)] = max(value, phases.get(match.group(1), 0.0))
+            phase = match.group(1) or match.group(2)
+            phases = out.setdefault(match.group(3), {})
+            phases[phase] = max(value, phases.get(phase, 0.0))
     return out
 
 
@@ -68,8 +70,10 @@ def startup_text(row: dict[str, Any]) -> str:
     """"service ready N s after `serve.run` (thinker: process 9, load 20, warm-up 80 (compiling 50) s; ...)"."""
     def phases_text(phases: dict[str, float]) -> str:
         compiling = f" (compiling {phases['compile']:.0f})" if "compile" in phases else ""
+        kept = (f", {phases['graph_pool_kept']:.0f} blocks kept in its graphs' pool"
+                if "graph_pool_kept" in phases else "")
         return ", ".join(f"{phase.replace('warmup', 'warm-up')} {seconds:.0f}" + (compiling if phase == "warmup" else "")
-                         for phase, seconds in phases.items() if phase != "compile") + " s"
+                         for phase, seconds in phases.items() if phase not in ("compile", "graph_pool_kept")) + " s" + kept
 
     stages = "; ".join(f"{stage}: {phases_text(phases)}" for stage, phases in row.get("stages", {}).items())
     return f"service ready {row['seconds']:.0f} s after `serve.run`" + (f" ({stages})" if stages else "")

@@ -252,7 +252,8 @@ class TalkerSettings(EngineSettings):
         "its blocks slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant "
         "for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a shared one (the 1-GPU "
         "layouts: one-stream passes). It hung the 1-GPU service on an H100 in 3 of 5 runs (sessions 50-51) until its "
-        "barrier counters, written over in PyTorch's allocator, moved to memory of their own (session 52)",
+        "barrier counters moved to memory of their own (session 52): allocated inside a graph capture, they lay on "
+        "earlier graphs' intermediates, which each replay of those wrote (session 53)",
     )
     persistent_code_predictor_max_rows: int = Field(
         default=32,

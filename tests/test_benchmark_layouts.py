@@ -135,8 +135,11 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
                               'omni_stage_startup_compile_s{stage="thinker",replica="t1"}': 44.6,
                               'omni_stage_startup_warmup_s{stage="talker",replica="k1"}': 30.0,
                               'omni_stage_startup_warmup_s{stage="talker",replica="k2"}': 41.0,
+                              'omni_stage_graph_pool_kept_blocks{stage="talker",replica="k1"}': 0.0,
+                              'omni_stage_graph_pool_kept_blocks{stage="talker",replica="k2"}': 2.0,
                               'omni_stage_step_ms_p50{stage="talker",replica="k1"}': 5.0})
-    assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6}, "talker": {"warmup": 41.0}}
+    assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6},
+                       "talker": {"warmup": 41.0, "graph_pool_kept": 2.0}}
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "server": served if c == 32 else {},
          "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c],
@@ -161,7 +164,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| 32 | 30/32 |" in table and "Failed requests at c=32: 2 (500: relay failed; timeout:)" in table
     assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
-            "talker: warm-up 41 s)") in table
+            "talker: warm-up 41 s, 2 blocks kept in its graphs' pool)") in table
     assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # written before
     distinct = markdown({**meta, "prompt_file": "prompts_100_tokens_distinct.txt", "prompts": 32}, rows, None)
     assert "32 prompts of about 100 tokens from `benchmarks/prompts_100_tokens_distinct.txt`" in distinct

@@ -34,6 +34,8 @@ STAGE_GAUGES = {
     "startup_warmup_s": "seconds the replica took at startup to compile and capture its CUDA graphs",
     "startup_compile_s": "seconds of the replica's startup (its load and warm-up) spent in torch.compile: dynamo and "
                          "inductor, loads from their caches included",
+    "graph_pool_kept_blocks": "blocks of the replica's CUDA graph pools that a capture allocated and something other "
+                              "than a graph's outputs still holds: tensors later replays may write over (0 expected)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

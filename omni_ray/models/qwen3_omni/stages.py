@@ -72,6 +72,7 @@ def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any] | EngineLanes[A
     stats["kv_total"] = sum(runner.cache.num_slots for runner in runners)
     stats["prefill_batches"] = sum(runner.prefills.batches for runner in runners)
     stats["prefilled_sequences"] = sum(runner.prefills.sequences for runner in runners)
+    stats["graph_pool_kept_blocks"] = sum(len(runner.graphs.kept_in_pool) for runner in runners)
     stats["load"] = stats["running"] + stats["waiting"]
     return stats
 
@@ -390,6 +391,7 @@ class VocoderStage(StageBase):
                                       streaming.aligned_chunks)
         codec = Code2WavCodec(module, cuda_graphs=streaming.cuda_graphs,
                               max_streams=streaming.max_streams if streaming.stateful else 0)
+        self.graphs = codec.graphs
         if codec.stream is not None:  # relayed codes may be read on the vocoder's own stream
             self.endpoint.reader_streams.append(codec.stream)
         self.codec: BatchingCodec | BatchingStatefulCodec
@@ -410,7 +412,8 @@ class VocoderStage(StageBase):
         Δdecode_windows / Δdecode_calls the streams' chunks batched per decode call."""
         worker = self.codec.worker
         return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames,
-                "decode_calls": worker.batches, "decode_windows": worker.windows}
+                "decode_calls": worker.batches, "decode_windows": worker.windows,
+                "graph_pool_kept_blocks": len(self.graphs.kept_in_pool)}
 
     async def decode(self, request_id: str, return_codes: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams audio events, then a final event (with every frame's codes when `return_codes`). The caller tells

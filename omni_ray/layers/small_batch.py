@@ -285,10 +285,10 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
     on its own stream keeps that stream's set). On a GPU they live in device memory of their own (`device_memory`):
     a tensor allocated inside a capture sits in the graphs' shared pool, where the replays of graphs captured before
-    it write their intermediates (session 53: the persistent pass's barrier counters, kept that way, held a prefill's
-    position 112 afterwards), and a set off zero leaves a column block's sums unadded in every later launch. A tensor
-    on a CPU, or past ARRIVAL_SETS streams outside a capture; inside a capture with no set left, an error (the
-    capture then fails and its step runs eagerly)."""
+    it write their intermediates (sessions 52-53: the persistent pass's barrier counters, kept that way, were written
+    over), and a set off zero leaves a column block's sums unadded in every later launch. A tensor on a CPU, or past
+    ARRIVAL_SETS streams outside a capture; inside a capture with no set left, an error (the capture then fails and
+    its step runs eagerly)."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _arrivals:

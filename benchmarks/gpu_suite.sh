@@ -19,8 +19,8 @@
 # benchmarks/talker_lanes_bench.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
 # code-predictor pass by difference: each part left out in turn), mpsprobe (the persistent pass replayed while another
 # process runs Thinker-like kernels on the same GPU: does it stall? MPS_mpsprobe_TAG=1 under MPS), allocprobe (does
-# PyTorch's allocator hand out memory a live tensor kept from a graph capture holds? benchmarks/allocator_alias_probe.py;
-# run it under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), vocoder (window vs stateful vocoder;
+# a tensor kept from a graph capture share memory with fresh tensors, or with earlier graphs' intermediates that their
+# replays write? benchmarks/allocator_alias_probe.py; with and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), vocoder (window vs stateful vocoder;
 # SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
 # dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
 # to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under

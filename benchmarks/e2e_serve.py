@@ -221,6 +221,10 @@ def serve_and_measure(
     rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}]
     rows += warm_and_measure(levels, rounds, max_tokens, out, prompt_file, request_timeout, warmup_timeout)
     if rows[-1]["phase"] != "stopped":
+        # graphs captured lazily while serving (new batch or length buckets) are checked too
+        kept = {stage: phases["graph_pool_kept"] for stage, phases in startup_phases(scrape()).items()
+                if "graph_pool_kept" in phases}
+        rows.append({"phase": "end", "graph_pool_kept": kept})
         serve.shutdown()
         ray.shutdown()
     return rows
@@ -302,7 +306,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
              + (f", overrides `{' '.join(meta['overrides'])}`" if meta.get("overrides") else "")
              + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
-             + "".join(f"; {startup_text(r)}" for r in rows if r["phase"] == "startup"),
+             + "".join(f"; {startup_text(r)}" for r in rows if r["phase"] == "startup")
+             + "".join(f"; after the run, blocks kept in the graphs' pools: "
+                       + ", ".join(f"{stage} {kept:.0f}" for stage, kept in r["graph_pool_kept"].items())
+                       for r in rows if r["phase"] == "end" and r["graph_pool_kept"]),
              "",
              f"Workload: {prompts_text(meta)}, {meta['max_tokens']} Thinker tokens, "
              "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "

@@ -146,6 +146,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
          "rtf_floor_measured_routing": measured[c]}
         for c in (1, 8, 32)]
     rows[-1].update(ok=30, errors=2, error_samples=["500: relay failed", "timeout:"])
+    rows.append({"phase": "end", "graph_pool_kept": {"thinker": 0.0, "talker": 1.0}})
     meta = {"gpu": "cpu", "date": "2026-11-30", "commit": "x", "command": "y", "serve_config": layout.name, "max_tokens": 128}
     table = markdown(meta, rows, None)
     assert "| RTF floor | RTF floor, measured routing |" in table and "| 0.100 | 0.064 | 0.038 |" in table
@@ -164,7 +165,8 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| 32 | 30/32 |" in table and "Failed requests at c=32: 2 (500: relay failed; timeout:)" in table
     assert "Failed requests at c=8" not in table
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
-            "talker: warm-up 41 s, 2 blocks kept in its graphs' pool)") in table
+            "talker: warm-up 41 s, 2 blocks kept in its graphs' pool); after the run, blocks kept in the graphs' pools: "
+            "thinker 0, talker 1") in table
     assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # written before
     distinct = markdown({**meta, "prompt_file": "prompts_100_tokens_distinct.txt", "prompts": 32}, rows, None)
     assert "32 prompts of about 100 tokens from `benchmarks/prompts_100_tokens_distinct.txt`" in distinct

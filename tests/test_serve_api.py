@@ -168,6 +168,11 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
         assert startup[("omni_stage_startup_warmup_s", stage)] > 0, startup
         assert startup[("omni_stage_startup_process_s", stage)] > 0, startup
     assert startup[("omni_stage_startup_load_s", "encoder")] > 0, startup
+    # the stages with CUDA graph caches report what their pools keep beyond the graphs' outputs (none: on a CPU no
+    # graphs are captured)
+    kept = {line.split('stage="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith("omni_stage_graph_pool_kept_blocks{")}
+    assert kept == {"thinker": 0.0, "talker": 0.0, "vocoder": 0.0}, kept
 
 
 def _counts(metrics: str) -> dict[str, float]:

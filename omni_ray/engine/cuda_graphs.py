@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import time
@@ -147,7 +148,9 @@ def _live_blocks_without(pool: tuple[int, int], device: torch.device, addresses:
     blocks = [(block["address"], block["size"]) for segment in torch.cuda.memory_snapshot()
               if segment["device"] == index and tuple(segment["segment_pool_id"]) == tuple(pool)
               for block in segment["blocks"] if block["state"] == "active_allocated"]
-    return [(start, size) for start, size in blocks if not any(start <= a < start + size for a in addresses)]
+    ordered = sorted(addresses)  # a block holds one when the first address at or past its start lies inside it
+    return [(start, size) for start, size in blocks
+            if (i := bisect.bisect_left(ordered, start)) == len(ordered) or ordered[i] >= start + size]
 
 
 def _use_cublas(device: torch.device) -> None:

@@ -34,8 +34,12 @@ URL = "http://127.0.0.1:8000"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
               "request_path": "omni_request_path_seconds"}
-GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
-          "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50", "omni_stage_outputs_cpu_ms_p50")
+GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_step_ms_p90", "omni_stage_batch_mean",
+          "omni_stage_launch_ms_p50", "omni_stage_launch_cpu_ms_p50", "omni_stage_outputs_ms_p50",
+          "omni_stage_outputs_cpu_ms_p50", "omni_stage_launch_ms_mean", "omni_stage_collect_ms_mean",
+          "omni_stage_outputs_ms_mean")
+GC_COUNTERS = ("omni_stage_gc_pause_s", "omni_stage_gc_full_collections")  # cumulative, per stage process
+GC_STAGES = ("thinker", "talker", "vocoder")
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
             "omni_stage_decode_windows")  # cumulative: per level as a rate
 PREFILL_COUNTERS = ("omni_stage_prefill_batches", "omni_stage_prefilled_sequences")  # cumulative, per engine stage
@@ -111,6 +115,10 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
         out[f"vocoder_{counter.removeprefix('omni_stage_decode_')}_per_s"] = grown / seconds if seconds > 0 else None
     calls, windows = out["vocoder_calls_per_s"], out["vocoder_windows_per_s"]
     out["vocoder_windows_per_call"] = windows / calls if calls else None
+    for stage in GC_STAGES:  # the garbage collector's pauses in each stage's processes over the level
+        pause_s, full = (_growth(before, after, counter, stage) for counter in GC_COUNTERS)
+        out[f"{stage}_gc_pause_ms_per_s"] = 1000 * pause_s / seconds if seconds > 0 else None
+        out[f"{stage}_gc_full_collections"] = full
     for stage in ("thinker", "talker"):  # how the level's requests were taken in: prefill batches, requests in each
         batches, sequences = (_growth(before, after, counter, stage) for counter in PREFILL_COUNTERS)
         out[f"{stage}_prefill_batches"] = batches
@@ -322,7 +330,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "processes (1.00 = one core busy all the time; the load generator is the benchmark's own process). Host "
              "per step: the engine thread's time queueing a step's device work (in brackets: its own CPU time in it; the "
              "rest it waited, for the GIL or inside CUDA calls) + handing its outputs on (its CPU time in brackets too), "
-             "p50; the rest of a step is its wait for the device. Prefill batches: how many prefills the level's "
+             "p50; the rest of a step is its wait for the device. A step's tail: its p90, and its mean as the means of "
+             "its parts: the launch, the runner's collect (the wait for the device, then reading the step back) and "
+             "the hand-on. GC: the milliseconds per second each stage's process spent in Python's garbage collector "
+             "over the level, and its full collections then. Prefill batches: how many prefills the level's "
              "requests took (each reads the weights again), and the requests in each on average. The rest of a reply: "
              "the Thinker's last token; its end reaching the Talker; the launch of the Talker's first step past the "
              "reply's tokens (the frames before it wait on the Thinker's steps, the ones after only on the Talker's); "
@@ -338,11 +349,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"the rest of a reply, server: {' / '.join(point.replace('_', ' ') for point in REPLY_END)}; client: "
              "its last chunk, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
-             "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | mean batch thinker / talker | "
+             "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | "
+             "step p90; mean = launch + collect + outputs, thinker / talker (ms) | "
+             "GC ms per s (full collections) thinker / talker / vocoder | mean batch thinker / talker | "
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -369,6 +382,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             + " / ".join(f"{num(srv.get(f'{stage}_launch_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_launch_cpu_ms_p50'), '{:.1f}')})"
                          f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_outputs_cpu_ms_p50'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "
+            + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p90'), '{:.1f}')}; {num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')}"
+                         f" = {num(srv.get(f'{stage}_launch_ms_mean'), '{:.1f}')}"
+                         f" + {num(srv.get(f'{stage}_collect_ms_mean'), '{:.1f}')}"
+                         f" + {num(srv.get(f'{stage}_outputs_ms_mean'), '{:.1f}')}"
+                         for stage in ("thinker", "talker")) + " | "
+            + " / ".join(f"{num(srv.get(f'{stage}_gc_pause_ms_per_s'), '{:.1f}')} ({num(srv.get(f'{stage}_gc_full_collections'))})"
+                         for stage in GC_STAGES) + " | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
             + " / ".join(f"{num(srv.get(f'{stage}_prefill_batches'))} ({num(srv.get(f'{stage}_prefill_sequences_per_batch'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "

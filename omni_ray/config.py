@@ -44,6 +44,13 @@ class StageResources(_Strict):
         "before that of `below_normal` ones (it does not stop work already running); unset: the driver's default, "
         "normal. The Thinker below normal in the 1-GPU layout on an H200 (one run): within the runs' spread",
     )
+    gc_freeze_after_startup: bool = Field(
+        default=False,
+        description="once the replica has loaded and warmed up: collect garbage once, then move every object left "
+        "(modules, compiled graphs: what startup made and keeps) out of the cyclic garbage collector's way "
+        "(`gc.freeze`), so that a full collection while serving walks only what serving made. Every replica reports "
+        "its collector's pauses (`omni_stage_gc_pause_s`, `omni_stage_gc_full_collections`) either way",
+    )
 
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "StageResources":

@@ -219,8 +219,10 @@ def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Har
     h.loop.start()
     h.runner.wait_batches(1)
     assert h.loop.stats() == {"running": 2, "waiting": 3, "steps": 0, "steps_launched_ahead": 0, "max_batch_seen": 2,
-                              "step_ms_p50": 0.0, "step_ms_mean": 0.0, "batch_mean": 0.0, "launch_ms_p50": 0.0,
-                              "outputs_ms_p50": 0.0, "launch_cpu_ms_p50": 0.0, "outputs_cpu_ms_p50": 0.0}
+                              "batch_mean": 0.0, "step_ms_p50": 0.0, "step_ms_mean": 0.0, "step_ms_p90": 0.0,
+                              "launch_ms_p50": 0.0, "launch_ms_mean": 0.0, "outputs_ms_p50": 0.0,
+                              "outputs_ms_mean": 0.0, "launch_cpu_ms_p50": 0.0, "outputs_cpu_ms_p50": 0.0,
+                              "collect_ms_p50": 0.0, "collect_ms_mean": 0.0}
     h.runner.allow(2)
     h.runner.wait_batches(3)
     assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1
@@ -597,6 +599,41 @@ def test_a_steps_early_outputs_are_handed_on_before_the_rest_is_collected() -> N
     assert sorted(o for out in handed_on for o in out) == [("A", 1), ("A", 2), ("A", 3), ("A", 4), ("B", 1), ("B", 2)]
 
 
+@dataclass
+class SlowCollectRunner(FakePipelinedRunner):
+    """A pipelined runner whose collect waits `collect_s` (as for the device), every `slow_every`-th one `slow_s`."""
+
+    collect_s: float = 0.004
+    slow_every: int = 5
+    slow_s: float = 0.03
+    collected: int = 0
+
+    def collect(self, rows: list[tuple[FakeSeq, int]]) -> list[tuple[str, int]]:
+        self.collected += 1
+        time.sleep(self.slow_s if self.collected % self.slow_every == 0 else self.collect_s)
+        return super().collect(rows)
+
+
+def test_step_stats_split_a_slow_tail_into_the_wait_for_the_device_and_the_host() -> None:
+    runner = SlowCollectRunner()
+    h = Harness(runner, max_batch=4)
+    h.loop = EngineLoop(runner, h._on_outputs, h._on_failure, max_batch=4, name="test", launch_ahead=True)
+    h.needed["A"] = 40
+    h.loop.add(FakeSeq("A", steps_needed=40))
+    try:
+        h.loop.start()
+        h.wait(lambda: len(h.loop._recent) >= 39)
+    finally:
+        h.loop.stop()
+    stats = h.loop.stats()
+    # one collect in five waits 30 ms, the rest 4: the median step is a short one, the mean and p90 carry the tail,
+    # and the tail is in the collect (the wait for the device), not in the host's launch or hand-on
+    assert 4 <= stats["collect_ms_p50"] < 15 and 4 <= stats["step_ms_p50"] < 15
+    assert stats["collect_ms_mean"] >= stats["collect_ms_p50"] + 3 and stats["step_ms_p90"] >= 30
+    assert stats["step_ms_mean"] >= stats["collect_ms_mean"] + stats["launch_ms_mean"] - 0.5
+    assert stats["launch_ms_mean"] < 3 and stats["outputs_ms_mean"] < 3
+
+
 def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     runner = FakePipelinedRunner()
     h = Harness(runner, max_batch=4)  # launch_ahead is off by default
@@ -614,6 +651,7 @@ def test_launch_ahead_off_runs_each_step_to_the_end() -> None:
     assert 0 < stats["launch_ms_p50"] <= stats["step_ms_p50"] and 0 < stats["outputs_ms_p50"] <= stats["step_ms_p50"]
     assert 0 < stats["launch_cpu_ms_p50"] <= stats["launch_ms_p50"] + 0.05  # thread and wall clocks tick apart
     assert 0 < stats["outputs_cpu_ms_p50"] <= stats["outputs_ms_p50"] + 0.05
+    assert 0 < stats["collect_ms_p50"] <= stats["launch_ms_p50"]  # read back inside the launch
     assert h.outputs == [[("A", 1)], [("A", 2)]]
 
 

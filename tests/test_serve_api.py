@@ -173,6 +173,16 @@ def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> N
     kept = {line.split('stage="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
             for line in metrics.splitlines() if line.startswith("omni_stage_graph_pool_kept_blocks{")}
     assert kept == {"thinker": 0.0, "talker": 0.0, "vocoder": 0.0}, kept
+    gauges = {(line.split("{")[0], line.split('stage="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines() if line.startswith("omni_stage_") and 'stage="' in line}
+    # every stage replica times its process's garbage collections; the tiny layout does not freeze startup's objects
+    for stage in ("encoder", "thinker", "talker", "vocoder"):
+        assert gauges[("omni_stage_gc_collections", stage)] > 0 and gauges[("omni_stage_gc_pause_s", stage)] > 0
+        assert gauges[("omni_stage_gc_frozen_objects", stage)] == 0
+    # the engines' step tails: the p90, and the wait in the runner's collect
+    for stage in ("thinker", "talker"):
+        assert gauges[("omni_stage_step_ms_p90", stage)] >= gauges[("omni_stage_step_ms_p50", stage)] > 0
+        assert gauges[("omni_stage_collect_ms_mean", stage)] > 0, stage
 
 
 def _counts(metrics: str) -> dict[str, float]:

@@ -59,9 +59,9 @@ class EngineLanes(Generic[S, O]):
         per_lane = [loop.stats() for loop in self.loops]
         counts = ("running", "waiting", "steps", "steps_launched_ahead", "max_batch_seen")
         total = {key: sum(stats[key] for stats in per_lane) for key in counts}
-        for key in ("step_ms_p50", "step_ms_mean", "launch_ms_p50", "outputs_ms_p50", "launch_cpu_ms_p50",
-                    "outputs_cpu_ms_p50"):
-            total[key] = max(stats[key] for stats in per_lane)
+        for key in per_lane[0]:
+            if key.endswith(("_p50", "_p90", "_mean")) and key != "batch_mean":
+                total[key] = max(stats[key] for stats in per_lane)
         total["batch_mean"] = sum(stats["batch_mean"] for stats in per_lane)
         total["lanes"] = len(self.loops)
         return total

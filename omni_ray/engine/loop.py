@@ -140,12 +140,13 @@ class EngineLoop(Generic[S, O]):
         self.steps_launched_ahead = 0  # steps queued while the previous one was still to be collected
         self.max_batch_seen = 0
         # (step ms, batch size, host ms in launch, host ms in on_outputs, this thread's CPU ms in launch and in
-        # on_outputs) of the latest steps
-        self._recent: deque[tuple[float, int, float, float, float, float]] = deque(maxlen=256)
+        # on_outputs, ms waiting in the runner's collect) of the latest steps
+        self._recent: deque[tuple[float, int, float, float, float, float, float]] = deque(maxlen=256)
         self._launch_ms = 0.0  # of the step being run
         self._launch_cpu_ms = 0.0
         self._outputs_ms = 0.0
         self._outputs_cpu_ms = 0.0
+        self._collect_ms = 0.0
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
         self.stream = stream
         # a runner with launch/collect lets the loop queue a step before reading the previous one back (and time the
@@ -189,24 +190,23 @@ class EngineLoop(Generic[S, O]):
     def stats(self) -> dict[str, float]:
         with self._cond:
             recent = list(self._recent)
-            return {
-                "running": len(self._running),
-                "waiting": len(self._waiting),
-                "steps": self.steps,
-                "steps_launched_ahead": self.steps_launched_ahead,
-                "max_batch_seen": self.max_batch_seen,
-                "step_ms_p50": statistics.median(r[0] for r in recent) if recent else 0.0,
-                "step_ms_mean": statistics.fmean(r[0] for r in recent) if recent else 0.0,
-                "batch_mean": statistics.fmean(r[1] for r in recent) if recent else 0.0,
-                # the host's share of a step: queueing its device work, then handing its outputs on; the rest of a
-                # step not launched ahead is the wait for the device
-                "launch_ms_p50": statistics.median(r[2] for r in recent) if recent else 0.0,
-                "outputs_ms_p50": statistics.median(r[3] for r in recent) if recent else 0.0,
-                # the engine thread's own CPU time in the launch: the rest of `launch_ms` it waited, for the GIL
-                # (another thread of the process ran Python) or inside a CUDA call
-                "launch_cpu_ms_p50": statistics.median(r[4] for r in recent) if recent else 0.0,
-                "outputs_cpu_ms_p50": statistics.median(r[5] for r in recent) if recent else 0.0,
-            }
+            counts = {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
+                      "steps_launched_ahead": self.steps_launched_ahead, "max_batch_seen": self.max_batch_seen}
+        # per step: the whole round (`step_ms`), the host queueing its device work (`launch`), the runner's collect
+        # (`collect`: the wait for the device, then reading the step's results back; in a loop that does not launch
+        # ahead, inside `launch`), handing its outputs on (`outputs`); the engine thread's own CPU time in the launch and the hand-on (the
+        # rest of those it waited: for the GIL, when another thread of the process ran Python, or inside CUDA calls)
+        columns = {"step_ms": 0, "launch_ms": 2, "outputs_ms": 3, "launch_cpu_ms": 4, "outputs_cpu_ms": 5,
+                   "collect_ms": 6}
+        out: dict[str, float] = {**counts, "batch_mean": statistics.fmean(r[1] for r in recent) if recent else 0.0}
+        for name, column in columns.items():
+            values = sorted(r[column] for r in recent)
+            out[f"{name}_p50"] = statistics.median(values) if values else 0.0
+            if name in ("step_ms", "launch_ms", "outputs_ms", "collect_ms"):  # a mean above the median: a slow tail
+                out[f"{name}_mean"] = statistics.fmean(values) if values else 0.0
+            if name == "step_ms":
+                out["step_ms_p90"] = values[int(0.9 * (len(values) - 1))] if values else 0.0
+        return out
 
     def check_health(self) -> None:
         """Raise `EngineUnhealthy` once the device is lost (a step failed with a CUDA error that loses the context: a
@@ -281,7 +281,7 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = self._round_started = time.perf_counter()
-            self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = 0.0
+            self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = self._collect_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
                 if launched is not None:  # counted before its outputs go out (a failed step is not counted)
@@ -298,7 +298,8 @@ class EngineLoop(Generic[S, O]):
             if launched is not None:
                 with self._cond:
                     self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,
-                                         self._outputs_ms, self._launch_cpu_ms, self._outputs_cpu_ms))
+                                         self._outputs_ms, self._launch_cpu_ms, self._outputs_cpu_ms,
+                                         self._collect_ms))
 
     def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
         """Queue a step (or run it whole: launch, then collect, as the runners' `step` does, with the launch timed);
@@ -311,7 +312,7 @@ class EngineLoop(Generic[S, O]):
                 self._launch_ms = (time.perf_counter() - started) * 1000
                 self._launch_cpu_ms = (time.thread_time() - cpu_started) * 1000
                 if not self.pipelined:
-                    handle = self.runner.collect(handle)
+                    handle = self._timed_collect(self.runner.collect, handle)
             else:
                 handle = self.runner.step(batch)
         except Exception as exc:
@@ -326,16 +327,23 @@ class EngineLoop(Generic[S, O]):
         try:
             if self.pipelined and hasattr(self.runner, "collect_early"):
                 with host_range("collect early"):
-                    early = self.runner.collect_early(handle)
+                    early = self._timed_collect(self.runner.collect_early, handle)
                 if early:
                     self._hand_on(early)
             with host_range("collect"):
-                outputs = self.runner.collect(handle) if self.pipelined else handle
+                outputs = self._timed_collect(self.runner.collect, handle) if self.pipelined else handle
         except Exception as exc:
             self._fail(batch, exc)
             return
         self._retire(batch)
         self._hand_on(outputs)
+
+    def _timed_collect(self, collect: Callable[[Any], Any], handle: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return collect(handle)
+        finally:
+            self._collect_ms += (time.perf_counter() - started) * 1000
 
     def _hand_on(self, outputs: list[O]) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()

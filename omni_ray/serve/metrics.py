@@ -19,9 +19,15 @@ STAGE_GAUGES = {
     "kv_used": "KV cache slots in use",
     "step_ms_p50": "median engine step time over the last 256 steps (ms)",
     "step_ms_mean": "mean engine step time over the last 256 steps (ms)",
+    "step_ms_p90": "90th percentile of the engine's step time over the last 256 steps (ms)",
     "batch_mean": "mean sequences per engine step over the last 256 steps",
     "launch_ms_p50": "median host time queueing a step's device work, over the last 256 steps (ms)",
     "outputs_ms_p50": "median host time handing a step's outputs on (stream events, relay), over the last 256 steps (ms)",
+    "launch_ms_mean": "mean host time queueing a step's device work, over the last 256 steps (ms)",
+    "outputs_ms_mean": "mean host time handing a step's outputs on, over the last 256 steps (ms)",
+    "collect_ms_p50": "median time in the runner's collect, over the last 256 steps (ms): the wait for the device, then "
+                      "reading the step's results back (a loop that does not launch ahead counts it in launch_ms too)",
+    "collect_ms_mean": "mean time in the runner's collect, over the last 256 steps (ms)",
     "launch_cpu_ms_p50": "median CPU time of the engine thread while queueing a step, over the last 256 steps (ms); "
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",
     "outputs_cpu_ms_p50": "median CPU time of the engine thread while handing a step's outputs on, over the last 256 "
@@ -36,6 +42,15 @@ STAGE_GAUGES = {
                          "inductor, loads from their caches included",
     "graph_pool_kept_blocks": "blocks of the replica's CUDA graph pools that a capture allocated and something other "
                               "than a graph's outputs still holds: tensors later replays may write over (0 expected)",
+    "gc_pause_s": "seconds the replica process's cyclic garbage collector has held the GIL (cumulative): its "
+                  "threads, the engine's included, wait that out",
+    "gc_collections": "collections of the replica process's garbage collector, every generation (cumulative)",
+    "gc_full_collections": "full (generation 2) collections of the replica process, which walk every tracked object "
+                           "(cumulative)",
+    "gc_full_pause_s": "seconds those full collections took (cumulative)",
+    "gc_pause_max_ms": "the replica process's longest garbage-collector pause so far (ms)",
+    "gc_frozen_objects": "objects moved out of the collector's way once startup was done (resources."
+                         "gc_freeze_after_startup; 0: not asked)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

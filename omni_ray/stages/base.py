@@ -12,7 +12,9 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
+from omni_ray.config import StageResources
 from omni_ray.engine.profiling import host_range
+from omni_ray.gc_pauses import process_gc_pauses
 from omni_ray.relay import (
     LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender, RelayServer,
 )
@@ -77,6 +79,7 @@ class StageBase:
         # worker), then the stage's own ("load", "warmup")
         age = process_age_s()
         self.startup_s: dict[str, float] = {} if age is None else {"process": age}
+        self.gc_pauses = process_gc_pauses()
         if self.device.type == "cuda":
             warm_host_copy(self.device)
 
@@ -93,16 +96,22 @@ class StageBase:
         if compiling > 0:
             self.startup_s["compile"] = self.startup_s.get("compile", 0.0) + compiling
 
-    def start_reporting(self) -> None:
-        """Under Serve: post this replica's load to the stats board (for /metrics and /ready)."""
+    def startup_done(self, resources: StageResources) -> None:
+        """The end of a stage's constructor: freeze what startup left out of the garbage collector's way if the
+        stage's resources ask for it, then, under Serve, post this replica's load to the stats board (for /metrics
+        and /ready)."""
+        if resources.gc_freeze_after_startup:
+            self.gc_pauses.freeze_startup_objects()
         if serve_replica_id() is not None and self._reporter is None:
             self._reporter = StatsReporter(self.replica_id, self.load_stats)
 
     def load_stats(self) -> dict[str, Any]:
-        """What this replica is doing now. Stages with an engine add running/waiting/KV numbers."""
+        """What this replica is doing now, its startup by phase and its process's garbage-collector pauses. Stages
+        with an engine add running/waiting/KV numbers."""
         return {"stage": self.stage_name, "streams": self.active_requests(), "completed": self.completed,
                 "failed": self.failed, "load": self.active_requests(),
-                **{f"startup_{phase}_s": seconds for phase, seconds in self.startup_s.items()}}
+                **{f"startup_{phase}_s": seconds for phase, seconds in self.startup_s.items()},
+                **self.gc_pauses.stats()}
 
     async def stats(self) -> dict[str, Any]:
         return self.load_stats()

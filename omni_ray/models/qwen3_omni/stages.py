@@ -108,7 +108,7 @@ class EncoderStage(StageBase):
         with self.startup_phase("load"):
             self.encoder = load_audio_encoder(files.weights, config, res.device, DTYPES[res.dtype])
         self._encoding = 0
-        self.start_reporting()
+        self.startup_done(stage.resources)
 
     async def encode(self, request_id: str, clips: list[np.ndarray], thinker: RelayPeer) -> int:
         """Encodes every clip of a request and relays one tensor [tokens, hidden]; returns the token count."""
@@ -159,7 +159,7 @@ class ThinkerStage(StageBase):
                                  gil_switch_interval_s=engine.gil_switch_interval_ms / 1000,
                                  admission=engine.admission_window(), stall_timeout_s=engine.stall_timeout_s)
         self.engine.start()
-        self.start_reporting()
+        self.startup_done(stage.resources)
 
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
@@ -278,7 +278,7 @@ class TalkerStage(StageBase):
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}
         self._frame_times: dict[str, list[float]] = {}  # when each request's first and latest frames were made (epoch s)
-        self.start_reporting()
+        self.startup_done(stage.resources)
 
     async def speak(self, request: TalkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
@@ -404,7 +404,7 @@ class VocoderStage(StageBase):
                 self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
         # the decode thread lets the GIL go at each graph replay and wait for the device, as an engine thread does
         lower_gil_switch_interval(streaming.gil_switch_interval_ms / 1000)
-        self.start_reporting()
+        self.startup_done(stage.resources)
 
     def load_stats(self) -> dict[str, Any]:
         """Plus the decode thread's cumulative work: over an interval, Δdecode_busy_s / seconds is how busy the

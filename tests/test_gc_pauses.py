@@ -34,7 +34,7 @@ def test_every_collection_is_timed_by_generation() -> None:
     gc.collect(2)
     after = pauses.stats()
     assert after["gc_collections"] >= before["gc_collections"] + 2
-    assert after["gc_full_collections"] == before["gc_full_collections"] + 1
+    assert after["gc_full_collections"] >= before["gc_full_collections"] + 1
     assert after["gc_full_pause_s"] > before["gc_full_pause_s"] and after["gc_pause_s"] > before["gc_pause_s"]
     assert after["gc_pause_max_ms"] > 0
 

@@ -1,4 +1,4 @@
-"""Python's garbage-collector pauses in this process: how often and how long the cyclic collector stopped its threads."""
+"""Python's garbage-collector pauses in this process: how often and how long the cyclic collector held its threads."""
 
 from __future__ import annotations
 

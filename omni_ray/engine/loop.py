@@ -194,8 +194,9 @@ class EngineLoop(Generic[S, O]):
                       "steps_launched_ahead": self.steps_launched_ahead, "max_batch_seen": self.max_batch_seen}
         # per step: the whole round (`step_ms`), the host queueing its device work (`launch`), the runner's collect
         # (`collect`: the wait for the device, then reading the step's results back; in a loop that does not launch
-        # ahead, inside `launch`), handing its outputs on (`outputs`); the engine thread's own CPU time in the launch and the hand-on (the
-        # rest of those it waited: for the GIL, when another thread of the process ran Python, or inside CUDA calls)
+        # ahead, inside `launch`), handing its outputs on (`outputs`); the engine thread's own CPU time in the launch
+        # and the hand-on (the rest of those it waited: for the GIL, when another thread of the process ran Python,
+        # or inside CUDA calls)
         columns = {"step_ms": 0, "launch_ms": 2, "outputs_ms": 3, "launch_cpu_ms": 4, "outputs_cpu_ms": 5,
                    "collect_ms": 6}
         out: dict[str, float] = {**counts, "batch_mean": statistics.fmean(r[1] for r in recent) if recent else 0.0}

@@ -25,8 +25,9 @@ STAGE_GAUGES = {
     "outputs_ms_p50": "median host time handing a step's outputs on (stream events, relay), over the last 256 steps (ms)",
     "launch_ms_mean": "mean host time queueing a step's device work, over the last 256 steps (ms)",
     "outputs_ms_mean": "mean host time handing a step's outputs on, over the last 256 steps (ms)",
-    "collect_ms_p50": "median time in the runner's collect, over the last 256 steps (ms): the wait for the device, then "
-                      "reading the step's results back (a loop that does not launch ahead counts it in launch_ms too)",
+    "collect_ms_p50": "median time in the runner's collect, over the last 256 steps (ms): the wait for the device, "
+                      "then reading the step's results back (a loop that does not launch ahead counts it in launch_ms "
+                      "too)",
     "collect_ms_mean": "mean time in the runner's collect, over the last 256 steps (ms)",
     "launch_cpu_ms_p50": "median CPU time of the engine thread while queueing a step, over the last 256 steps (ms); "
                          "the rest of launch_ms it waited (for the GIL, or inside CUDA calls)",

@@ -293,6 +293,23 @@ def level_rtf_floors(
             else None for level in levels}
 
 
+def frames_past_text(layout: Path, text_tokens: int) -> int | None:
+    """How many of a reply's frames the Talker makes after it has read the reply's last token, when every reply has
+    `text_tokens` tokens and the layout's frame cap (EOS ignored): the frames that only the Talker's own steps pace.
+    None without a cap."""
+    frames = PipelineConfig.from_yaml(layout).stages.talker.engine.max_frames
+    return None if frames is None else max(0, frames - text_tokens)
+
+
+def talker_pace_past_text(server: dict[str, Any], frames: int | None) -> float | None:
+    """The Talker's ms per frame past the reply's text: from its first step past the text to its last frame (the
+    server's means), over those frames. Against its step time it shows what the service adds to the engine's steps."""
+    read, last = server.get("mean_text_read_ms"), server.get("mean_last_frame_ms")
+    if not frames or read is None or last is None:
+        return None
+    return (last - read) / frames
+
+
 def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
     """The client's mean TTFA less its way in (X-Request-Start → ingress) and the server's time until it handed the
     first audio on: what the reply's first audio spent between the ingress and the client (ms; it also holds the
@@ -337,7 +354,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "requests took (each reads the weights again), and the requests in each on average. The rest of a reply: "
              "the Thinker's last token; its end reaching the Talker; the launch of the Talker's first step past the "
              "reply's tokens (the frames before it wait on the Thinker's steps, the ones after only on the Talker's); "
-             "the last frame; the vocoder's last chunk; the client's last chunk (its RTF's numerator). RTF floor: the "
+             "the last frame; the vocoder's last chunk; the client's last chunk (its RTF's numerator). The Talker past "
+             "the text: from its first step past the reply's tokens to its last frame, over the frames between (the "
+             "layout's frame cap less the reply's tokens), ms a frame: its pace where only its own steps pace it, to "
+             "read against its step time. RTF floor: the "
              "level's replies with the Thinker and the Talker each on a GPU of its own, stepping at their bandwidth "
              "floors (`omni_ray.floors.rtf_floor`), the rows routed to experts independently; measured routing: "
              "reading the experts random weights' steps did read at that batch in this workload "
@@ -349,13 +369,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              f"the rest of a reply, server: {' / '.join(point.replace('_', ' ') for point in REPLY_END)}; client: "
              "its last chunk, mean (ms) | "
              "client's way in / out, mean (ms) | step p50 (mean) thinker / talker (ms) | "
+             "Talker past the text, ms a frame | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | "
              "step p90; mean = launch + collect + outputs, thinker / talker (ms) | "
              "GC ms per s (full collections) thinker / talker / vocoder | mean batch thinker / talker | "
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] != "measure":
             continue
@@ -379,6 +400,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
             f"{num(srv.get('mean_request_path_ms'))} / {num(way_out(s, srv))} | "
             + " / ".join(f"{num(srv.get(f'{stage}_step_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_step_ms_mean'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "
+            f"{num(talker_pace_past_text(srv, r.get('talker_frames_past_text')), '{:.2f}')} | "
             + " / ".join(f"{num(srv.get(f'{stage}_launch_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_launch_cpu_ms_p50'), '{:.1f}')})"
                          f" + {num(srv.get(f'{stage}_outputs_ms_p50'), '{:.1f}')} ({num(srv.get(f'{stage}_outputs_cpu_ms_p50'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "
@@ -445,10 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     measured = level_rtf_floors(layout, levels, args.max_tokens, measured_shares(Path(args.expert_reads), workload))
     rows = serve_and_measure(str(layout), levels, args.rounds, args.max_tokens, out, Path(args.prompt_file),
                              args.request_timeout, args.warmup_timeout)
+    past_text = frames_past_text(layout, args.max_tokens)
     for row in rows:
         if row["phase"] == "measure":
             row["rtf_floor"] = floors[row["concurrency"]]
             row["rtf_floor_measured_routing"] = measured[row["concurrency"]]
+            row["talker_frames_past_text"] = past_text
     baseline = None
     if args.baseline:  # a fresh process, after Serve released the GPUs
         subprocess.run([sys.executable, "-m", "benchmarks.hf_baseline", "--out", str(out / "hf_baseline.json")], check=True)

@@ -12,8 +12,8 @@ import yaml
 from benchmarks import e2e_serve
 from benchmarks.expert_reads import LATEST as EXPERT_READS, measured_shares
 from benchmarks.e2e_serve import (
-    breakdown, level_rtf_floors, markdown, process_cpu_seconds, serve_process_label, service_cpu_seconds, startup_phases,
-    with_overrides,
+    breakdown, frames_past_text, level_rtf_floors, markdown, process_cpu_seconds, serve_process_label,
+    service_cpu_seconds, startup_phases, with_overrides,
 )
 from omni_ray.config import PipelineConfig
 
@@ -143,10 +143,12 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
                               'omni_stage_step_ms_p50{stage="talker",replica="k1"}': 5.0})
     assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6},
                        "talker": {"warmup": 41.0, "graph_pool_kept": 2.0}}
+    past_text = frames_past_text(layout, 128)
+    assert past_text == 400 - 128  # workload W: the frames after the reply's 128 tokens
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "server": served if c == 32 else {},
          "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c],
-         "rtf_floor_measured_routing": measured[c]}
+         "rtf_floor_measured_routing": measured[c], "talker_frames_past_text": past_text}
         for c in (1, 8, 32)]
     rows[-1].update(ok=30, errors=2, error_samples=["500: relay failed", "timeout:"])
     rows.append({"phase": "end", "graph_pool_kept": {"thinker": 0.0, "talker": 1.0}})
@@ -155,7 +157,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| RTF floor | RTF floor, measured routing |" in table and "| 0.100 | 0.064 | 0.038 |" in table
     assert "| host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) |" in table
     assert "| – (–) + – (–) / – (–) + – (–) |" in table  # levels without gauges
-    assert "| 14.0 (15.5) / – (–) | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
+    assert "| 14.0 (15.5) / – (–) | 4.75 | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
     assert "| 32 | 30/32 | 100 (150) | 200 |" in table  # TTFA p50 (mean), p90
     assert "| 3 (10.7) / – (–) |" in table  # prefill batches (requests each) thinker / talker
     # a step's tail: its p90, and its mean as its parts' means; each stage process's GC pauses over the level
@@ -165,6 +167,8 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert ("| the rest of a reply, server: last token / talker text end / text read / last frame / last audio; "
             "client: its last chunk, mean (ms) |") in table
     assert "| 1100 / 1104 / 1109 / 2400 / 2700; 2800 |" in table
+    # the Talker's pace past the text: (2400 - 1109) ms over 272 frames
+    assert "| – (–) / – (–) | – |" in table  # none where the level has no server means
     assert "| – / – / – / – / –; – |" in table  # a level without them (and a summary without latencies)
     header, rule, *body = [line for line in table.splitlines() if line.startswith("|")]
     assert all(line.count(" | ") == header.count(" | ") for line in body) and rule.count("---") == header.count(" | ") + 1

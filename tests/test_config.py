@@ -67,6 +67,9 @@ def test_gpu_layouts_place_stages_as_documented() -> None:
         assert one.talker.engine.persistent_code_predictor
         assert one.talker.engine.persistent_code_predictor_max_rows == 1
         assert one.talker.engine.stall_timeout_s == one.thinker.engine.stall_timeout_s == 180
+        # under MPS the vocoder's decode calls hold half the SMs, leaving the Talker's steps beside them alone
+        assert one.vocoder.resources.mps_active_thread_percentage == 50
+        assert one.vocoder.resources.actor_options()["runtime_env"]["env_vars"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
 
 
 def test_tiny_cpu_layout_is_the_default_and_the_packaged_copy() -> None:

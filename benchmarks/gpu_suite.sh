@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's runs in one command: each named step runs under its own time limit, its log and results go
 # under $OUT, and everything is also packed into $OUT/suite.tar.gz (one file to bring back, whatever the count).
+# With two or more e2e runs, their 32-stream levels end the output side by side (also $OUT/logs/compare_c32.md).
 #
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
@@ -217,5 +218,9 @@ for step in "${@:-tests engine vocoder e2e}"; do
 done
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 for table in "$OUT"/results/*/*.md; do [ -e "$table" ] && { echo "== $table"; tail -n 12 "$table"; }; done
+runs=(); for json in "$OUT"/results/*/e2e.json; do [ -e "$json" ] && runs+=("$(basename "$(dirname "$json")")=$json"); done
+if [ ${#runs[@]} -ge 2 ]; then  # an A/B's runs side by side at 32 streams, last in the output (benchmarks/compare_runs.py)
+  python -m benchmarks.compare_runs "${runs[@]}" --concurrency 32 > "$OUT/logs/compare_c32.md" && { echo "== 32 streams, run by run"; cat "$OUT/logs/compare_c32.md"; }
+fi
 tar -czf /tmp/suite.tar.gz -C "$OUT" logs results && mv /tmp/suite.tar.gz "$OUT/suite.tar.gz"
 if [ -n "$failed_steps" ]; then echo "failed steps:$failed_steps"; exit 1; fi

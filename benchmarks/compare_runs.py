@@ -16,9 +16,9 @@ COLUMNS = (
 
 
 def level_row(result: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
-    """The run's measured level at `concurrency` (an `e2e.json`'s row with client statistics), or None."""
+    """The run's measured level at `concurrency` (an `e2e.json`'s "measure" row, not its warm-up), or None."""
     for row in result["rows"]:
-        if row.get("concurrency") == concurrency and "stats" in row:
+        if row["phase"] == "measure" and row["concurrency"] == concurrency:
             return row
     return None
 

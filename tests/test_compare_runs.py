@@ -11,7 +11,7 @@ from benchmarks.compare_runs import compare_table, main
 
 def _result(rtf: float, talker_p90: float, last_frame: float, concurrency: int = 32) -> dict[str, Any]:
     level = {
-        "phase": "level", "concurrency": concurrency, "requests": 64, "ok": 63, "talker_frames_past_text": 272,
+        "phase": "measure", "concurrency": concurrency, "requests": 64, "ok": 63, "talker_frames_past_text": 272,
         "stats": {"ttfa_s": {"p50": 0.2301, "p90": 0.3189}, "rtf": {"p50": rtf}, "latency_s": {"mean": 3.7994}},
         "server": {"talker_step_ms_p50": 5.6, "talker_step_ms_mean": 6.4, "talker_step_ms_p90": talker_p90,
                    "thinker_step_ms_p50": 13.0, "thinker_step_ms_mean": 13.9, "vocoder_busy_s_per_s": 0.204,

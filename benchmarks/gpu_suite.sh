@@ -50,6 +50,14 @@ if [ "${DRY_RUN:-0}" != 1 ] && [ -d .whl ] && ! python3 -c "import ray" 2>/dev/n
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+if [ "${DRY_RUN:-0}" != 1 ]; then  # stop before any step when the image and the bundle both lack a module the service imports
+  missing=$(python3 -c "import omni_ray.serve.app" 2>&1 | grep -o "No module named '[^']*'" | head -n 1)
+  if [ -n "$missing" ]; then
+    echo "gpu_suite: $missing. Build the bundle with ../shared/tools/gpu-wheels.sh .whl soundfile==0.13.1 cffi pycparser" \
+         "(README, GPU section) and carry .whl" | tee "$OUT/logs/suite_setup.txt"
+    exit 1
+  fi
+fi
 if [ "${DRY_RUN:-0}" != 1 ] && [ -f .whl/py-spy.gz ] && [ ! -x /tmp/spy/py-spy ]; then  # carried, gzipped: `gzip -9c $(command -v py-spy) > .whl/py-spy.gz`
   mkdir -p /tmp/spy && gzip -dc .whl/py-spy.gz > /tmp/spy/py-spy && chmod +x /tmp/spy/py-spy
 fi

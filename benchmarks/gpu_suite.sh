@@ -34,7 +34,8 @@
 # `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
 # step, default 280), STACKS_EVERY (seconds: py-spy dumps each stage replica's threads that often while a step runs,
 # into logs/STEP.stacks.txt; needs .whl/py-spy.gz), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
-# GPU_TESTS (which test files or ids the tests step runs). Variants in one call: a step named NAME:TAG
+# GPU_TESTS (which test files or ids the tests step runs), STEP_TRACE=1 (e2e and e2e1 steps: every stage's steps traced
+# into results/STEP/steps, then benchmarks/step_timeline.py's table of each burst in results/STEP/timeline.md). Variants in one call: a step named NAME:TAG
 # (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine,
 # profile, smallbatch and vocoder: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
 # MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
@@ -122,6 +123,15 @@ ray_errors() {
   } > "$OUT/logs/$1.ray_errors.txt" 2>&1
 }
 
+# with STEP_TRACE=1, what an e2e step's command runs under (every engine round and vocoder call traced), and its
+# bursts' timeline once it is done
+trace_env() { echo "OMNI_RAY_STEP_TRACE_DIR=$OUT/results/$1/steps"; }
+[ "${STEP_TRACE:-0}" = 1 ] || trace_env() { echo "OMNI_RAY_STEP_TRACE_DIR="; }
+step_timeline() {
+  [ "${DRY_RUN:-0}" = 1 ] || [ ! -d "$OUT/results/$1/steps" ] || \
+    python -m benchmarks.step_timeline "$OUT/results/$1/steps" --out "$OUT/results/$1/timeline.md" >> "$OUT/logs/$1.log" 2>&1
+}
+
 mps_on() {
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$1] (MPS daemon on)"; return; fi
   nvidia-cuda-mps-control -d && echo "MPS daemon started" >> "$OUT/logs/$1.log"
@@ -194,7 +204,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       relay) run_step relay python -m benchmarks.relay_bench --out "$OUT/results/relay" ;;
       e2e) [ "$mps" = 1 ] && mps_on "$tag"
            # shellcheck disable=SC2086
-           run_step "$tag" python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml $extra --out "$OUT/results/$tag"
+           run_step "$tag" env "$(trace_env "$tag")" python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml $extra --out "$OUT/results/$tag"
+           step_timeline "$tag"
            [ "$mps" = 1 ] && mps_off ;;
       e2eprof) # where each stage replica's time goes in the service: 20 steps at batch >= 24, one round at c=32
            run_step "$tag" env OMNI_RAY_PROFILE_DIR="$OUT/results/$tag/profiles" OMNI_RAY_PROFILE_MIN_BATCH=24 \
@@ -215,7 +226,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       e2e1) mps=${!mps_var:-1}  # four processes on one GPU: under MPS unless MPS_e2e1_TAG=0
             [ "$mps" = 1 ] && mps_on "$tag"
             # shellcheck disable=SC2086
-            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"
+            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 "$(trace_env "$tag")" python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml $extra --out "$OUT/results/$tag"
+            step_timeline "$tag"
             [ "$mps" = 1 ] && mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
       # shellcheck disable=SC2086

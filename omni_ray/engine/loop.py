@@ -14,7 +14,7 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 
-from omni_ray.engine.profiling import StepProfiler, host_range
+from omni_ray.engine.profiling import StepProfiler, StepTrace, host_range
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class EngineLoop(Generic[S, O]):
         self._outputs_cpu_ms = 0.0
         self._collect_ms = 0.0
         self.profiler = StepProfiler(name)  # inert unless OMNI_RAY_PROFILE_DIR is set
+        self.trace = StepTrace(name)  # inert unless OMNI_RAY_STEP_TRACE_DIR is set
         self.stream = stream
         # a runner with launch/collect lets the loop queue a step before reading the previous one back (and time the
         # host's part of a step, the launch, on its own)
@@ -282,6 +283,7 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = self._round_started = time.perf_counter()
+            wall, prefilled = time.time(), self._prefilled()
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = self._collect_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
@@ -296,11 +298,20 @@ class EngineLoop(Generic[S, O]):
                     self._collect(*pending)
                     pending = None
             self._round_started = None
+            round_ms = (time.perf_counter() - started) * 1000
             if launched is not None:
                 with self._cond:
-                    self._recent.append(((time.perf_counter() - started) * 1000, len(batch), self._launch_ms,
-                                         self._outputs_ms, self._launch_cpu_ms, self._outputs_cpu_ms,
-                                         self._collect_ms))
+                    self._recent.append((round_ms, len(batch), self._launch_ms, self._outputs_ms, self._launch_cpu_ms,
+                                         self._outputs_cpu_ms, self._collect_ms))
+            if self.trace.active:  # the round: this step's launch, the previous one's collect and hand-on
+                self.trace.record(wall, batch=len(batch), prefilled=self._prefilled() - prefilled,
+                                  launch_ms=self._launch_ms, collect_ms=self._collect_ms,
+                                  outputs_ms=self._outputs_ms, round_ms=round_ms)
+
+    def _prefilled(self) -> int:
+        """Sequences the runner has prefilled so far (0 for a runner that does not count them)."""
+        tally = getattr(self.runner, "prefills", None)
+        return int(tally.sequences) if tally is not None else 0
 
     def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
         """Queue a step (or run it whole: launch, then collect, as the runners' `step` does, with the launch timed);

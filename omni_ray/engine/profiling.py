@@ -1,5 +1,6 @@
 """Profiling a running service from the inside: when `OMNI_RAY_PROFILE_DIR` is set, each stage replica records one
-window of its own steps with torch.profiler, once its batch is large enough, and writes where the time went.
+window of its own steps with torch.profiler, once its batch is large enough, and writes where the time went; when
+`OMNI_RAY_STEP_TRACE_DIR` is set, each engine loop and vocoder decode thread writes every step's start and parts.
 
 The engine-only benchmarks time a step alone on a GPU; in the service the same step shares the GPU with other stages
 and the host with the relay and streams. This shows the difference: wall time per step against the device time the
@@ -8,6 +9,7 @@ replica's own kernels took, and the kernels by time.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -25,6 +27,7 @@ PROFILE_MIN_BATCH_ENV = "OMNI_RAY_PROFILE_MIN_BATCH"  # profile once the step ba
 PROFILE_STEPS_ENV = "OMNI_RAY_PROFILE_STEPS"  # steps in the window (default 20)
 SKIP_STEPS = 5  # steps at the qualifying batch size left alone first (warm caches, settled batch)
 RANGE_PREFIX = "omni_ray: "
+STEP_TRACE_DIR_ENV = "OMNI_RAY_STEP_TRACE_DIR"
 
 
 def host_range(name: str) -> torch.profiler.record_function:
@@ -114,3 +117,29 @@ class StepProfiler:
                  *[f"{e.cpu_time_total / steps / 1000:8.3f} ms/step  {e.count / steps:7.1f} calls/step  "
                    f"{e.key[len(RANGE_PREFIX):]}" for e in ranges]]
         return "\n".join(lines) + "\n"
+
+
+class StepTrace:
+    """Every step of one engine loop or decode thread as a JSON line of `<dir>/<name>-<pid>.jsonl` when
+    `OMNI_RAY_STEP_TRACE_DIR` is set (inert otherwise): `t`, the wall clock (epoch s) the step began at, and what
+    its caller measured. The steps of every stage process then line up on one clock (`benchmarks/step_timeline.py`):
+    what each engine did while a burst of requests came in, which a window's means cannot show."""
+
+    def __init__(self, name: str, directory: str | None = None) -> None:
+        env_dir = directory if directory is not None else os.environ.get(STEP_TRACE_DIR_ENV)
+        self.path = Path(env_dir) / f"{name}-{os.getpid()}.jsonl" if env_dir else None
+        self._file: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    def record(self, started: float, **fields: float | int) -> None:
+        """One step that began at wall-clock `started` (epoch s); its fields rounded to the microsecond."""
+        if self.path is None:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)  # a line at a time: a process killed at the end loses none
+        values = {key: round(value, 3) if isinstance(value, float) else value for key, value in fields.items()}
+        self._file.write(json.dumps({"t": round(started, 6), **values}) + "\n")

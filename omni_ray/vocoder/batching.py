@@ -11,7 +11,7 @@ from typing import Callable, Generic, Hashable, Protocol, TypeVar
 
 import torch
 
-from omni_ray.engine.profiling import StepProfiler
+from omni_ray.engine.profiling import StepProfiler, StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class BatchWorker(Generic[Item, Result]):
         self.frames = 0  # codec frames decoded (a window's left context included)
         self.busy_s = 0.0  # time spent in decode calls (with the GPU's results back on the host)
         self.profiler = StepProfiler("vocoder")  # inert unless OMNI_RAY_PROFILE_DIR is set
+        self.trace = StepTrace("vocoder")  # inert unless OMNI_RAY_STEP_TRACE_DIR is set
         self._thread = threading.Thread(target=self._run, name="vocoder-batches", daemon=True)
         self._thread.start()
 
@@ -117,7 +118,7 @@ class BatchWorker(Generic[Item, Result]):
             seen = len(self._pending)
 
     def _run_calls(self, group: list[_Call[Item, Result]]) -> None:
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         results: list[Result] | None = None
         error: BaseException | None = None
         try:
@@ -126,10 +127,13 @@ class BatchWorker(Generic[Item, Result]):
         except BaseException as exc:  # every waiting stream gets the error; the worker keeps serving
             log.exception("vocoder batch of %d calls failed", len(group))
             error = exc
-        self.busy_s += time.perf_counter() - started
+        busy_s = time.perf_counter() - started
+        self.busy_s += busy_s
         self.batches += 1
         self.windows += len(group)
-        self.frames += sum(self._frames(call.item) for call in group)
+        frames = sum(self._frames(call.item) for call in group)
+        self.frames += frames
+        self.trace.record(wall, calls=len(group), frames=frames, round_ms=busy_s * 1000)
         for index, call in enumerate(group):
             if results is not None:
                 call.future.set_result(results[index])

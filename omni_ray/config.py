@@ -104,6 +104,14 @@ class EngineSettings(_Strict):
         "H200 at 32 streams, one machine: TTFA p50 216 against 212 ms, the first token 89 against 94 ms and the "
         "first frame 138 against 149 ms after submission (within the runs' spread)",
     )
+    split_large_prefills: bool = Field(
+        default=True,
+        description="with CUDA graphs: a prefill batch past `prefill_graph_tokens` runs as parts of as many prompts "
+        "as fit that many padded tokens, each replayed from its graph at the batch's bucket length, instead of one "
+        "eager pass at its own shape. Each part reads the weights again, but the eager pass of a burst's large wave "
+        "is host-bound: on an H100 at 32 streams (1-GPU layout, `benchmarks/step_timeline.py`) a 21-prompt wave took "
+        "133 ms to launch in the Thinker and 85 ms in the Talker, while both engines' other requests waited",
+    )
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
     )

@@ -11,6 +11,7 @@ from omni_ray.engine.fixed_shape import (
     pad_prefill,
     prefill_shape,
     run_prefill,
+    split_rows,
     warmup_shapes,
     within_prefill_budget,
 )
@@ -114,6 +115,22 @@ def test_run_prefill_pads_rows_to_the_shape_it_picks_and_uses_a_graph_only_withi
     assert graphs.keys == [("prefill", 4, 32)] and seen[-1] == ((3, 32, 3), [0, 1, 2])
     assert last_positions(out["hidden"], [0, 1, 2], [5, 20, 9])[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert bool((out["hidden"][0, 5:] == 0).all())
+
+
+def test_a_prefill_past_the_graph_limit_splits_into_graph_sized_parts_at_its_bucket_length() -> None:
+    cache = _cache(num_slots=40, max_len=2044)
+    assert split_rows(21, 100, cache, 2048) == 16  # 16 x 128 padded tokens a part: 16 + 5 (a part of 8 rows)
+    assert split_rows(16, 120, cache, 2048) == 0  # within the limit as it is: one graph, no parts
+    assert split_rows(16, 130, cache, 2048) == 8  # 16 x 256 > 2048: two parts of 8
+    assert split_rows(3, 100, cache, None) == 0 and split_rows(2, 2040, cache, 1024) == 0  # no limit; too long a row
+    prompts = [float(i + 1) * torch.ones(n, 2) for i, n in enumerate([5, 20, 9])]
+    graphs = _RecordingGraphs()
+    out = run_prefill(graphs, lambda embeds, slots: {"hidden": embeds, "slot": slots}, prompts, [7, 8, 9],
+                      _cache(num_slots=10, max_len=512), graph_tokens=64, split=True)  # 4 x 32 > 64: parts of 2
+    assert graphs.keys == [("prefill", 2, 32), ("prefill", 1, 32)]  # the last part of one row at its bucket
+    assert out["slot"].tolist() == [7, 8, 9] and out["hidden"].shape == (3, 32, 2)  # each part's own rows, in order
+    assert last_positions(out["hidden"], [0, 1, 2], [5, 20, 9])[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert bool((out["hidden"][2, 9:] == 0).all())
 
 
 def test_graph_cache_runs_eagerly_off_cuda() -> None:

@@ -69,7 +69,7 @@ def test_each_engine_round_is_traced_with_its_batch_and_prefills(
     assert sum(r["prefilled"] for r in rounds) == 3  # each sequence's first step, in the round that ran it
     assert stepped[0]["prefilled"] == 1 and stepped[1]["prefilled"] == 0
     assert all(before <= r["t"] <= time.time() for r in rounds)
-    assert all(r["round_ms"] >= r["launch_ms"] >= 0 for r in rounds)
+    assert all(r["round_ms"] >= r["launch_ms"] >= 0 and r["launch_cpu_ms"] >= 0 for r in rounds)
 
 
 def test_each_vocoder_decode_call_is_traced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -97,10 +97,10 @@ def test_the_timeline_finds_each_burst_and_lines_the_stages_up(tmp_path: Path) -
     t0 = 1_700_000_000.0
     _write(tmp_path, "thinker", [thinker(t0, 5, 5), thinker(t0 + 0.010, 8, 3), thinker(t0 + 0.020, 8, 0),
                                  thinker(t0 + 1.0, 2, 2), thinker(t0 + 1.010, 2, 0)])
-    _write(tmp_path, "talker", [(t0 + 0.015, {"batch": 5, "prefilled": 5, "launch_ms": 4.0, "collect_ms": 0.0,
-                                              "outputs_ms": 0.0, "round_ms": 4.0}),
-                                (t0 + 0.025, {"batch": 8, "prefilled": 3, "launch_ms": 4.0, "collect_ms": 30.0,
-                                              "outputs_ms": 1.0, "round_ms": 35.0})])
+    _write(tmp_path, "talker", [(t0 + 0.015, {"batch": 5, "prefilled": 5, "launch_ms": 4.0, "launch_cpu_ms": 3.0,
+                                              "collect_ms": 0.0, "outputs_ms": 0.0, "round_ms": 4.0}),
+                                (t0 + 0.025, {"batch": 8, "prefilled": 3, "launch_ms": 4.0, "launch_cpu_ms": 2.5,
+                                              "collect_ms": 30.0, "outputs_ms": 1.0, "round_ms": 35.0})])
     _write(tmp_path, "vocoder", [(t0 + 0.065, {"calls": 8, "frames": 8, "round_ms": 3.0})])
     rounds = load_rounds(tmp_path)
     assert [r.stage for r in rounds[:4]] == ["thinker", "thinker", "talker", "thinker"]
@@ -110,6 +110,6 @@ def test_the_timeline_finds_each_burst_and_lines_the_stages_up(tmp_path: Path) -
     assert "- Thinker prefill waves (requests at ms): 5 at 0, 3 at 10" in first
     assert "- Talker prefill waves (requests at ms): talker: 5 at 15, 3 at 25" in first
     assert "Talker: 2 rounds, p50 19.5, max 35.0 ms" in first
-    assert "| 25.0 | talker | 8 | 3 | 4.0 | 30.0 | 1.0 | 35.0 |" in first
+    assert "| 25.0 | talker | 8 | 3 | 4.0 (2.5) | 30.0 | 1.0 | 35.0 |" in first
     assert "| 65.0 | vocoder | 8 calls, 8 frames | | | | | 3.0 |" in first
     assert "- Thinker prefill waves (requests at ms): 2 at 0" in second and "talker: none" in second

@@ -40,12 +40,12 @@ def parts(tiny_checkpoint: Path) -> dict[str, Any]:
     return {"config": config, "checkpoint": tiny_checkpoint, "thinker_outputs": outputs, "prompt_ids": list(ids)}
 
 
-def _runner(parts: dict[str, Any], prefill_graph_tokens: int | None = None) -> TalkerRunner:
+def _runner(parts: dict[str, Any], prefill_graph_tokens: int | None = None, split: bool = False) -> TalkerRunner:
     config = parts["config"]
     text = config.talker_config.text_config
     cache = SlotKVCache(text.num_hidden_layers, 2, 512, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
     return TalkerRunner(load_talker(parts["checkpoint"], config, "cpu", torch.float32), config, cache, max_batch=2,
-                        prefill_graph_tokens=prefill_graph_tokens)
+                        prefill_graph_tokens=prefill_graph_tokens, split_large_prefills=split)
 
 
 def _run(runner: TalkerRunner, seq: TalkerSequence, max_steps: int = 500) -> list[list[int]]:
@@ -201,14 +201,16 @@ def test_seeded_sampled_speech_repeats_and_filters_only_top_k_candidates(parts: 
 
 def test_a_prefill_without_bucket_padding_speaks_the_same_frames(parts: dict[str, Any]) -> None:
     """Two Talker prompts of 48 positions (39 user states) prefilled as one batch at their bucket (2 rows x 64
-    positions) and at their own length rounded up to 16 (2 x 48, `prefill_graph_tokens=0`): the same frames."""
+    positions), at their own length rounded up to 16 (2 x 48, `prefill_graph_tokens=0`), and as two parts of one row
+    at the bucket (`split_large_prefills` past 64 tokens): the same frames."""
     from omni_ray.bench import _talker_seqs
 
     frames = []
-    for graph_tokens in (None, 0):
-        torch.manual_seed(3)  # the same random Thinker states both times
+    # the bucket; the prompts' own length; parts of one row each at the bucket (`split_large_prefills`, 2 x 64 > 64)
+    for graph_tokens, split in ((None, False), (0, False), (64, True)):
+        torch.manual_seed(3)  # the same random Thinker states each time
         seqs = _talker_seqs(parts["config"], 2, 39, 6, GREEDY_TALKER)
-        runner = _runner(parts, graph_tokens)
+        runner = _runner(parts, graph_tokens, split)
         for seq in seqs:
             runner.admit(seq)
         assert runner._prompt_length(seqs[0]) == 48
@@ -218,7 +220,7 @@ def test_a_prefill_without_bucket_padding_speaks_the_same_frames(parts: dict[str
                 if out.codes is not None:
                     made[out.request_id].append(out.codes)
         frames.append(made)
-    assert frames[0] == frames[1] and all(len(codes) == 16 for codes in frames[0].values())
+    assert frames[0] == frames[1] == frames[2] and all(len(codes) == 16 for codes in frames[0].values())
 
 
 def test_early_prefill_speaks_what_the_whole_prompt_prefill_speaks(parts: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ MIXES = [["greedy", "penalized", "filtered"], ["greedy", "sampled", "filtered"],
 def _admitted(
     checkpoint: Path, names: list[str], tokens: int = 10, prefill_graph_tokens: int | None = None,
     prompt_lengths: tuple[int, ...] = (20, 20, 20, 20), max_prefill_tokens: int = 8192, early_first_tokens: bool = True,
+    split_large_prefills: bool = False,
 ) -> tuple[ThinkerRunner, list[ThinkerSequence]]:
     """The requests `names` admitted together: the runner and the sequences."""
     config = Qwen3OmniMoeConfig.from_pretrained(checkpoint)
@@ -37,7 +38,7 @@ def _admitted(
     cache = SlotKVCache(text.num_hidden_layers, 4, 128, text.num_key_value_heads, text.head_dim, torch.float32, "cpu")
     runner = ThinkerRunner(load_thinker(checkpoint, config, "cpu", torch.float32), config, cache,
                            max_prefill_tokens=max_prefill_tokens, prefill_graph_tokens=prefill_graph_tokens,
-                           early_first_tokens=early_first_tokens)
+                           early_first_tokens=early_first_tokens, split_large_prefills=split_large_prefills)
     seqs = [ThinkerSequence(name, benchmark_prompt_ids(config, prompt_lengths[i], i), REQUESTS[name], tokens, frozenset())
             for i, name in enumerate(REQUESTS) if name in names]
     for seq in seqs:
@@ -73,6 +74,25 @@ def test_a_prefill_without_bucket_padding_makes_the_same_tokens(tiny_checkpoint:
     lengths = (20, 37, 9, 30)
     bucketed = _replies(tiny_checkpoint, MIXES[0], prompt_lengths=lengths)
     assert _replies(tiny_checkpoint, MIXES[0], prefill_graph_tokens=0, prompt_lengths=lengths) == bucketed
+
+
+def test_a_prefill_split_into_graph_sized_parts_makes_the_same_tokens(tiny_checkpoint: Path) -> None:
+    """Four prompts of 20, 37, 9 and 30 tokens past a 128-token graph limit at their bucket (4 rows x 64), with
+    `split_large_prefills`: two parts of two rows at the batch's length, one prefill batch, the same replies (and
+    so the same Talker prefixes, which the parts' rows make) as the whole bucket."""
+    lengths = (20, 37, 9, 30)
+    names = MIXES[0] + ["sampled"]
+    bucketed = _replies(tiny_checkpoint, names, prompt_lengths=lengths)
+    runner, seqs = _admitted(tiny_checkpoint, names, prefill_graph_tokens=128, prompt_lengths=lengths,
+                             split_large_prefills=True)
+    keys: list[object] = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda key, fn, inputs: keys.append(key) or run(key, fn, inputs)  # type: ignore[method-assign]
+    while any(s.finish_reason is None for s in seqs):
+        runner.step([s for s in seqs if s.finish_reason is None])
+    assert {s.request_id: s.output_ids for s in seqs} == bucketed
+    assert [k for k in keys if k[0] == "prefill"] == [("prefill", 2, 64), ("prefill", 2, 64)]  # type: ignore[index]
+    assert runner.prefills.batches == 1 and runner.prefills.sequences == 4
 
 
 @pytest.mark.parametrize("names", MIXES[:2], ids="+".join)

@@ -54,12 +54,39 @@ def prefill_shape(num_prompts: int, longest: int, cache: SlotKVCache, graph_toke
     return num_prompts, min(-(-longest // PREFILL_LENGTH_STEP) * PREFILL_LENGTH_STEP, cache.max_len), False
 
 
+def split_rows(num_prompts: int, longest: int, cache: SlotKVCache, graph_tokens: int | None) -> int:
+    """Prompts per graph-sized part of a prefill that is past `graph_tokens` at its bucket: the most rows (a power of
+    two) whose bucket at the batch's length holds at most `graph_tokens` tokens; 0 when the batch runs from one
+    graph as it is, or when not even one row fits (a prompt that long runs eagerly)."""
+    if graph_tokens is None or prefill_shape(num_prompts, longest, cache, graph_tokens)[2]:
+        return 0
+    rows, length = 1, bucket_length(longest, cache.max_len)
+    while 2 * rows * length <= graph_tokens:
+        rows *= 2
+    return rows if rows * length <= graph_tokens else 0
+
+
 def run_prefill(
     graphs: GraphCache, forward: Callable[..., dict[str, torch.Tensor]], prompts: list[torch.Tensor],
-    slots: list[int], cache: SlotKVCache, graph_tokens: int | None,
+    slots: list[int], cache: SlotKVCache, graph_tokens: int | None, split: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """`forward(embeds, slots)` over the prompts padded to their `prefill_shape`: row i is prompts[i]."""
-    rows, length, graphed = prefill_shape(len(prompts), max(p.shape[0] for p in prompts), cache, graph_tokens)
+    """`forward(embeds, slots)` over the prompts padded to their `prefill_shape`: row i is prompts[i]. With `split`, a
+    batch past `graph_tokens` runs as parts of `split_rows` prompts, each replayed from its graph at the batch's
+    bucket length, instead of eagerly at its own shape: each part reads the weights again, but an eager pass of a
+    burst's wave is host-bound (on an H100 at 32 streams a 21-prompt wave took 133 ms to launch in the Thinker, 85 in
+    the Talker, with both engines' other rows waiting). The outputs (rows first) are then the parts' rows in order."""
+    longest = max(p.shape[0] for p in prompts)
+    part = split_rows(len(prompts), longest, cache, graph_tokens) if split else 0
+    if part:
+        length = bucket_length(longest, cache.max_len)
+        parts = []
+        for start in range(0, len(prompts), part):
+            chunk = prompts[start : start + part]
+            embeds, slot_t = pad_prefill(chunk, slots[start : start + part], cache, bucket_pow2(len(chunk)), length)
+            out = graphs.run(("prefill", bucket_pow2(len(chunk)), length), forward, {"embeds": embeds, "slots": slot_t})
+            parts.append({name: value[: len(chunk)].clone() for name, value in out.items()})  # before a replay reuses them
+        return {name: torch.cat([out[name] for out in parts]) for name in parts[0]}
+    rows, length, graphed = prefill_shape(len(prompts), longest, cache, graph_tokens)
     embeds, slot_t = pad_prefill(prompts, slots, cache, rows, length)
     if graphed:
         return graphs.run(("prefill", rows, length), forward, {"embeds": embeds, "slots": slot_t})

@@ -305,7 +305,7 @@ class EngineLoop(Generic[S, O]):
                                          self._outputs_cpu_ms, self._collect_ms))
             if self.trace.active:  # the round: this step's launch, the previous one's collect and hand-on
                 self.trace.record(wall, batch=len(batch), prefilled=self._prefilled() - prefilled,
-                                  launch_ms=self._launch_ms, collect_ms=self._collect_ms,
+                                  launch_ms=self._launch_ms, launch_cpu_ms=self._launch_cpu_ms, collect_ms=self._collect_ms,
                                   outputs_ms=self._outputs_ms, round_ms=round_ms)
 
     def _prefilled(self) -> int:

@@ -152,7 +152,8 @@ class ThinkerStage(StageBase):
                                    engine.compile_layers, engine.moe_kernels, engine.prefill_graph_tokens,
                                    moe_layer_kernels=engine.moe_layer_kernels,
                                    early_first_tokens=engine.early_first_tokens,
-                                   moe_layer_folds=engine.moe_layer_folds)
+                                   moe_layer_folds=engine.moe_layer_folds,
+                                   split_large_prefills=engine.split_large_prefills)
             runner.warmup(engine.max_batch)
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
@@ -267,7 +268,8 @@ class TalkerStage(StageBase):
                                   persistent_code_predictor_l2_keep_percent=(
                                       engine.persistent_code_predictor_l2_keep_percent),
                                   persistent_code_predictor_draws=engine.persistent_code_predictor_draws,
-                                  moe_layer_folds=engine.moe_layer_folds)
+                                  moe_layer_folds=engine.moe_layer_folds,
+                                  split_large_prefills=engine.split_large_prefills)
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

@@ -66,6 +66,7 @@ class TalkerRunner:
         moe_layer_folds: bool = False,
         persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
         persistent_code_predictor_draws: bool = False,
+        split_large_prefills: bool = False,
     ) -> None:
         self.assets = assets
         self.model = assets.model
@@ -96,6 +97,7 @@ class TalkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
+        self.split_large_prefills = split_large_prefills  # ... or as graph-sized parts
         # Steps that made frames: the clock the vocoder ends its aligned chunks on. It starts again at a step where
         # no sequence holding a slot has spoken yet, so a request served alone is chunked, and its audio rounded,
         # the same way every time.
@@ -305,7 +307,7 @@ class TalkerRunner:
             self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
         with host_range("talker: prefill"):
             out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
-                              self.prefill_graph_tokens)
+                              self.prefill_graph_tokens, self.split_large_prefills)
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
             if early:

@@ -141,6 +141,7 @@ class ThinkerRunner:
         self, model: ThinkerLM, config: Any, cache: SlotKVCache, cuda_graphs: bool = True, max_prefill_tokens: int = 8192,
         compile_layers: bool = False, moe_kernels: bool = True, prefill_graph_tokens: int | None = None,
         moe_layer_kernels: bool = True, early_first_tokens: bool = True, moe_layer_folds: bool = False,
+        split_large_prefills: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -154,6 +155,7 @@ class ThinkerRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
+        self.split_large_prefills = split_large_prefills  # ... or as graph-sized parts
         self.prefills = PrefillTally()
         # a step that prefills while others decode: the prefill's first tokens are read back before the decode runs
         self.early_first_tokens = early_first_tokens
@@ -331,7 +333,8 @@ class ThinkerRunner:
         out: dict[str, torch.Tensor] = {}
         if running:
             out = run_prefill(self.graphs, self._prefill_forward, [embeds_by_seq[i] for i in running],
-                              [seqs[i].slot for i in running], self.cache, self.prefill_graph_tokens)
+                              [seqs[i].slot for i in running], self.cache, self.prefill_graph_tokens,
+                              self.split_large_prefills)
         row_of = {i: row for row, i in enumerate(running)}
         sampled = [i for i, s in enumerate(seqs) if not s.forced_ids]
         logits = torch.empty(0, self.model.lm_head.out_features, dtype=self.model.lm_head.weight.dtype, device=self.device)

@@ -40,6 +40,7 @@ GAUGES = ("omni_stage_step_ms_p50", "omni_stage_step_ms_mean", "omni_stage_step_
           "omni_stage_outputs_ms_mean")
 GC_COUNTERS = ("omni_stage_gc_pause_s", "omni_stage_gc_full_collections")  # cumulative, per stage process
 GC_STAGES = ("thinker", "talker", "vocoder")
+ALLOC_RETRIES = "omni_stage_cuda_alloc_retries"  # cumulative, per stage process on a GPU
 COUNTERS = ("omni_stage_decode_busy_s", "omni_stage_decode_frames", "omni_stage_decode_calls",
             "omni_stage_decode_windows")  # cumulative: per level as a rate
 PREFILL_COUNTERS = ("omni_stage_prefill_batches", "omni_stage_prefilled_sequences")  # cumulative, per engine stage
@@ -102,8 +103,9 @@ def _growth(before: dict[str, float], after: dict[str, float], counter: str, sta
 def breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
     """Mean submit→first token / first Talker frame / first audio (server side) over the level, each stage's
     median step time and mean batch at the end of the level, the vocoder's busy fraction, frame rate and streams'
-    chunks per decode call over the level's `seconds` (summed over its replicas), and the Thinker's and the Talker's
-    prefill batches in the level with the requests each held on average."""
+    chunks per decode call over the level's `seconds` (summed over its replicas), each stage's garbage-collector
+    pauses and CUDA allocator retries over the level, and the Thinker's and the Talker's prefill batches in the level
+    with the requests each held on average."""
     out: dict[str, Any] = {f"mean_{key}_ms": mean for key, mean in histogram_means(before, after).items()}
     for gauge in GAUGES:
         for key, value in after.items():
@@ -119,6 +121,8 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
         pause_s, full = (_growth(before, after, counter, stage) for counter in GC_COUNTERS)
         out[f"{stage}_gc_pause_ms_per_s"] = 1000 * pause_s / seconds if seconds > 0 else None
         out[f"{stage}_gc_full_collections"] = full
+        on_gpu = any(k.startswith(ALLOC_RETRIES + "{") and f'stage="{stage}"' in k for k in after)
+        out[f"{stage}_cuda_alloc_retries"] = _growth(before, after, ALLOC_RETRIES, stage) if on_gpu else None
     for stage in ("thinker", "talker"):  # how the level's requests were taken in: prefill batches, requests in each
         batches, sequences = (_growth(before, after, counter, stage) for counter in PREFILL_COUNTERS)
         out[f"{stage}_prefill_batches"] = batches
@@ -350,7 +354,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "p50; the rest of a step is its wait for the device. A step's tail: its p90, and its mean as the means of "
              "its parts: the launch, the runner's collect (the wait for the device, then reading the step back) and "
              "the hand-on. GC: the milliseconds per second each stage's process spent in Python's garbage collector "
-             "over the level, and its full collections then. Prefill batches: how many prefills the level's "
+             "over the level, and its full collections then; CUDA allocator retries: allocations each stage's process "
+             "retried over the level after freeing the allocator's cache, each a device sync inside the call that "
+             "allocated (–: a process not on a GPU). Prefill batches: how many prefills the level's "
              "requests took (each reads the weights again), and the requests in each on average. The rest of a reply: "
              "the Thinker's last token; its end reaching the Talker; the launch of the Talker's first step past the "
              "reply's tokens (the frames before it wait on the Thinker's steps, the ones after only on the Talker's); "
@@ -372,7 +378,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "Talker past the text, ms a frame | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | "
              "step p90; mean = launch + collect + outputs, thinker / talker (ms) | "
-             "GC ms per s (full collections) thinker / talker / vocoder | mean batch thinker / talker | "
+             "GC ms per s (full collections); CUDA allocator retries, thinker / talker / vocoder | mean batch thinker / talker | "
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",
@@ -410,7 +416,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
                          f" + {num(srv.get(f'{stage}_outputs_ms_mean'), '{:.1f}')}"
                          for stage in ("thinker", "talker")) + " | "
             + " / ".join(f"{num(srv.get(f'{stage}_gc_pause_ms_per_s'), '{:.1f}')} ({num(srv.get(f'{stage}_gc_full_collections'))})"
-                         for stage in GC_STAGES) + " | "
+                         for stage in GC_STAGES) + "; "
+            + " / ".join(num(srv.get(f"{stage}_cuda_alloc_retries")) for stage in GC_STAGES) + " | "
             f"{num(srv.get('thinker_batch_mean'), '{:.1f}')} / {num(srv.get('talker_batch_mean'), '{:.1f}')} | "
             + " / ".join(f"{num(srv.get(f'{stage}_prefill_batches'))} ({num(srv.get(f'{stage}_prefill_sequences_per_batch'), '{:.1f}')})"
                          for stage in ("thinker", "talker")) + " | "

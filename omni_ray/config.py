@@ -105,12 +105,15 @@ class EngineSettings(_Strict):
         "first frame 138 against 149 ms after submission (within the runs' spread)",
     )
     split_large_prefills: bool = Field(
-        default=True,
+        default=False,
         description="with CUDA graphs: a prefill batch past `prefill_graph_tokens` runs as parts of as many prompts "
         "as fit that many padded tokens, each replayed from its graph at the batch's bucket length, instead of one "
-        "eager pass at its own shape. Each part reads the weights again, but the eager pass of a burst's large wave "
-        "is host-bound: on an H100 at 32 streams (1-GPU layout, `benchmarks/step_timeline.py`) a 21-prompt wave took "
-        "133 ms to launch in the Thinker and 85 ms in the Talker, while both engines' other requests waited",
+        "eager pass at its own shape (each part reads the weights again). The eager pass of a burst's 19-24-prompt "
+        "wave took 80-133 ms to launch in the Thinker and 62-85 in the Talker (H100s, 32 streams, "
+        "`benchmarks/step_timeline.py`); split, three of five Thinker waves took 7-8 ms and the Talker's 7-29, but the "
+        "Thinker's next round then waited about as long on the device, "
+        "and in an ABAB TTFA p50 was 235 / 209 against 243 / 226 ms, RTF 0.116-0.117 "
+        "both (session 57), so it stays off",
     )
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"

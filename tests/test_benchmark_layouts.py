@@ -130,6 +130,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
               "thinker_step_ms_p90": 19.0, "thinker_launch_ms_mean": 5.5, "thinker_collect_ms_mean": 1.5,
               "thinker_outputs_ms_mean": 8.0, "thinker_gc_pause_ms_per_s": 2.5, "thinker_gc_full_collections": 1.0,
               "vocoder_gc_pause_ms_per_s": 0.0, "vocoder_gc_full_collections": 0.0,
+              "thinker_cuda_alloc_retries": 2.0, "talker_cuda_alloc_retries": 0.0, "vocoder_cuda_alloc_retries": None,
               "mean_last_token_ms": 1100.0, "mean_talker_text_end_ms": 1104.0, "mean_text_read_ms": 1109.0,
               "mean_last_frame_ms": 2400.0, "mean_last_audio_ms": 2700.0}
     startup = startup_phases({'omni_stage_startup_process_s{stage="thinker",replica="t1"}': 9.2,
@@ -160,9 +161,10 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert "| 14.0 (15.5) / – (–) | 4.75 | 5.0 (1.2) + 7.2 (2.1) / – (–) + – (–) |" in table
     assert "| 32 | 30/32 | 100 (150) | 200 |" in table  # TTFA p50 (mean), p90
     assert "| 3 (10.7) / – (–) |" in table  # prefill batches (requests each) thinker / talker
-    # a step's tail: its p90, and its mean as its parts' means; each stage process's GC pauses over the level
+    # a step's tail: its p90, and its mean as its parts' means; each stage process's GC pauses and CUDA allocator
+    # retries over the level (–: no such series, a stage not on a GPU)
     assert "| step p90; mean = launch + collect + outputs, thinker / talker (ms) |" in table
-    assert "| 19.0; 15.5 = 5.5 + 1.5 + 8.0 / –; – = – + – + – | 2.5 (1) / – (–) / 0.0 (0) |" in table
+    assert "| 19.0; 15.5 = 5.5 + 1.5 + 8.0 / –; – = – + – + – | 2.5 (1) / – (–) / 0.0 (0); 2 / 0 / – |" in table
     # where the rest of a reply went: the server's points past the first audio, then the client's last chunk
     assert ("| the rest of a reply, server: last token / talker text end / text read / last frame / last audio; "
             "client: its last chunk, mean (ms) |") in table
@@ -254,8 +256,13 @@ def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> No
     before['omni_stage_gc_pause_s{stage="talker",replica="k1"}'] = 0.5
     after['omni_stage_gc_pause_s{stage="talker",replica="k1"}'] = 0.52
     after['omni_stage_gc_full_collections{stage="talker",replica="k1"}'] = 1.0
+    before['omni_stage_cuda_alloc_retries{stage="thinker",replica="t1"}'] = 3.0
+    after['omni_stage_cuda_alloc_retries{stage="thinker",replica="t1"}'] = 5.0
+    after['omni_stage_cuda_alloc_retries{stage="talker",replica="k1"}'] = 0.0
     out = breakdown(before, after, seconds=4.0)
     assert out["talker_gc_pause_ms_per_s"] == pytest.approx(5.0) and out["talker_gc_full_collections"] == 1.0
+    assert (out["thinker_cuda_alloc_retries"], out["talker_cuda_alloc_retries"], out["vocoder_cuda_alloc_retries"]) \
+        == (2.0, 0.0, None)  # the vocoder's process reported none: not on a GPU
     assert out["thinker_gc_pause_ms_per_s"] == 0.0  # no series: nothing grew
     assert out["thinker_prefill_batches"] == 4 and out["thinker_prefill_sequences_per_batch"] == 16  # 64 in 4
     assert out["talker_prefill_batches"] == 0 and out["talker_prefill_sequences_per_batch"] is None

@@ -89,3 +89,21 @@ def test_a_graph_cache_reports_a_tensor_a_capture_allocated_and_kept() -> None:
         keeping.run(rows, step_keeping_a_buffer, {"x": torch.randn(rows, 64, device=device)})
     assert clean.kept_in_pool == []
     assert len(keeping.kept_in_pool) == 1 and keeping.kept_in_pool[0] >= 4000
+
+
+def test_the_allocator_counters_count_a_retry_that_freed_the_cache() -> None:
+    """`cuda_allocator_stats` (the stages' `/metrics`, the step trace): an allocation that fits only once the
+    allocator gives a cached block back counts one retry (with expandable segments or without)."""
+    from omni_ray.engine.profiling import cuda_allocator_stats
+
+    before = cuda_allocator_stats()
+    assert set(before) == {"cuda_alloc_retries", "cuda_ooms"}
+    free, _ = torch.cuda.mem_get_info()
+    cached = torch.empty(int(free * 0.45), dtype=torch.uint8, device="cuda")
+    held = torch.empty(int(free * 0.45), dtype=torch.uint8, device="cuda")
+    del cached  # kept in the allocator's cache: too small for the next one, and the card has about 10% left
+    larger = torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda")
+    del larger, held
+    torch.cuda.empty_cache()
+    after = cuda_allocator_stats()
+    assert after["cuda_alloc_retries"] == before["cuda_alloc_retries"] + 1 and after["cuda_ooms"] == before["cuda_ooms"]

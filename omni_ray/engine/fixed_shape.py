@@ -72,9 +72,9 @@ def run_prefill(
 ) -> dict[str, torch.Tensor]:
     """`forward(embeds, slots)` over the prompts padded to their `prefill_shape`: row i is prompts[i]. With `split`, a
     batch past `graph_tokens` runs as parts of `split_rows` prompts, each replayed from its graph at the batch's
-    bucket length, instead of eagerly at its own shape: each part reads the weights again, but an eager pass of a
-    burst's wave is host-bound (on an H100 at 32 streams a 21-prompt wave took 133 ms to launch in the Thinker, 85 in
-    the Talker, with both engines' other rows waiting). The outputs (rows first) are then the parts' rows in order."""
+    bucket length, instead of eagerly at its own shape: each part reads the weights again, and the host's launch is
+    short where an eager pass of a burst's wave takes 40-130 ms to launch (`engine.split_large_prefills`). The
+    outputs (rows first) are then the parts' rows in order."""
     longest = max(p.shape[0] for p in prompts)
     part = split_rows(len(prompts), longest, cache, graph_tokens) if split else 0
     if part:

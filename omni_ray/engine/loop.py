@@ -14,7 +14,7 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 
-from omni_ray.engine.profiling import StepProfiler, StepTrace, host_range
+from omni_ray.engine.profiling import StepProfiler, StepTrace, cuda_allocator_stats, host_range
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +284,7 @@ class EngineLoop(Generic[S, O]):
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = self._round_started = time.perf_counter()
             wall, prefilled = time.time(), self._prefilled()
+            retries = cuda_allocator_stats().get("cuda_alloc_retries", 0) if self.trace.active else 0
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = self._collect_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
@@ -306,7 +307,8 @@ class EngineLoop(Generic[S, O]):
             if self.trace.active:  # the round: this step's launch, the previous one's collect and hand-on
                 self.trace.record(wall, batch=len(batch), prefilled=self._prefilled() - prefilled,
                                   launch_ms=self._launch_ms, launch_cpu_ms=self._launch_cpu_ms, collect_ms=self._collect_ms,
-                                  outputs_ms=self._outputs_ms, round_ms=round_ms)
+                                  outputs_ms=self._outputs_ms, round_ms=round_ms,
+                                  alloc_retries=cuda_allocator_stats().get("cuda_alloc_retries", 0) - retries)
 
     def _prefilled(self) -> int:
         """Sequences the runner has prefilled so far (0 for a runner that does not count them)."""

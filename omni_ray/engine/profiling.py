@@ -37,6 +37,16 @@ def host_range(name: str) -> torch.profiler.record_function:
     return torch.profiler.record_function(RANGE_PREFIX + name)
 
 
+def cuda_allocator_stats() -> dict[str, int]:
+    """This process's CUDA caching-allocator counters (cumulative; empty where CUDA is not in use): its retries (an
+    allocation that failed, freed the cache and tried again: each synchronises the device, inside whatever call
+    allocated) and its out-of-memory errors."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    stats = torch.cuda.memory_stats_as_nested_dict()
+    return {"cuda_alloc_retries": int(stats.get("num_alloc_retries", 0)), "cuda_ooms": int(stats.get("num_ooms", 0))}
+
+
 def is_kernel(event: Any) -> bool:
     """A profile's device event that is a kernel or a copy, not the device-side span of a `host_range` (which the
     profiler also records as a device event, as long as the kernels launched inside it took end to end)."""

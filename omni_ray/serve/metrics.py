@@ -52,6 +52,9 @@ STAGE_GAUGES = {
     "gc_pause_max_ms": "the replica process's longest garbage-collector pause so far (ms)",
     "gc_frozen_objects": "objects moved out of the collector's way once startup was done (resources."
                          "gc_freeze_after_startup; 0: not asked)",
+    "cuda_alloc_retries": "allocations the replica process's CUDA caching allocator retried after freeing its "
+                          "cache (cumulative): each synchronises the device inside the call that allocated",
+    "cuda_ooms": "CUDA out-of-memory errors in the replica process (cumulative)",
     "decode_busy_s": "seconds the vocoder's decode thread has spent in decode calls (cumulative)",
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",

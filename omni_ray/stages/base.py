@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import torch
 
 from omni_ray.config import StageResources
-from omni_ray.engine.profiling import host_range
+from omni_ray.engine.profiling import cuda_allocator_stats, host_range
 from omni_ray.gc_pauses import process_gc_pauses
 from omni_ray.relay import (
     LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender, RelayServer,
@@ -106,12 +106,12 @@ class StageBase:
             self._reporter = StatsReporter(self.replica_id, self.load_stats)
 
     def load_stats(self) -> dict[str, Any]:
-        """What this replica is doing now, its startup by phase and its process's garbage-collector pauses. Stages
-        with an engine add running/waiting/KV numbers."""
+        """What this replica is doing now, its startup by phase, its process's garbage-collector pauses and CUDA
+        allocator retries. Stages with an engine add running/waiting/KV numbers."""
         return {"stage": self.stage_name, "streams": self.active_requests(), "completed": self.completed,
                 "failed": self.failed, "load": self.active_requests(),
                 **{f"startup_{phase}_s": seconds for phase, seconds in self.startup_s.items()},
-                **self.gc_pauses.stats()}
+                **self.gc_pauses.stats(), **cuda_allocator_stats()}
 
     async def stats(self) -> dict[str, Any]:
         return self.load_stats()

@@ -378,7 +378,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
              "Talker past the text, ms a frame | "
              "host per step thinker / talker: launch (CPU) + outputs (CPU) (ms) | "
              "step p90; mean = launch + collect + outputs, thinker / talker (ms) | "
-             "GC ms per s (full collections); CUDA allocator retries, thinker / talker / vocoder | mean batch thinker / talker | "
+             "GC ms per s (full collections); CUDA allocator retries, thinker / talker / vocoder | "
+             "mean batch thinker / talker | "
              "prefill batches (requests each) thinker / talker | "
              "vocoder busy, frames decoded per s, chunks per decode call | CPU cores used: load generator / proxy / ingress / thinker / talker / "
              "vocoder |",

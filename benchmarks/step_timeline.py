@@ -76,17 +76,18 @@ def burst_table(rounds: list[Round], t0: float, window_s: float) -> list[str]:
              f"- Talker prefill waves (requests at ms): "
              + "; ".join(f"{s}: {_waves(inside, s, t0)}" for s in stages if s.startswith("talker")),
              f"- Thinker: {_round_ms(inside, 'thinker')}; Talker: {_round_ms(inside, 'talker')}",
-             "", "| ms | stage | batch | prefilled | launch (its CPU) | collect | outputs | round (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| ms | stage | batch | prefilled | launch (its CPU) | collect | outputs | round (ms) "
+             "| allocator retries |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in inside:
         if r.stage == "vocoder":
             lines.append(f"| {1000 * (r.t - t0):.1f} | vocoder | {int(r.get('calls'))} calls, {int(r.get('frames'))} "
-                         f"frames | | | | | {r.get('round_ms'):.1f} |")
+                         f"frames | | | | | {r.get('round_ms'):.1f} |  |")
         else:
             lines.append(f"| {1000 * (r.t - t0):.1f} | {r.stage} | {int(r.get('batch'))} | "
                          f"{int(r.get('prefilled')) or ''} | {r.get('launch_ms'):.1f} ({r.get('launch_cpu_ms'):.1f}) | "
                          f"{r.get('collect_ms'):.1f} | "
-                         f"{r.get('outputs_ms'):.1f} | {r.get('round_ms'):.1f} |")
+                         f"{r.get('outputs_ms'):.1f} | {r.get('round_ms'):.1f} | {int(r.get('alloc_retries')) or ''} |")
     return lines
 
 
@@ -98,7 +99,8 @@ def timeline(directory: Path, window_s: float, idle_s: float, bursts: int | None
              f"without a Thinker batch). Times in ms from the burst's first Thinker prefill round; a round is its "
              "step's launch (in brackets: the engine thread's own CPU time in it; the rest it waited, for the GIL or "
              "inside CUDA calls), then the previous step's collect (the wait for the device and the read-back) and the "
-             "hand-on of its outputs."]
+             "hand-on of its outputs; allocator retries: the CUDA allocations the round retried after freeing the "
+             "allocator's cache, each a device sync inside the round (blank: none, or not recorded)."]
     for index, t0 in enumerate(starts[:bursts]):
         lines += ["", f"## Burst {index + 1} of {len(starts)}", ""] + burst_table(rounds, t0, window_s)
     return "\n".join(lines) + "\n"

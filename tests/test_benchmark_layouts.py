@@ -164,7 +164,8 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     # a step's tail: its p90, and its mean as its parts' means; each stage process's GC pauses and CUDA allocator
     # retries over the level (–: no such series, a stage not on a GPU)
     assert "| step p90; mean = launch + collect + outputs, thinker / talker (ms) |" in table
-    assert "| 19.0; 15.5 = 5.5 + 1.5 + 8.0 / –; – = – + – + – | 2.5 (1) / – (–) / 0.0 (0); 2 / 0 / – |" in table
+    assert "| 19.0; 15.5 = 5.5 + 1.5 + 8.0 / –; – = – + – + – | 2.5 (1) / – (–) / 0.0 (0); 2 / 0 / – |" \
+        in table
     # where the rest of a reply went: the server's points past the first audio, then the client's last chunk
     assert ("| the rest of a reply, server: last token / talker text end / text read / last frame / last audio; "
             "client: its last chunk, mean (ms) |") in table

@@ -101,7 +101,8 @@ def test_the_timeline_finds_each_burst_and_lines_the_stages_up(tmp_path: Path) -
     _write(tmp_path, "talker", [(t0 + 0.015, {"batch": 5, "prefilled": 5, "launch_ms": 4.0, "launch_cpu_ms": 3.0,
                                               "collect_ms": 0.0, "outputs_ms": 0.0, "round_ms": 4.0}),
                                 (t0 + 0.025, {"batch": 8, "prefilled": 3, "launch_ms": 4.0, "launch_cpu_ms": 2.5,
-                                              "collect_ms": 30.0, "outputs_ms": 1.0, "round_ms": 35.0})])
+                                              "collect_ms": 30.0, "outputs_ms": 1.0, "round_ms": 35.0,
+                                              "alloc_retries": 1})])
     _write(tmp_path, "vocoder", [(t0 + 0.065, {"calls": 8, "frames": 8, "round_ms": 3.0})])
     rounds = load_rounds(tmp_path)
     assert [r.stage for r in rounds[:4]] == ["thinker", "thinker", "talker", "thinker"]
@@ -111,6 +112,7 @@ def test_the_timeline_finds_each_burst_and_lines_the_stages_up(tmp_path: Path) -
     assert "- Thinker prefill waves (requests at ms): 5 at 0, 3 at 10" in first
     assert "- Talker prefill waves (requests at ms): talker: 5 at 15, 3 at 25" in first
     assert "Talker: 2 rounds, p50 19.5, max 35.0 ms" in first
-    assert "| 25.0 | talker | 8 | 3 | 4.0 (2.5) | 30.0 | 1.0 | 35.0 |" in first
-    assert "| 65.0 | vocoder | 8 calls, 8 frames | | | | | 3.0 |" in first
+    assert "| 25.0 | talker | 8 | 3 | 4.0 (2.5) | 30.0 | 1.0 | 35.0 | 1 |" in first  # one allocator retry
+    assert "| 15.0 | talker | 5 | 5 | 4.0 (3.0) | 0.0 | 0.0 | 4.0 |  |" in first  # none (an older trace: no field)
+    assert "| 65.0 | vocoder | 8 calls, 8 frames | | | | | 3.0 |  |" in first
     assert "- Thinker prefill waves (requests at ms): 2 at 0" in second and "talker: none" in second

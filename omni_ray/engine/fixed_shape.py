@@ -84,7 +84,8 @@ def run_prefill(
             chunk = prompts[start : start + part]
             embeds, slot_t = pad_prefill(chunk, slots[start : start + part], cache, bucket_pow2(len(chunk)), length)
             out = graphs.run(("prefill", bucket_pow2(len(chunk)), length), forward, {"embeds": embeds, "slots": slot_t})
-            parts.append({name: value[: len(chunk)].clone() for name, value in out.items()})  # before a replay reuses them
+            # copied out before a later part's replay of the same graph writes its outputs again
+            parts.append({name: value[: len(chunk)].clone() for name, value in out.items()})
         return {name: torch.cat([out[name] for out in parts]) for name in parts[0]}
     rows, length, graphed = prefill_shape(len(prompts), longest, cache, graph_tokens)
     embeds, slot_t = pad_prefill(prompts, slots, cache, rows, length)

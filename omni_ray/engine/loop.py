@@ -283,8 +283,8 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = self._round_started = time.perf_counter()
-            wall, prefilled = time.time(), self._prefilled()
-            retries = cuda_allocator_stats().get("cuda_alloc_retries", 0) if self.trace.active else 0
+            if self.trace.active:
+                wall, prefilled, retries = time.time(), self._prefilled(), self._alloc_retries()
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = self._collect_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None
@@ -306,14 +306,19 @@ class EngineLoop(Generic[S, O]):
                                          self._outputs_cpu_ms, self._collect_ms))
             if self.trace.active:  # the round: this step's launch, the previous one's collect and hand-on
                 self.trace.record(wall, batch=len(batch), prefilled=self._prefilled() - prefilled,
-                                  launch_ms=self._launch_ms, launch_cpu_ms=self._launch_cpu_ms, collect_ms=self._collect_ms,
-                                  outputs_ms=self._outputs_ms, round_ms=round_ms,
-                                  alloc_retries=cuda_allocator_stats().get("cuda_alloc_retries", 0) - retries)
+                                  launch_ms=self._launch_ms, launch_cpu_ms=self._launch_cpu_ms,
+                                  collect_ms=self._collect_ms, outputs_ms=self._outputs_ms, round_ms=round_ms,
+                                  alloc_retries=self._alloc_retries() - retries)
 
     def _prefilled(self) -> int:
         """Sequences the runner has prefilled so far (0 for a runner that does not count them)."""
         tally = getattr(self.runner, "prefills", None)
         return int(tally.sequences) if tally is not None else 0
+
+    @staticmethod
+    def _alloc_retries() -> int:
+        """This process's CUDA allocator retries so far (0 off CUDA): a retry syncs the device inside its round."""
+        return cuda_allocator_stats().get("cuda_alloc_retries", 0)
 
     def _launch(self, batch: list[S]) -> tuple[list[S], Any] | None:
         """Queue a step (or run it whole: launch, then collect, as the runners' `step` does, with the launch timed);

@@ -125,8 +125,7 @@ ray_errors() {
 
 # with STEP_TRACE=1, what an e2e step's command runs under (every engine round and vocoder call traced), and its
 # bursts' timeline once it is done
-trace_env() { echo "OMNI_RAY_STEP_TRACE_DIR=$OUT/results/$1/steps"; }
-[ "${STEP_TRACE:-0}" = 1 ] || trace_env() { echo "OMNI_RAY_STEP_TRACE_DIR="; }
+trace_env() { [ "${STEP_TRACE:-0}" = 1 ] && echo "OMNI_RAY_STEP_TRACE_DIR=$OUT/results/$1/steps" || echo "OMNI_RAY_STEP_TRACE_DIR="; }
 step_timeline() {
   [ "${DRY_RUN:-0}" = 1 ] || [ ! -d "$OUT/results/$1/steps" ] || \
     python -m benchmarks.step_timeline "$OUT/results/$1/steps" --out "$OUT/results/$1/timeline.md" >> "$OUT/logs/$1.log" 2>&1

@@ -82,8 +82,9 @@ def run_prefill(
         parts = []
         for start in range(0, len(prompts), part):
             chunk = prompts[start : start + part]
-            embeds, slot_t = pad_prefill(chunk, slots[start : start + part], cache, bucket_pow2(len(chunk)), length)
-            out = graphs.run(("prefill", bucket_pow2(len(chunk)), length), forward, {"embeds": embeds, "slots": slot_t})
+            rows = bucket_pow2(len(chunk))
+            embeds, slot_t = pad_prefill(chunk, slots[start : start + part], cache, rows, length)
+            out = graphs.run(("prefill", rows, length), forward, {"embeds": embeds, "slots": slot_t})
             # copied out before a later part's replay of the same graph writes its outputs again
             parts.append({name: value[: len(chunk)].clone() for name, value in out.items()})
         return {name: torch.cat([out[name] for out in parts]) for name in parts[0]}

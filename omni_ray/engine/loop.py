@@ -283,8 +283,8 @@ class EngineLoop(Generic[S, O]):
                     continue
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             started = self._round_started = time.perf_counter()
-            if self.trace.active:
-                wall, prefilled, retries = time.time(), self._prefilled(), self._alloc_retries()
+            wall, prefilled, retries = (time.time(), self._prefilled(), self._alloc_retries()) if self.trace.active \
+                else (0.0, 0, 0)
             self._launch_ms = self._outputs_ms = self._launch_cpu_ms = self._outputs_cpu_ms = self._collect_ms = 0.0
             with self.profiler.step(len(batch)):
                 launched = self._launch(batch) if batch else None

@@ -42,7 +42,7 @@ class StageResources(_Strict):
         description="under the CUDA MPS daemon: this stage's scheduling priority among the GPU's clients "
         "(CUDA_MPS_CLIENT_PRIORITY in its replica processes): the GPU starts the pending work of `normal` clients "
         "before that of `below_normal` ones (it does not stop work already running); unset: the driver's default, "
-        "normal. The Thinker below normal in the 1-GPU layout on an H200 (one run): within the runs' spread",
+        "normal. The Thinker set below normal in the 1-GPU layout on an H200 made no measurable difference",
     )
     gc_freeze_after_startup: bool = Field(
         default=False,
@@ -101,19 +101,15 @@ class EngineSettings(_Strict):
         "padded tokens than this runs without a graph, at its own rows and its longest prompt rounded up to 16 "
         "positions (compute-bound there, where the buckets' padding costs work: 100-token prompts run as 128), and "
         "no larger prefill graph is captured at startup; null: every prefill at its bucket, from a graph. On an "
-        "H200 at 32 streams, one machine: TTFA p50 216 against 212 ms, the first token 89 against 94 ms and the "
-        "first frame 138 against 149 ms after submission (within the runs' spread)",
+        "H200 at 32 streams the two were equally fast end to end",
     )
     split_large_prefills: bool = Field(
         default=False,
         description="with CUDA graphs: a prefill batch past `prefill_graph_tokens` runs as parts of as many prompts "
         "as fit that many padded tokens, each replayed from its graph at the batch's bucket length, instead of one "
-        "eager pass at its own shape (each part reads the weights again). The eager pass of a burst's 19-24-prompt "
-        "wave took 80-133 ms to launch in the Thinker and 62-85 in the Talker (H100s, 32 streams, "
-        "`benchmarks/step_timeline.py`); split, three of five Thinker waves took 7-8 ms and the Talker's 7-29, but the "
-        "Thinker's next round then waited about as long on the device, "
-        "and in an ABAB TTFA p50 was 235 / 209 against 243 / 226 ms, RTF 0.116-0.117 "
-        "both (session 57), so it stays off",
+        "eager pass at its own shape (each part reads the weights again). Split, a burst's large waves launch "
+        "sooner, but the Thinker's next round then waits about as long on the device: off by default, as it was "
+        "not faster end to end (TTFA, RTF) at 32 streams on H100s",
     )
     compile_layers: bool = Field(
         default=False, description="fuse each decoder layer's small ops with torch.compile (CUDA only; adds startup time)"
@@ -121,8 +117,8 @@ class EngineSettings(_Strict):
     moe_kernels: bool = Field(
         default=True,
         description="on CUDA: a decode batch's MoE expert GEMMs as Triton kernels over the picked experts "
-        "(`layers/moe_kernels.py`) instead of grouped GEMMs (on an H200 the Thinker's step at 32 streams took 13.3 "
-        "instead of 16.1 ms, the Talker's 8.9 instead of 9.4)",
+        "(`layers/moe_kernels.py`) instead of grouped GEMMs (on an H200 they shorten the decode steps of both the "
+        "Thinker and the Talker)",
     )
     moe_layer_kernels: bool = Field(
         default=True,
@@ -135,38 +131,37 @@ class EngineSettings(_Strict):
         default=False,
         description="with `moe_layer_kernels`: six kernels a MoE layer instead of eight, the routing inside the router "
         "GEMM's kernel (its last program to finish routes) and the combine inside the down GEMM's (each column "
-        "block's last program to finish combines it); the same outputs; off: on an H200 no faster (session 41)",
+        "block's last program to finish combines it); the same outputs. Off by default: it was not faster on an H200",
     )
     weights_evict_first: bool = Field(
         default=False,
         description="on CUDA: the Triton GEMMs that read each weight once a step (rows in one tile: the code "
         "predictor's, the attention projections', the routers') mark the weights' lines first to go from L2, so that "
         "they stop crowding out what the step reads again (activations, partial sums, keys); the same outputs. "
-        "The stage's whole process takes it (`small_batch.set_weights_evict_first`). Off: on an H100 the Talker's "
-        "engine step at 1 / 8 / 32 rows took 3.8 / 4.5 / 6.0 ms with it against 3.7 / 4.5 / 6.0 without (session 45)",
+        "The stage's whole process takes it (`small_batch.set_weights_evict_first`). Off by default: it did not "
+        "shorten the Talker's engine step on an H100 (at 1, 8 or 32 rows)",
     )
     launch_ahead: bool | None = Field(
         default=None,
         description="queue each step on the device before reading the previous one back, so that the host's "
         "per-step work can overlap the GPU's (an end decided by a sampled token is then learnt a step late, and the "
-        "extra row is dropped). Unset: on for CUDA devices (the 1-GPU layout on an H200: RTF 0.167 instead of 0.190 "
-        "at 32 streams), off on a CPU, where a step runs inside its launch and launching ahead only delays outputs",
+        "extra row is dropped). Unset: on for CUDA devices (it lowers RTF: the 1-GPU layout at 32 streams on an "
+        "H200), off on a CPU, where a step runs inside its launch and launching ahead only delays outputs",
     )
     early_first_tokens: bool = Field(
         default=True,
         description="Thinker: a step that prefills new requests while others decode reads the new ones' first tokens "
         "back (and relays them to the Talker) as soon as the prefill is done, instead of after the decode queued "
-        "behind it in the same step (launched ahead only, as on CUDA; the Talker ignores it). On an H200 (1-GPU "
-        "layout, two calls, both orders) the first token came 51-55 ms after the prefill's launch at 32 streams "
-        "against 62-66 off, 30-31 against 35-36 at 8; TTFA mean 165-192 against 199-200 ms at 32",
+        "behind it in the same step (launched ahead only, as on CUDA; the Talker ignores it). On by default: in the "
+        "1-GPU layout on an H200 the first token comes about 10 ms sooner at 32 streams, and TTFA is lower",
     )
 
     admission_quiet_ms: float = Field(
         default=0.0, ge=0, le=100,
         description="admit newly arrived requests once none has arrived for this long (or once the first of them has "
         "waited `admission_max_wait_ms`), so that a burst prefills in fewer batches, each of which reads the weights "
-        "again; 0: admit at once. Costs a request that arrives alone up to this much. On an H200 at 3 ms (one run, "
-        "1-GPU layout, 32 streams) a burst still came in about 6 batches, and TTFA stayed within the runs' spread",
+        "again; 0: admit at once. Costs a request that arrives alone up to this much. 0 by default: at 3 ms (1-GPU "
+        "layout, 32 streams, H200) a burst still came in about 6 batches, and TTFA was no lower",
     )
     admission_max_wait_ms: float = Field(
         default=20.0, ge=0, le=1000, description="the longest a request waits for admission under `admission_quiet_ms`"
@@ -214,8 +209,8 @@ class VocoderSettings(_Strict):
     stateful: bool = Field(
         default=True,
         description="carry each stream's attention and convolution state between chunks and decode only new frames "
-        "(exact against a one-shot decode; on an H200, 3.8 ms instead of 10.0 ms of GPU time per Talker step for 32 "
-        "streams); false re-decodes `left_context` frames with each chunk",
+        "(exact against a one-shot decode, and well under half the GPU time per Talker step at 32 streams on an "
+        "H200); false re-decodes `left_context` frames with each chunk",
     )
     max_streams: int = Field(default=256, ge=1, description="stateful: streams one replica holds state for at once")
     cudnn_autotune: bool = Field(
@@ -249,7 +244,7 @@ class TalkerSettings(EngineSettings):
     sampling_kernel: bool = Field(
         default=True,
         description="with compiled layers on CUDA: each of a frame's 16 top-k draws as one Triton kernel "
-        "(`engine/top_k_draw.py`; on an H200 a frame's draws took 0.21 ms instead of 0.57 ms); false: inductor's "
+        "(`engine/top_k_draw.py`; on an H200 a frame's draws take about a third of the time); false: inductor's "
         "fused `sample`",
     )
     code_predictor_kernels: bool = Field(
@@ -265,13 +260,11 @@ class TalkerSettings(EngineSettings):
         "and the code head) as one persistent CUDA kernel built with NVRTC at startup (`layers/persistent_pass.py`: "
         "128 blocks keep their share of each GEMM's weights in shared memory, the next share streaming in while "
         "they wait at grid barriers), at up to 32 rows x tokens; other passes keep the Triton kernels. It needs "
-        "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage). Opt-in: "
-        "faster per pass on an H200 (122-165 against 158-184 us at 1-32 rows, session 36), but in the 1-GPU service "
-        "its blocks slowed the Thinker sharing the GPU (step at 32 streams 10.0 against 7.6 ms; session 35); meant "
-        "for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a shared one (the 1-GPU "
-        "layouts: one-stream passes). It hung the 1-GPU service on an H100 in 3 of 5 runs (sessions 50-51) until its "
-        "barrier counters moved to memory of their own (session 52): allocated inside a graph capture, they lay on "
-        "earlier graphs' intermediates, which each replay of those wrote (session 53)",
+        "every block resident at once (128 multiprocessors, not held back by an MPS thread percentage or a "
+        "below-normal MPS priority; one lane). Opt-in: each pass is faster than the Triton kernels', but its blocks "
+        "hold every multiprocessor while it runs, which slows a stage sharing the GPU (the Thinker's steps in the "
+        "1-GPU layout); meant for a Talker on a GPU of its own, or with `persistent_code_predictor_max_rows` on a "
+        "shared one (the 1-GPU layouts: one-stream passes)",
     )
     persistent_code_predictor_max_rows: int = Field(
         default=32,
@@ -288,9 +281,9 @@ class TalkerSettings(EngineSettings):
         description="with `persistent_code_predictor`: the share of the code predictor's weights (by cache line) "
         "its passes ask L2 to keep (evict_last; the rest evict_first, so that they stop crowding out what a pass "
         "reads again), so a frame's later passes find that share in L2 instead of memory (157 MB a pass, more than "
-        "L2 holds); no L2 is set aside for them (on an H100 that made a pass 1-3.5 us slower). 0: plain reads. On an "
-        "H100 (session 45, one machine) the Talker's engine step with 10% kept took 3.1-3.2 / 4.0 / 5.8-5.9 ms at 1 / "
-        "8 / 32 rows against 3.3 / 4.2 / 5.8 with plain reads; logits equal bit for bit",
+        "L2 holds); no L2 is set aside for them (on an H100 that made a pass slower). 0: plain reads. The outputs "
+        "are the same either way; the default 10% shortened the Talker's engine step on an H100 at 1 and 8 rows "
+        "(the same at 32)",
     )
     persistent_code_predictor_draws: bool = Field(
         default=False,
@@ -298,9 +291,8 @@ class TalkerSettings(EngineSettings):
         "row's code from its logits (a block a row after one more grid barrier: top-k by radix select, top-p, the "
         "counter noise, the code's embedding and the frame's feedback sum) instead of the Triton draw kernel after "
         "it; the same codes (GPU test, bit for bit) unless a top-p sum, added in another order, lands within an ulp "
-        "of its threshold. Opt-in: not yet faster. On an H100 (session 46) a pass + head + draw took 153 / 163 / 196 "
-        "us at 1 / 8 / 32 rows against 148 / 158 / 196 with the Triton kernel after it, and the Talker's engine "
-        "step 3.2 / 4.0 / 5.9 ms against 3.1 / 4.0 / 5.7",
+        "of its threshold. Opt-in: on an H100 it was not faster than the Triton kernel after the pass, per pass or "
+        "per Talker engine step (1 to 32 rows)",
     )
 
     @model_validator(mode="after")
@@ -342,7 +334,7 @@ class TalkerStageConfig(StageConfig):
         if self.engine.persistent_code_predictor and self.resources.mps_client_priority == "below_normal":
             raise ValueError("persistent_code_predictor with mps_client_priority below_normal: the pass's blocks "
                              "wait at grid barriers for blocks the GPU may hold back for normal clients' work; on an "
-                             "H200 the 1-GPU service so set answered no request (sessions 39 and 41)")
+                             "H200 the 1-GPU service so set answered no request")
         return self
 
 

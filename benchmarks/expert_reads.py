@@ -1,13 +1,19 @@
-"""How many distinct experts the Thinker's and Talker's decode steps really read with random weights, and the floor
-that gives.
+"""How many distinct experts the Thinker's and Talker's decode steps really read with random weights, and the
+bandwidth floor that gives.
 
-`floors.py` counts the experts a batch reads as if its rows were routed independently (about 112 of the Thinker's
-128 at 32 rows). This probe runs a stage's decode steps eagerly, hooks every MoE router, and counts the experts each
-layer's step picks, in two workloads: one prompt per row (as the engine benchmark's rows) and one prompt for every
-row, each row sampled with its own seed (as the service benchmark sent workload W before session 38). The floor at the
-measured count is the bound a step can reach with these weights.
+`omni_ray/floors.py` counts the experts a batch reads as if its rows were routed independently (about 112 of the
+Thinker's 128 at 32 rows). This benchmark runs a stage's decode steps eagerly, hooks every MoE router, and counts
+the experts each layer's step picks, in two workloads:
+- one prompt per row, as the engine benchmark's rows and the service benchmark's default prompts;
+- one prompt for every row, each row sampled with its own seed
+  (`e2e_serve --prompt-file benchmarks/prompt_100_tokens.txt`).
 
-    python -m benchmarks.expert_reads --batches 1,8,32 --steps 32 --out results/
+The floor at the measured count is the bound a step can reach with these weights.
+`benchmarks/e2e_serve.py --expert-reads` reads the measured shares from its results file (`LATEST`) into
+`omni_ray.floors.rtf_floor`. Rerun it when the routers, the workload or the floors' model change.
+
+    python -m benchmarks.expert_reads --batches 1,8,32 --steps 32 --out DIR   # one H100 or H200 (full size)
+    python -m benchmarks.expert_reads --config CONFIG --device cpu --dtype float32 --out DIR  # a config on the CPU
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, load_thinker
 
 WORKLOADS = ("a prompt per row", "one prompt, a seed per row")
-LATEST = Path(__file__).resolve().parent / "results" / "2026-12-04_h200_expert_reads_session39_talker.json"  # both stages
+LATEST = Path(__file__).resolve().parent / "results" / "expert_reads" / "2026-12-04_h200_a72599d.json"  # both stages
 
 
 def measured_shares(path: Path, workload: str) -> dict[int, dict[str, float]]:

@@ -1,45 +1,44 @@
 #!/usr/bin/env bash
-# One GPU session's runs in one command: each named step runs under its own time limit, its log and results go
-# under $OUT, and everything is also packed into $OUT/suite.tar.gz (one file to bring back, whatever the count).
-# With two or more e2e runs, their 32-stream levels end the output side by side (also $OUT/logs/compare_c32.md).
+# A GPU machine's runs in one command: each named step runs under its own time limit, its log and results go under
+# $OUT, and everything is also packed into $OUT/suite.tar.gz (one file to bring back, whatever the count). With two or
+# more e2e runs, their 32-stream levels end the output side by side (also $OUT/logs/compare_c32.md). It installs the
+# wheel bundle of benchmarks/gpu_wheels.sh (carried as .whl/) itself when the image has no Ray.
 #
 #   bash benchmarks/gpu_suite.sh [STEP ...]          (default: tests engine vocoder e2e)
 #
-# Steps: tests (GPU tests), engine (engine-only steps, compiled, the service's sampling), profile (kernels per
-# prefill and decode step, the service's sampling, and the GPU's idle time between them; SET_profile_TAG: its
-# arguments, e.g. "--thinker-only --wave 5": also the step that prefills 5 prompts while 27 decode), draw (a frame's 16 draws:
-# eager, inductor, the Triton kernel), smallbatch (the code predictor's layer kernels and GEMM launch configs; with
-# --gemm-stages thinker,talker the GEMM configs of those stages' attention projections and routers),
-# moelayer (the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch config, the
-# whole layer against its bytes, with and without the folds of engine.moe_layer_folds), ncu (Nsight Compute's counters of the served decode kernels, benchmarks/kernel_counters.py;
-# SET_ncu_TAG: its arguments), gemv (the code predictor's GEMMs as plain FMA products at 1-8 rows and as swapped
-# tensor-core products at up to 32, against rows_matmul; SET_gemv_TAG: its arguments),
-# experts (the distinct experts a Thinker and a Talker decode step read with random weights, and the floors then;
-# benchmarks/expert_reads.py), talkerhost (where a Talker step's host time goes, per stretch of its launch;
-# benchmarks/talker_host_time.py), lanes (Talker engine lanes stepping at once against one lane of all the rows;
-# benchmarks/talker_lanes_bench.py), persistent (a grid barrier's cost, and a layer's four GEMMs as one persistent kernel), persistentpass (the persistent
-# code-predictor pass by difference: each part left out in turn), mpsprobe (the persistent pass replayed while another
-# process runs Thinker-like kernels on the same GPU: does it stall? MPS_mpsprobe_TAG=1 under MPS), allocprobe (does
-# a tensor kept from a graph capture share memory with fresh tensors, or with earlier graphs' intermediates that their
-# replays write? benchmarks/allocator_alias_probe.py; with and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), vocoder (window vs stateful vocoder;
-# SET_vocoder_TAG adds its arguments), vocoder_autotune (the same with cuDNN autotuning), dilatedconv (the vocoder's
-# dilated convolutions: cuDNN's, folded, as chosen), ipc (CUDA IPC vs host path, one GPU), relay (NCCL vs host path, two GPUs), e2e (the 2-GPU layout end
-# to end), e2eprof (the same at c=32 with each stage replica profiled in the service), e2e1 (the 1-GPU layout under
-# MPS; MPS_e2e1_TAG=0: without it), e2e1prof (e2eprof's profiles in the 1-GPU layout), e2e1spy (e2e1 with 3 rounds per level, a stage replica
-# sampled by py-spy for 5 + 5 s of c=32: SPY_STAGE, default thinker; py-spy from .whl/py-spy.gz), baseline (transformers' generate()), divergence (where the
-# Talker's codes stop matching: graphs vs eager, lanes together vs one after the other, per engine variant; in its
-# log).
+# Steps:
+#   tests        the GPU tests (GPU_TESTS: which test files or ids)
+#   engine       engine-only steps, compiled, the service's sampling (python -m omni_ray.bench)
+#   profile      kernels per prefill and decode step, the service's sampling, and the GPU's idle time between them
+#                (benchmarks/profile_step.py; SET_profile_TAG: its arguments, e.g. "--thinker-only --wave 5")
+#   smallbatch   the code predictor's layer kernels and GEMM launch configs, the MoE expert kernels
+#                (benchmarks/small_batch_bench.py; --gemm-stages thinker,talker: those stages' projections and routers)
+#   moelayer     the eight-kernel MoE layer's kernels: attention per key split, routing, expert GEMMs per launch
+#                config, the whole layer against its bytes, with and without the folds (benchmarks/moe_layer_bench.py)
+#   ncu          Nsight Compute's counters of the served decode kernels (benchmarks/kernel_counters.py; SET_ncu_TAG:
+#                its arguments, e.g. "--stages persistent_pass")
+#   experts      the distinct experts a Thinker and a Talker decode step read with random weights, and the floors
+#                then (benchmarks/expert_reads.py)
+#   vocoder      window against stateful vocoder (benchmarks/vocoder_bench.py; SET_vocoder_TAG adds its arguments)
+#   vocoder_autotune  the same with cuDNN autotuning
+#   ipc          CUDA IPC against the host path, one GPU (benchmarks/relay_bench.py)
+#   relay        NCCL against the host path, two GPUs (benchmarks/relay_bench.py)
+#   e2e          the 2-GPU layout end to end (benchmarks/e2e_serve.py)
+#   e2eprof      the same at c=32 with each stage replica profiled in the service
+#   e2e1         the 1-GPU layout, under MPS unless MPS_e2e1_TAG=0
+#   e2e1prof     e2eprof's profiles in the 1-GPU layout under MPS
+#   baseline     transformers' generate() (benchmarks/hf_baseline.py)
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file: set it where the repository
-# is, since a copied work tree may carry a stale .git; unset, files name git's HEAD, with +changes if the tree differs), E2E_SET (extra
-# `--set KEY=VALUE ...` for e2e and e2e1), E2E_MPS=1 (run e2e under the MPS daemon too), STEP_TIMEOUT (seconds per
-# step, default 280), STACKS_EVERY (seconds: py-spy dumps each stage replica's threads that often while a step runs,
-# into logs/STEP.stacks.txt; needs .whl/py-spy.gz), TESTS_TIMEOUT (the tests step's, default 560), TEST_TIMEOUT (each GPU test's, default 300),
-# GPU_TESTS (which test files or ids the tests step runs), STEP_TRACE=1 (e2e and e2e1 steps: every stage's steps traced
-# into results/STEP/steps, then benchmarks/step_timeline.py's table of each burst in results/STEP/timeline.md). Variants in one call: a step named NAME:TAG
-# (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's `--set ...` to E2E_SET (for engine,
-# profile, smallbatch and vocoder: SET_NAME_TAG's arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under
-# MPS. DRY_RUN=1 prints each step's command instead of running it (check a plan before spending device
-# time on it).
+# is, since a copied work tree may carry a stale .git; unset, files name git's HEAD, with +changes if the tree
+# differs), E2E_SET (extra `--set KEY=VALUE ...` for the e2e steps), E2E_MPS=1 (run e2e under the MPS daemon too),
+# STEP_TIMEOUT (seconds per step, default 280), STACKS_EVERY (seconds: py-spy dumps each stage replica's threads that
+# often while a step runs, into logs/STEP.stacks.txt; needs .whl/py-spy.gz), TESTS_TIMEOUT (the tests step's, default
+# 560), TEST_TIMEOUT (each GPU test's, default 300), STEP_TRACE=1 (e2e and e2e1 steps: every stage's steps traced into
+# results/STEP/steps, then benchmarks/step_timeline.py's table of each burst in results/STEP/timeline.md).
+# Variants in one call: a step named NAME:TAG (e2e:mps) writes its log and results as NAME_TAG, adds SET_NAME_TAG's
+# `--set ...` to E2E_SET (for engine, profile, smallbatch, moelayer, ncu, experts and vocoder: SET_NAME_TAG's
+# arguments, e.g. "--stages talker --batches 1,32"), and MPS_NAME_TAG=1 runs it under MPS. DRY_RUN=1 prints each
+# step's command instead of running it (check a plan before spending device time on it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -54,7 +53,7 @@ export PYTHONUNBUFFERED=1
 if [ "${DRY_RUN:-0}" != 1 ]; then  # stop before any step when the image and the bundle both lack a module the service imports
   missing=$(python3 -c "import omni_ray.serve.app" 2>&1 | grep -o "No module named '[^']*'" | head -n 1)
   if [ -n "$missing" ]; then
-    echo "gpu_suite: $missing. Build the bundle with ../shared/tools/gpu-wheels.sh .whl soundfile==0.13.1 cffi pycparser" \
+    echo "gpu_suite: $missing. Build the bundle with bash benchmarks/gpu_wheels.sh .whl soundfile==0.13.1 cffi pycparser" \
          "(README, GPU section) and carry .whl" | tee "$OUT/logs/suite_setup.txt"
     exit 1
   fi
@@ -154,19 +153,8 @@ for step in "${@:-tests engine vocoder e2e}"; do
       engine) run_step "$tag" python -m omni_ray.bench --compile --thinker-sampling served --talker-sampling served ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       profile) run_step "$tag" python -m benchmarks.profile_step --compile --served ${!extra_var:-} ;;
-      draw) run_step draw python -m benchmarks.draw_bench --out "$OUT/results/draw" ;;
-      persistent) run_step persistent python -m benchmarks.persistent_probe --out "$OUT/results/persistent" ;;
-      # shellcheck disable=SC2086
-      mpsprobe) [ "$mps" = 1 ] && mps_on "$tag"  # the persistent pass beside another process's kernels
-                run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.mps_coresidency_probe ${!extra_var:-} --out "$OUT/results/$tag"
-                [ "$mps" = 1 ] && mps_off ;;
-      # shellcheck disable=SC2086
-      allocprobe) run_step "$tag" python -m benchmarks.allocator_alias_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      persistentpass) run_step "$tag" python -m benchmarks.persistent_pass_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      # shellcheck disable=SC2086
-      gemv) run_step "$tag" python -m benchmarks.gemv_probe ${!extra_var:-} --out "$OUT/results/$tag" ;;
       ncu) # hardware counters of the served decode kernels (benchmarks/kernel_counters.py), each launch measured alone
-           # with caches flushed; Nsight Compute leaves the clocks alone (METHOD.md), and its report comes back too
+           # with caches flushed; Nsight Compute leaves the clocks alone (--clock-control none), and its report comes back too
            mkdir -p "$OUT/results/$tag"
            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
            # shellcheck disable=SC2086
@@ -193,11 +181,6 @@ for step in "${@:-tests engine vocoder e2e}"; do
       vocoder) run_step "$tag" python -m benchmarks.vocoder_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
       # shellcheck disable=SC2086
       experts) run_step "$tag" python -m benchmarks.expert_reads ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      # shellcheck disable=SC2086
-      lanes) run_step "$tag" python -m benchmarks.talker_lanes_bench ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      # shellcheck disable=SC2086
-      talkerhost) run_step "$tag" python -m benchmarks.talker_host_time ${!extra_var:-} --out "$OUT/results/$tag" ;;
-      dilatedconv) run_step dilatedconv python -m benchmarks.dilated_conv_probe --out "$OUT/results/dilatedconv" ;;
       vocoder_autotune) run_step vocoder_autotune python -m benchmarks.vocoder_bench --cudnn-autotune --out "$OUT/results/vocoder_autotune" ;;
       ipc) run_step ipc python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out "$OUT/results/ipc" ;;
       relay) run_step relay python -m benchmarks.relay_bench --out "$OUT/results/relay" ;;
@@ -215,13 +198,6 @@ for step in "${@:-tests engine vocoder e2e}"; do
               OMNI_RAY_PROFILE_MIN_BATCH=24 python -m benchmarks.e2e_serve \
               --serve-config benchmarks/serve_30b_random_1gpu.yaml --concurrency 32 --rounds 1 $extra --out "$OUT/results/$tag"
             mps_off ;;
-      e2e1spy) mps_on "$tag"  # e2e1, one stage replica sampled by py-spy once the c=8 level is done
-            [ "${DRY_RUN:-0}" = 1 ] || (PY_SPY=${PY_SPY:-/tmp/spy/py-spy} bash benchmarks/spy_on_stage.sh "${SPY_STAGE:-thinker}" \
-              "$OUT/logs/$tag.log" 2 5 "$OUT/results/$tag/spy" &)
-            # shellcheck disable=SC2086
-            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
-              --rounds 3 $extra --out "$OUT/results/$tag"
-            mps_off ;;
       e2e1) mps=${!mps_var:-1}  # four processes on one GPU: under MPS unless MPS_e2e1_TAG=0
             [ "$mps" = 1 ] && mps_on "$tag"
             # shellcheck disable=SC2086
@@ -229,9 +205,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
             step_timeline "$tag"
             [ "$mps" = 1 ] && mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
-      # shellcheck disable=SC2086
-      divergence) run_step "$tag" python -m benchmarks.talker_divergence ${!extra_var:-} ;;
-      *) echo "unknown step: $name" >&2 ;;
+      *) echo "unknown step: $name" >&2; failed_steps="$failed_steps $name" ;;
     esac
   done
 done

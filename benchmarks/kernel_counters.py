@@ -1,26 +1,45 @@
-"""The served decode kernels at full size, each step run once inside a CUDA profiler range for Nsight Compute to read
-its hardware counters: a code-predictor pass (five kernels a layer), the same pass and its head as the persistent
-kernel (`persistent_pass`; `persistent_pass_draw`: drawing the codes in the same launch) and one eight-kernel MoE
-layer of the Talker and the Thinker, per row count. Run under `ncu --profile-from-start off` (the `ncu` step of
-`benchmarks/gpu_suite.sh`); the names of the steps are printed between ncu's own lines, in launch order."""
+"""The served decode kernels at full size (random bf16 weights), each step run once inside a CUDA profiler range so
+that Nsight Compute reads its hardware counters. Steps, per row count: a code-predictor pass (five kernels a layer),
+the same pass and its head as the persistent kernel (`persistent_pass`; `persistent_pass_draw` also draws the codes
+in the same launch), and one eight-kernel MoE layer of the Talker and of the Thinker. The steps' names are printed
+between ncu's own lines, in launch order. Use it to see why a kernel is slow: memory throughput, occupancy, warp
+stalls, per source line.
+
+    ncu --clock-control none --profile-from-start off --cache-control all --section WarpStateStats \
+        --export DIR/counters python -m benchmarks.kernel_counters [--rows 1,32] \
+        [--stages code_predictor,talker,thinker,persistent_pass,persistent_pass_draw]
+
+One H100 or H200 with Nsight Compute. The suite's `ncu` step (`benchmarks/gpu_suite.sh ncu`) collects more sections
+and prints them, and per source line."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import Qwen3OmniMoeConfig
 
 from benchmarks.moe_layer_bench import KEYS, Step as LayerInputs, stage_stack, step_inputs
-from benchmarks.persistent_pass_probe import served_draw
 from benchmarks.small_batch_bench import code_predictor_with_head, decode_step_inputs
 from omni_ray.bench import FULL_CONFIG
 from omni_ray.layers import small_batch_moe
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.layers.persistent_pass import PersistentPass
+from omni_ray.layers.persistent_pass import CodeDraw, PersistentPass
 
 Step = Callable[[], object]
+
+
+def served_draw(cfg: Any, rows: int) -> CodeDraw:
+    """The Talker's served code-predictor draw for `rows` rows (top-k 50 / top-p 0.8 at temperature 0.9, cap 64),
+    random noise keys, code embeddings and feedback."""
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows,), value, device="cuda")
+
+    keys = torch.randint(0, 2**32, (rows, 2), dtype=torch.long, device="cuda")
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    feedback = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    return CodeDraw(full(0.9), full(50).long(), full(0.8), keys, 0, 64, table, feedback)
 
 
 def code_predictor_passes(config: Qwen3OmniMoeConfig, rows: list[int]) -> list[tuple[str, Step]]:
@@ -61,7 +80,7 @@ def persistent_passes(config: Qwen3OmniMoeConfig, rows: list[int], draws: bool) 
 
 
 def moe_layer_steps(config: Qwen3OmniMoeConfig, stage: str, rows: list[int]) -> list[tuple[str, Step]]:
-    """One MoE layer's decode step of the stage (random routers, keys in workload W's range), per row count."""
+    """One MoE layer's decode step of the stage (random routers, keys in the speech workload's range), per row count."""
     stack = stage_stack(config, stage)
     layer = stack.layers[0]
     steps: list[tuple[str, Step]] = []

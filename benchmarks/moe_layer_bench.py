@@ -1,6 +1,14 @@
-"""The eight-kernel MoE layer's decode step (`layers/small_batch_moe.py`) on a GPU, each kernel replayed from a CUDA
-graph at full-size Qwen3-Omni-30B Thinker and Talker shapes (random bf16 weights): the attention kernel per key split
-and key block, the routing kernel, each expert GEMM per launch config, and the whole layer against its bytes."""
+"""The eight-kernel MoE layer's decode step (`layers/small_batch_moe.py`), each kernel replayed from a CUDA graph at
+full-size Qwen3-Omni-30B Thinker and Talker shapes (random bf16 weights). Measures the attention kernel per key
+split and key block, the routing kernel, and each expert GEMM per launch config. Also measures the whole layer
+against its bytes: eight kernels, and seven or six with the folds of `engine.moe_layer_folds`. Use it when tuning
+the MoE decode kernels or their launch configs. `--distinct-inputs 8` makes 32 rows hit about as many experts as
+the service's rows do.
+
+    python -m benchmarks.moe_layer_bench --out DIR [--rows 1,8,32] [--stages thinker,talker]
+        [--sections layer,attention,route,experts] [--distinct-inputs 8]
+
+One H100 or H200 (the bandwidth floor it reports is the H200's)."""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from benchmarks.draw_bench import replay_ms
+from benchmarks.small_batch_bench import replay_ms
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers import picked_experts, small_batch_moe
@@ -21,7 +29,7 @@ from omni_ray.layers.moe_kernels import ExpertMatmulConfig
 from omni_ray.layers.small_batch import rows_matmul
 
 COPIES = 4  # a graph calls each kernel once per layer copy, each reading its own weights and cache, as a pass does
-KEYS = {"thinker": 256, "talker": 512}  # the key range (a power-of-two bucket) of workload W's decode steps
+KEYS = {"thinker": 256, "talker": 512}  # the key range (a power-of-two bucket) of the speech workload's decode steps
 SPLITS = (1, 2, 4, 8, 16)
 KEY_BLOCKS = (64, 128)
 EXPERT_CONFIGS: list[ExpertMatmulConfig] = [(64, 128, 3, 4), (32, 256, 3, 4), (64, 64, 4, 4), (32, 256, 4, 4),

@@ -1,7 +1,13 @@
-"""The small-batch kernels on a GPU, each replayed from a CUDA graph: the code predictor's (`layers/small_batch.py`:
-every GEMM of a layer under several launch configs against cuBLAS, a whole layer as five kernels against the same
-layer eager and compiled by inductor) and the MoE expert kernels (`layers/moe_kernels.py`, against grouped GEMMs).
-Full-size Qwen3-Omni-30B shapes, bf16, random weights."""
+"""The small-batch decode kernels on a GPU, each replayed from a CUDA graph, at full-size Qwen3-Omni-30B shapes (bf16,
+random weights). Covers the code predictor's kernels (`layers/small_batch.py`): each GEMM of a layer under several
+launch configs against cuBLAS, a whole layer as five kernels against the same layer eager and compiled by inductor,
+a whole pass, and the attention kernel's warps. Also covers the MoE expert kernels (`layers/moe_kernels.py`) against
+grouped GEMMs, and each expert GEMM's launch configs. Use it when tuning those kernels or their launch configs;
+`--sections` picks the parts, `--gemm-stages thinker,talker` sweeps those stages' attention projections and routers.
+
+    python -m benchmarks.small_batch_bench --out DIR [--rows 1,8,32,64] [--sections layers,stack,gemms,attention,moe]
+
+One H100 or H200 (Triton's kernels are tuned for sm_90)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3OmniMoeConfig
 
-from benchmarks.draw_bench import replay_ms
 from omni_ray.bench import FULL_CONFIG, run_meta, write_results
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.floors import H200_BANDWIDTH
@@ -34,6 +39,27 @@ WEIGHT_BYTES_IN_FLIGHT = 256 * 2**20  # each GEMM cycles through copies of its w
 
 
 GemmShape = tuple[int, int, str, int]  # output width, depth, prologue/epilogue kind, partial sums of squares read
+
+
+def replay_ms(run: Callable[[], torch.Tensor], replays: int = 200) -> tuple[float, torch.Tensor]:
+    """The mean time (ms) of one replay of `run` captured as a CUDA graph, and a copy of its output: for timing a
+    few kernels as the service replays them, without launch overhead."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile, autotune and allocate outside the capture
+            run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays, out.clone()
 
 
 def gemm_shapes(config: Any, stages: list[str]) -> dict[str, GemmShape]:

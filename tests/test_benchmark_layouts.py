@@ -111,14 +111,15 @@ def test_service_processes_are_told_apart_and_their_cpu_time_grows() -> None:
 
 
 def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(tiny_checkpoint: Path) -> None:
-    """Workload W on the 2-GPU layout: 128 reply tokens, 400 frames. With both stages at their floors and rows routed
-    independently, 32 streams still need RTF 0.064 (the Thinker reads most experts, and the Talker's first 128 frames
-    wait on its tokens); with the experts random weights' steps did read, 0.038. Levels the probe did not measure
-    print none."""
+    """The speech workload on the 2-GPU layout: a 100-token prompt, 128 text tokens, 400 Talker frames. With both
+    stages at their floors and rows routed independently, 32 streams still need RTF 0.064 (the Thinker reads most
+    experts, and the Talker's first 128 frames wait on its tokens); with the experts random weights' steps did read,
+    0.038. Levels `expert_reads` did not measure print none."""
     layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_30b_random_2gpu.yaml"
     floors = level_rtf_floors(layout, [1, 8, 32], text_tokens=128)
     assert [floors[c] for c in (1, 8, 32)] == pytest.approx([0.0116, 0.0332, 0.0642], abs=5e-4)
-    # with the experts session 39's steps read (32 distinct prompts: 51 of the Thinker's 128 at 32 rows); 4 unmeasured
+    # with the experts measured steps read (`expert_reads.LATEST`, 32 distinct prompts: 51 of the Thinker's 128 at 32
+    # rows); 4 unmeasured
     measured = level_rtf_floors(layout, [1, 4, 8, 32], 128, measured_shares(EXPERT_READS, "a prompt per row"))
     assert measured[1] == pytest.approx(floors[1]) and measured[4] is None
     assert [measured[c] for c in (8, 32)] == pytest.approx([0.0239, 0.0383], abs=5e-4)
@@ -145,7 +146,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert startup == {"thinker": {"process": 9.2, "load": 20.4, "warmup": 61.0, "compile": 44.6},
                        "talker": {"warmup": 41.0, "graph_pool_kept": 2.0}}
     past_text = frames_past_text(layout, 128)
-    assert past_text == 400 - 128  # workload W: the frames after the reply's 128 tokens
+    assert past_text == 400 - 128  # the speech workload: the frames after the reply's 128 tokens
     rows = [{"phase": "startup", "seconds": 102.4, "stages": startup}, {"phase": "warmup", "concurrency": 32}] + [
         {"phase": "measure", "concurrency": c, "ok": c, "requests": c, "server": served if c == 32 else {},
          "stats": {**stats, "latency_s": {"mean": 2.8}} if c == 32 else stats, "rtf_floor": floors[c],
@@ -180,7 +181,7 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
     assert ("service ready 102 s after `serve.run` (thinker: process 9, load 20, warm-up 61 (compiling 45) s; "
             "talker: warm-up 41 s, 2 blocks kept in its graphs' pool); after the run, blocks kept in the graphs' pools: "
             "thinker 0, talker 1") in table
-    assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # written before
+    assert "the ~100-token prompt of `benchmarks/prompt_100_tokens.txt` for every request" in table  # no prompt file named
     distinct = markdown({**meta, "prompt_file": "prompts_100_tokens_distinct.txt", "prompts": 32}, rows, None)
     assert "32 prompts of about 100 tokens from `benchmarks/prompts_100_tokens_distinct.txt`" in distinct
 
@@ -188,9 +189,9 @@ def test_each_level_gets_the_rtf_floor_of_its_streams_and_the_table_its_startup(
 @pytest.mark.parametrize("replies_until", [0, 2, 99])  # calls of the load that get replies: none, the warm-ups, all
 def test_a_run_stops_at_the_first_warm_up_or_level_without_a_reply(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                     replies_until: int) -> None:
-    """A hung service (sessions 39 and 41: every request waited until the step was killed, and nothing was written)
-    now ends the run at the first warm-up or level in which no request got a reply within its timeout: the rows
-    measured so far, a "stopped" row, and the table says so. Only the load and the metrics scrape are stood in."""
+    """A hung service (every request waits until the step is killed) ends the run at the first warm-up or level in
+    which no request got a reply within its timeout: the rows measured so far, a "stopped" row, and the table says
+    so. Only the load and the metrics scrape are stood in."""
     calls: list[tuple[int, int, float]] = []
 
     def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None, prompt_file: Path,
@@ -225,8 +226,8 @@ def test_a_run_stops_at_the_first_warm_up_or_level_without_a_reply(monkeypatch: 
 
 
 def test_the_distinct_prompts_are_32_different_prompts_of_about_100_tokens(tiny_checkpoint: Path) -> None:
-    """What `e2e_serve --prompt-file` sends so that concurrent streams differ: as long as W's one prompt, in the
-    service's tokenizer (the tiny model's)."""
+    """What `e2e_serve --prompt-file` sends so that concurrent streams differ: as long as the one prompt of
+    `prompt_100_tokens.txt`, in the service's tokenizer (the tiny model's)."""
     from transformers import AutoTokenizer
 
     from benchmarks.e2e_serve import DISTINCT_PROMPTS_FILE, PROMPT_FILE
@@ -272,15 +273,3 @@ def test_a_levels_breakdown_reads_gauges_at_its_end_and_counters_over_it() -> No
     assert out["thinker_launch_cpu_ms_p50"] == 1.5
     assert breakdown(before, before, seconds=4.0)["vocoder_windows_per_call"] is None  # no call in the level
 
-
-def test_the_spy_summary_counts_each_threads_samples_and_frames_inclusively(tmp_path: Path) -> None:
-    from benchmarks.spy_summary import summary
-
-    stacks = tmp_path / "thinker_all.txt"
-    stacks.write_text("thread (1): thinker-loop;run (loop.py:1);launch (loop.py:9) 30\n"
-                      "thread (1): thinker-loop;run (loop.py:1);collect (loop.py:12) 10\n"
-                      "thread (2): MainThread (main);main_loop (worker.py:3) 60\n")
-    table = summary(stacks, top=5)
-    assert "100 samples" in table and "### MainThread: 60 samples (60%)" in table
-    assert "### thinker-loop: 40 samples (40%)" in table
-    assert "100.0%  run (loop.py:1)" in table and " 75.0%  launch (loop.py:9)" in table and " 25.0%  collect" in table

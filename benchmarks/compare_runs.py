@@ -1,4 +1,9 @@
-"""Several `e2e_serve` runs side by side at one concurrency (an A/B's table): the numbers an A/B reads first."""
+"""Several `benchmarks/e2e_serve.py` runs side by side at one concurrency: TTFA, RTF, the steps' tails and the
+Talker's pace past the text, a column per run, the numbers an A/B reads first. Use it after running the same
+layout with and without a change (ideally on one machine, in both orders). It reads results files only (no GPU).
+`gpu_suite.sh` prints it at the end when a call ran two or more e2e steps.
+
+    python -m benchmarks.compare_runs a1=DIR/e2e1_a1/e2e.json b1=DIR/e2e1_b1/e2e.json [--concurrency 32]"""
 
 from __future__ import annotations
 

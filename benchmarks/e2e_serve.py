@@ -1,5 +1,14 @@
-"""End to end through HTTP: full-size random-weight Qwen3-Omni served by Ray Serve, workload W at several
-concurrencies (load_tests), per-stage timings from /metrics, and transformers' generate() in the same run."""
+"""End-to-end service benchmark: full-size random-weight Qwen3-Omni served by Ray Serve, driven through HTTP by
+`load_tests` with the speech workload (a 100-token prompt, 128 text tokens, 400 Talker frames) at several
+concurrencies: client TTFA/TTFT/RTF, per-stage timings from `/metrics`, RTF floors, and (`--baseline`) transformers'
+generate() in the same run. Use it for any change meant to show end to end (a layout, `--set` a stage setting, the
+relay, the engines); `benchmarks/compare_runs.py` sets runs side by side.
+
+    python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --baseline --out DIR  # 2 H200s
+    nvidia-cuda-mps-control -d; python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
+        --out DIR  # one H200 under MPS (one H100: README's GPU section has the overrides)
+
+`OMNI_RAY_STEP_TRACE_DIR=DIR` also traces every engine step, for `benchmarks/step_timeline.py`."""
 
 from __future__ import annotations
 
@@ -323,7 +332,7 @@ def way_out(stats: dict[str, Any], server: dict[str, Any]) -> float | None:
 
 
 def prompts_text(meta: dict[str, Any]) -> str:
-    """The workload's prompts, as the table's header says them (results written before `--prompt-file`: W's one)."""
+    """The workload's prompts, as the table's header says them (results without a `prompt_file`: the one prompt)."""
     name, count = meta.get("prompt_file", PROMPT_FILE.name), meta.get("prompts", 1)
     if count == 1:
         return f"the ~100-token prompt of `benchmarks/{name}` for every request"
@@ -341,7 +350,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
                        for r in rows if r["phase"] == "end" and r["graph_pool_kept"]),
              "",
              f"Workload: {prompts_text(meta)}, {meta['max_tokens']} Thinker tokens, "
-             "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: workload W), "
+             "Talker frames up to the layout's `max_frames` (400 = 32 s of audio in the benchmark layouts: the speech workload), "
              "EOS ignored, streamed chat completions with text + audio (`load_tests`). Client-side times are p50 over "
              "the level's requests (TTFA: and their mean, in brackets); server-side ones are means from `/metrics`, from the ingress submitting the request; "
              "the client's way in is from its X-Request-Start header to the ingress handler, and its way out what "
@@ -452,13 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-file", default=str(DISTINCT_PROMPTS_FILE),
                         help="one prompt per line, request i takes them in a seed-shuffled cycle (default: 32 prompts of "
                         f"91-115 tokens, so that concurrent streams differ; {PROMPT_FILE.name}: one prompt for every "
-                        "request, as runs before session 38 sent, whose streams with random weights decode nearly the "
-                        "same tokens and share most experts)")
+                        "request, whose streams with random weights decode nearly the same tokens and share most "
+                        "experts)")
     parser.add_argument("--expert-reads", default=str(EXPERT_READS),
                         help="`benchmarks/expert_reads.py`'s results: the experts a step read at each batch, for the "
-                        "table's floor with measured routing (default: session 39's, on an H200)")
+                        "table's floor with measured routing (default: the latest measured, on an H200)")
     parser.add_argument("--request-timeout", type=float, default=60.0,
-                        help="seconds a measured request may take (a 32-stream reply of workload W takes about 3.5)")
+                        help="seconds a measured request may take (a 32-stream reply of the speech workload takes about 3.5)")
     parser.add_argument("--warmup-timeout", type=float, default=120.0,
                         help="seconds a warm-up request may take (the first batches may still compile or capture)")
     parser.add_argument("--out", required=True)

@@ -1,4 +1,9 @@
-"""transformers' generate() on full-size random-weight Qwen3-Omni: the baseline of workload W (not streaming)."""
+"""transformers' generate() on full-size random-weight Qwen3-Omni: the non-streaming baseline of the speech
+workload (a 100-token prompt, 128 text tokens, 400 Talker frames), batch 1 by default. Total time, seconds of audio,
+RTF (time to first audio is the whole run). Use it as the reference the service is measured against;
+`benchmarks/e2e_serve.py --baseline` runs it in a fresh process after the service.
+
+    python -m benchmarks.hf_baseline --out DIR/hf_baseline.json     # one H200 (the whole model in bf16, ~70 GB)"""
 
 from __future__ import annotations
 

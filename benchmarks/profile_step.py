@@ -1,10 +1,14 @@
-"""Profile graph-replayed Thinker and Talker(+MTP) prefill and decode steps of full-size Qwen3-Omni (random weights): GPU kernels by time.
+"""GPU kernels by time in graph-replayed Thinker and Talker(+MTP) prefill and decode steps of full-size Qwen3-Omni
+(random weights), per step. Also reports the GPU's idle time between kernels, split into launch gaps inside a
+replay and the host's gaps. The prefill step is profiled with host events too: each named stretch's CPU time and
+device span. Use it to see where a step's GPU time goes, before and after a kernel or graph change.
 
     python -m benchmarks.profile_step --compile --served [--thinker-only | --talker-only] [--prefill-graph-tokens N]
         [--wave K]      (K: also a burst's later wave, K prompts prefilled while 32 - K decode, against their decode alone)
         [--persistent-code-predictor]   (the Talker's code-predictor passes as the persistent kernel, as served)
         [--batches 1,32]                (the batches profiled, each stage)
-"""
+
+One H100 or H200 (the Thinker and the Talker are built one after the other on the same GPU)."""
 
 from __future__ import annotations
 

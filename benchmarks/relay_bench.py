@@ -1,6 +1,9 @@
 """Relay latency and bandwidth between two processes: the pairwise-collective path (NCCL between GPUs) or CUDA IPC
-(two processes on one GPU: `--consumer cuda:0 --modes ipc,host`) against the host path (TCP), payloads 4 KB to
-16 MB, each delivery checked bitwise (SHA-256 of the bytes)."""
+(two processes on one GPU) against the host path (TCP), payloads 4 KB to 16 MB, each delivery checked bitwise
+(SHA-256 of the bytes). Use it for changes to `omni_ray/relay` or to choose a transport for a layout.
+
+    python -m benchmarks.relay_bench --out DIR                                                    # two GPUs: NCCL
+    python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out DIR  # one GPU: IPC"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""Where the tiny CPU service's first audio waits, from the host's side: the shipped tiny layout on Ray Serve, short
-streamed chat replies (text + audio) at a few concurrencies, each point of a reply's way to its first audio as a
-mean from /metrics, and the client's TTFA. For changes to the serving path (Serve transport, event loops), where
-the model's own time is small; GPU runs measure the model (`benchmarks/e2e_serve.py`).
+"""Where the tiny CPU service's first audio waits, from the host's side. Runs the shipped tiny layout on Ray Serve
+with short streamed chat replies (text + audio) at a few concurrencies, and reports each point of a reply's way to
+its first audio as a mean from /metrics, plus the client's TTFA. Use it for changes to the serving path (Serve
+transport, event loops, the ingress), where the model's own time is small; GPU runs measure the model
+(`benchmarks/e2e_serve.py`). CPU only: no GPU needed.
 
-    python -m benchmarks.serve_path_bench --concurrency 1,4 --out benchmarks/results
+    python -m benchmarks.serve_path_bench --concurrency 1,4 --out DIR
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""What each engine did while a burst of requests came in: the stage processes' step traces on one clock.
+"""What each engine did while a burst of requests came in: the stage processes' step traces on one clock. Use it
+to see why a burst's first audio came late: which stage's rounds the requests waited behind, and how the Thinker's
+prefill waves went.
 
-A served run with `OMNI_RAY_STEP_TRACE_DIR` set leaves one `<name>-<pid>.jsonl` per engine loop (a round: its step's
-launch, the previous step's collect and hand-on) and per vocoder decode thread (a batched decode call). A burst starts
-at a Thinker round that prefills after a quiet spell (no Thinker round with a batch for `--idle-ms`); its first
-`--window-ms` print as one table, every stage's rounds in order, after a summary of the prefill waves and the
-Talker's rounds. `gpu_suite.sh` runs it after an e2e step with `STEP_TRACE=1`.
+A served run with `OMNI_RAY_STEP_TRACE_DIR` set writes one `<name>-<pid>.jsonl` per engine loop and per vocoder
+decode thread. An engine loop's line is a round: its step's launch, the previous step's collect and hand-on. A
+vocoder line is a batched decode call. A burst starts at a Thinker round that prefills after a quiet spell (no
+Thinker round with a batch for `--idle-ms`). Its first `--window-ms` print as one table, every stage's rounds in
+order, after a summary of the prefill waves and the Talker's rounds. It reads files only (no GPU). `gpu_suite.sh`
+runs it after an e2e step with `STEP_TRACE=1`.
 
-    python -m benchmarks.step_timeline DIR [--window-ms 400] [--idle-ms 300] [--bursts N] [--out FILE]
+    OMNI_RAY_STEP_TRACE_DIR=DIR/steps python -m benchmarks.e2e_serve --concurrency 32 --out DIR   # on the GPU machine
+    python -m benchmarks.step_timeline DIR/steps [--window-ms 400] [--idle-ms 300] [--bursts N] [--out FILE]
 """
 
 from __future__ import annotations

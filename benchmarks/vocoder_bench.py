@@ -1,6 +1,11 @@
-"""The vocoder's cost per Talker step: S streams each receive one frame per tick (as from a batched Talker step) and
-stream audio on the chunk schedule; the window decoder (left context re-decoded) against the stateful one.
-Full-size Code2Wav with random weights, or any config's."""
+"""The vocoder's cost per Talker step. S streams each receive one frame per tick, as from a batched Talker step, and
+stream audio on the chunk schedule. Compares the window decoder (left context decoded again) with the stateful one:
+wall and decode time per step, frames decoded, decode calls. Full-size Code2Wav with random weights, or any
+config's. Use it for changes to `omni_ray/vocoder` (kernels, batching, chunk alignment, graphs).
+`--call-costs` and `--profile-ops N` go further into one decode call.
+
+    python -m benchmarks.vocoder_bench --out DIR                  # one GPU (any CUDA GPU; the results name it)
+    python -m benchmarks.vocoder_bench --config CONFIG --device cpu --dtype float32 --out DIR   # a config on the CPU"""
 
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ def test_distinct_experts_runs_from_one_rows_picks_to_all_experts() -> None:
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
 
 
-def test_thinker_floor_at_batch_1_is_the_issues_figure_less_the_embedding_table(config: Qwen3OmniMoeConfig) -> None:
-    """Issue 4 put a batch-1 Thinker step at about 6.7 GB, counting the token embedding table (0.62 GB), which a step
-    reads only a row of."""
+def test_thinker_floor_at_batch_1_is_the_models_step_bytes_less_the_embedding_table(config: Qwen3OmniMoeConfig) -> None:
+    """A batch-1 Thinker step of the 30B model reads about 6.7 GB counting the token embedding table (0.62 GB), of
+    which a step reads only a row: the floor leaves the table out."""
     text = config.thinker_config.text_config
     table = 2 * text.vocab_size * text.hidden_size
     assert step_bytes(config, "thinker", 1) + table == pytest.approx(6.7e9, rel=0.01)
@@ -61,8 +61,8 @@ def test_rtf_floor_paces_the_talkers_first_frames_by_the_thinker(config: Qwen3Om
     thinker, talker = floor_ms(config, "thinker", 32), floor_ms(config, "talker", 32)
     expected = (128 * thinker + 272 * talker) / 1000 / (400 * 0.08)
     assert rtf_floor(config, 32, 128, 400) == pytest.approx(expected)
-    assert rtf_floor(config, 32, 128, 400) > 0.05  # independently routed rows: above issue 4's target at 32 streams
-    # random weights route 32 distinct prompts' rows to 51 of the Thinker's 128 experts (`expert_reads`, session 39)
+    assert rtf_floor(config, 32, 128, 400) > 0.05  # independently routed rows: above the RTF target of 0.05 at 32 streams
+    # random weights route 32 distinct prompts' rows to 51 of the Thinker's 128 experts (`benchmarks/expert_reads.py`)
     measured = {"thinker": 51.2 / 128, "talker": 97.4 / 128}
     thinker_read, talker_read = (floor_ms(config, stage, 32, expert_share=measured[stage]) for stage in measured)
     expected_read = (128 * thinker_read + 272 * talker_read) / 1000 / (400 * 0.08)

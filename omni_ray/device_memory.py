@@ -4,9 +4,9 @@ For state that outlives every CUDA graph that reads it and must never share memo
 code-predictor pass's barrier counters and the split-depth GEMMs' arrival counters. The pass's counters were once a
 tensor from PyTorch's allocator, allocated inside a graph capture (a capture stream's first ask), so in the pool the
 runner's graphs share, on memory that graphs captured before had used for intermediates. Each replay of those graphs
-wrote there: in the 1-GPU service an int64 0x71 landed at the counters' first bytes (session 52; likely a Talker
-prefill's, 113 being about its prompt length), and a grid barrier then waited for good. `allocator_alias_probe.py`
-in `benchmarks/` replays the pattern (session 53). Tensors view this memory through `__cuda_array_interface__`.
+wrote there: in the 1-GPU service an int64 0x71 landed at the counters' first bytes (likely a Talker prefill's, 113
+being about its prompt length), and a grid barrier then waited for good. Tensors view this memory through
+`__cuda_array_interface__`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch import nn
 from omni_ray.models.qwen3_omni.talker_model import TalkerModel
 from omni_ray.models.qwen3_omni.thinker import ThinkerLM
 
-H200_BANDWIDTH = 4.3e12  # bytes/s, measured device-to-device copy (issue 4)
+H200_BANDWIDTH = 4.3e12  # bytes/s, an H200's device-to-device copy, measured
 BYTES_PER_PARAM = 2  # bf16
 
 

@@ -38,9 +38,9 @@ def codebook_pass(
     `draw`: `sample`, or a faster draw with its signature (`fused_sample`, `top_k_draw.KernelDraw`).
     Graph-capturable.
 
-    Compiling the whole pass as one inductor graph (session 9, `benchmarks/results/2026-11-30_issue4_summary.md`)
-    made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU time, and the service's startup over 80 s
-    longer: compiled layers and a one-kernel draw are what the Talker uses."""
+    Compiling the whole pass as one inductor graph made a Talker step 0.6-1.0 ms faster on an H200 in the same GPU
+    time, and the service's startup over 80 s longer: compiled layers and a one-kernel draw are what the Talker
+    uses."""
     if isinstance(draw, KernelDraw) and filtered and top_k_cap is not None:
         # the persistent pass's launch draws too, where it runs this pass and takes the cap (`draw_applies`)
         drawn = stack.last_draw(embeds, kv_caches, batch, (cos, sin), head, CodeDraw(

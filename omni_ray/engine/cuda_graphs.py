@@ -53,7 +53,7 @@ class GraphCache:
     host, and everything it writes must be idempotent for the same inputs (capture runs it once eagerly, then
     replays it). Nor may `fn` keep a tensor it allocates inside the capture (a lazily made buffer, say) for later
     runs: it lies in the shared pool, where graphs captured before write their intermediates at every replay
-    (sessions 52-53: an earlier graph's replay wrote over the persistent pass's counters kept that way). Each capture
+    (an earlier graph's replay once wrote over the persistent pass's counters kept that way). Each capture
     checks the pool for such tensors and logs them (`kept_in_pool`)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:

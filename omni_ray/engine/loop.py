@@ -28,8 +28,8 @@ S = TypeVar("S", bound=Sequence)
 ABORT_MEMORY_S = 30.0  # an abort that arrives before its request is remembered this long
 # An engine thread shares its process's GIL with the replica's event loop. Each time it lets the GIL go (a CUDA graph
 # replay, a wait for the device) and the event loop is busy, it waits up to Python's switch interval (5 ms by default)
-# to get it back. Measured on this project's CPU (`benchmarks/gil_switch_probe.py`): a call that lets the GIL go took
-# 5.3 ms next to a busy thread at 5 ms, 0.46 ms at 0.2 ms. The loop lowers its process's interval to this (by
+# to get it back: on this project's CPU a call that lets the GIL go took 5.3 ms next to a busy thread at 5 ms, and
+# 0.46 ms at 0.2 ms. The loop lowers its process's interval to this (by
 # default: `EngineSettings.gil_switch_interval_ms`), as the vocoder stage does for its decode thread.
 GIL_SWITCH_INTERVAL_S = 0.0002
 

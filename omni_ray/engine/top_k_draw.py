@@ -2,13 +2,13 @@
 
 The Talker draws 16 times per frame (group 0 and 15 code-predictor groups), each a top-k draw over a few thousand
 logits. As aten ops and inductor kernels that is a radix top-k, a sort and a handful of small kernels per draw: a
-frame's 16 draws took 0.57 ms on an H200, and 0.21 ms as this kernel (`benchmarks/draw_bench.py`, at 1 to 32 rows).
+frame's 16 draws took 0.57 ms on an H200, and 0.21 ms as this kernel (at 1 to 32 rows).
 Here one program per row holds the row in registers and makes the same decisions as `sampler.draw_from_top_k`: the top
 `cap` logits (ties: the lower token id first, as aten's top-k takes them), ranks past the row's top_k dropped, then
 what lies outside the top-p nucleus of the rest (cumulated from the smallest probability up, as transformers does),
 then argmax(logit/T - log(noise)) with the same counter noise. Greedy rows take the argmax (the first of equal
 maxima). (Sorting only the fp32 logits instead, then finding the kept tokens and drawing over the whole row, was not
-faster: 0.227 ms a frame on an H200 in session 13, `benchmarks/results/2026-12-01_h200_frame_draws_session13_*`.)
+faster on an H200.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAX_VOCAB = 16384  # a row in one program's registers
 def draw_warps(block: int) -> int:
     """num_warps of a draw over `block` (a power of two) candidates: 8 from 2,048 up (a frame's 16 draws on an H200
     in 0.189 instead of 0.210 ms at 32 rows with 4 warps for the code predictor's 2,048, the same at 1 and 8 rows;
-    1, 2 and 16 warps slower: `benchmarks/results/2026-12-02_h200_frame_draws_session19.md`)."""
+    1, 2 and 16 warps slower)."""
     return 8 if block >= 2048 else 4
 
 

@@ -6,7 +6,7 @@ expert holds at most one pair per token), so a program reads its expert's column
 rows. The grid covers only as many experts as can be picked (min(pairs, experts)); each program finds its expert
 and its pairs in the per-expert counts itself (a prefix sum over the 128 experts in registers), so nothing waits for
 the host, CUDA graphs can capture it, and no kernel runs before the GEMMs to list the picked experts or their
-offsets (eight small ones per MoE layer did until session 12).
+offsets (as eight small ones per MoE layer once did).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@
 // bf16 once, as `small_batch`'s kernels do.
 //
 // Shapes come in as -D defines: HIDDEN, HEADS, KV_HEADS, HEAD_DIM (128), INTER, VOCAB, BLOCKS, WARPS. For timing
-// by difference (`benchmarks/persistent_pass_probe.py`), SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part
-// out and NO_WAIT computes without waiting for the weights' copies (the results are then wrong); CP_ASYNC_COPIES
-// copies the weights as the first version did. PASSES_IN_LAUNCH (probe; default 1) runs that many passes in one
+// by difference, SKIP_ATTENTION, SKIP_GEMMS and SKIP_WEIGHTS leave one part out and NO_WAIT computes without waiting
+// for the weights' copies (the results are then wrong); CP_ASYNC_COPIES copies the weights as the first version did.
+// PASSES_IN_LAUNCH (for measurements; default 1) runs that many passes in one
 // launch, each after the last: a later pass reads the codes the pass before drew (when drawing), or the same inputs
 // again; its q/k/v share streams in while the rows draw. STALL_TEST (tests) holds block 0 before the first grid
 // barrier for good, so the others stall there and report it (`report_stall`). A served build sets none of them.

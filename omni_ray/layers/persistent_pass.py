@@ -1,13 +1,12 @@
 """A dense decoder stack's few-row decode pass, final norm and head as one persistent CUDA kernel (`persistent_pass.cu`).
 
-The code predictor's pass as `small_batch`'s Triton kernels is a chain of 27 kernels of 4-7 us each (session 26 of
-`benchmarks/results/2026-11-30_issue4_summary.md`): about 150-180 us a pass where its weights take 37 us to stream.
+The code predictor's pass as `small_batch`'s Triton kernels is a chain of 27 kernels of 4-7 us each: about 150-180
+us a pass where its weights take 37 us to stream.
 Here one kernel runs the whole pass on 128 blocks, one per multiprocessor. Each block keeps its share of a GEMM's
 weights in shared memory and asks for the next GEMM's share (bulk copies) before it computes, so that the weights
 stream in while the blocks wait for each other between phases (grid barriers on a counter; every block must be
 resident at once, which 128 blocks of one per multiprocessor are on a GPU with at least 128). On an H200 a pass and
-its head took 122 / 130 / 139 / 165 us at 1 / 8 / 16 / 32 rows against the Triton kernels' 158 / 162 / 162 / 184
-(session 36; `benchmarks/persistent_pass_probe.py` times it with each part left out).
+its head took 122 / 130 / 139 / 165 us at 1 / 8 / 16 / 32 rows against the Triton kernels' 158 / 162 / 162 / 184.
 
 Built at run time with NVRTC (the library PyTorch's CUDA build loads) through the CUDA driver API, both over ctypes:
 no compiler at install time and no extra package. Graph-capturable: a launch is a kernel on the current stream.
@@ -249,7 +248,7 @@ class PersistentPass:
     most MAX_ROWS (a GPU shared with another stage may keep larger passes on the Triton kernels). `draws`: `draw` may
     also draw each row's code in the same launch (else the caller draws from `logits`). `cooperative`: launch as a
     cooperative grid, which the GPU starts only once every block can be resident, as the grid barriers need (false:
-    a plain launch, which assumes it; for the probe)."""
+    a plain launch, which assumes it; for measurements)."""
 
     def __init__(self, stack: Any, max_rows: int = MAX_ROWS, l2_keep_percent: int = 0, draws: bool = False,
                  cooperative: bool = True) -> None:

@@ -181,7 +181,7 @@ __device__ __forceinline__ bool stalled(unsigned long long& since) {
 
 // All blocks wait here until each has arrived `generation` times. Thread 0 releases the block's writes and acquires
 // the others'; the block's barriers order its other threads around that. (A flag per block, each released by its
-// block and acquired by thread t for block t, measured 2.4 times as slow: session 37.)
+// block and acquired by thread t for block t, measured 2.4 times as slow.)
 __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation, u32* report) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -202,12 +202,12 @@ __device__ __forceinline__ void grid_barrier(u32* arrived, u32 generation, u32* 
 
 // The weights' copies: by default bulk copies of whole rows on the multiprocessor's copy engine (a row a lane of the
 // first warp), counted on the buffer's mbarrier; CP_ASYNC_COPIES: 16-byte cp.async copies spread over
-// every thread (measured slower, session 35), counted in cp.async groups.
+// every thread (measured slower), counted in cp.async groups.
 
-// L2_KEEP_PERCENT (probe; 0 or unset: off): that share of the weights' lines (by address) asked of L2 as evict_last,
-// the rest evict_first, so the kept share stays in L2 from one pass to the next (a frame runs 15 passes over the same
-// 157 MB, more than L2 holds: plain reads keep nothing).
-// L2_EVICT_FIRST (probe): every weight line asked of L2 as evict_first (keeps none; leaves L2 to the rest).
+// L2_KEEP_PERCENT (`engine.persistent_code_predictor_l2_keep_percent`; 0 or unset: off): that share of the weights'
+// lines (by address) asked of L2 as evict_last, the rest evict_first, so the kept share stays in L2 from one pass to
+// the next (a frame runs 15 passes over the same 157 MB, more than L2 holds: plain reads keep nothing).
+// L2_EVICT_FIRST (for measurements): every weight line asked of L2 as evict_first (keeps none; leaves L2 to the rest).
 #ifndef L2_KEEP_PERCENT
 #define L2_KEEP_PERCENT 0
 #endif

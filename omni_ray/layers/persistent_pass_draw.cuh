@@ -8,7 +8,7 @@
 // counting. The same float operations as Triton's kernel (division rounded as it rounds, ex2.approx, libdevice's
 // logf), so the draws agree unless a top-p sum, added in another order, lands within an ulp of its threshold.
 //
-// Opt-in (`engine.persistent_code_predictor_draws`): on an H100 (session 46) the phase took about 25 us at one row
+// Opt-in (`engine.persistent_code_predictor_draws`): on an H100 the phase took about 25 us at one row
 // against 20 for the Triton kernel and its launch gap. It is a chain of dependent steps (13 block barriers, shared
 // atomics, a one-warp tail) in one block alone on its multiprocessor, not much work: 12k warp instructions a row.
 #pragma once
@@ -16,7 +16,7 @@
 #include "persistent_pass_common.cuh"
 
 #define DRAW_MAX_CAP 256  // `top_k_draw.MAX_CAP`
-// Probe only (`benchmarks/persistent_pass_probe.py`; the results are then wrong): DRAW_STOP_AFTER 1 / 2 / 3 / 4 ends
+// For measurements only (the results are then wrong): DRAW_STOP_AFTER 1 / 2 / 3 / 4 ends
 // the phase after the loads and greedy argmax / the radix select / the candidates ranked / the draw.
 #ifndef DRAW_STOP_AFTER
 #define DRAW_STOP_AFTER 5

@@ -25,7 +25,7 @@ struct ScaledCopy {
     float* squares;
 };
 
-// 16-row tiles x 32-deep chunks of activation loads a warp issues together (a probe's knob; served: 4).
+// 16-row tiles x 32-deep chunks of activation loads a warp issues together (a knob for measurements; served: 4).
 #ifndef CHUNK_TILES_IN_FLIGHT
 #define CHUNK_TILES_IN_FLIGHT 4
 #endif
@@ -51,8 +51,8 @@ __device__ void gemm(const bf16_t* x, long long x_stride, int rows, const bf16_t
     // consecutive k at 8 * pair of each 32-deep chunk, as a 16-byte load of x's row and of the weight's row, and
     // feeds the first four to one step (its k 2p, 2p+1, 2p+8, 2p+9) and the last four to the next.
     constexpr int CHUNKS = K / WARPS / 32;
-    // chunks whose loads a warp issues together, as 16-row tiles x chunks (CHUNK_TILES_IN_FLIGHT: a probe's knob;
-    // 8 or 16 a 16-row tile measured no faster, session 36, nor 8 / 16 / 32 at 32 rows, session 42)
+    // chunks whose loads a warp issues together, as 16-row tiles x chunks (CHUNK_TILES_IN_FLIGHT: a knob for
+    // measurements; 8 or 16 a 16-row tile measured no faster, nor 8 / 16 / 32 at 32 rows)
     constexpr int IN_FLIGHT = chunks_in_flight(CHUNKS, CHUNK_TILES_IN_FLIGHT / MT);
     static_assert(CHUNKS % IN_FLIGHT == 0, "whole batches of chunks");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;

@@ -43,9 +43,9 @@ MAX_ROWS = 64  # rows x tokens of a step the kernels take (past it, the layer's 
 ROW_TILE = 32  # rows per GEMM program: 64 rows in one tile took 13-16 us where 32 took 8-11 (q/k/v, gate/up)
 # Whether a GEMM that reads each weight once (its rows in one tile) marks the weights' lines first to go from L2
 # (`evict_first`), so that they stop crowding out what the step reads again: activations, partial sums, keys. In the
-# persistent code-predictor pass the same hint made a pass 4-5% faster (session 44, H100); here it did not move the
-# Talker's engine steps (3.8 / 4.5 / 6.0 against 3.7 / 4.5 / 6.0 ms at 1 / 8 / 32 rows, session 45, H100), so it is
-# off unless `engine.weights_evict_first` sets it. `set_weights_evict_first`.
+# persistent code-predictor pass the same hint made a pass 4-5% faster on an H100; here it did not shorten the
+# Talker's engine steps (at 1, 8 or 32 rows), so it is off unless `engine.weights_evict_first` sets it.
+# `set_weights_evict_first`.
 weights_evict_first = False
 
 
@@ -257,8 +257,8 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     streamed from memory (`benchmarks/small_batch_bench.py`). Narrow column blocks, so that even a 1,024-wide
     projection spreads over 64 programs; a narrow and deep one (the code predictor's and the Talker's o, the code
     predictor's down) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of
-    8.8 for down, at 1 row; session 13). Splitting the wider ones at a depth of 1,024 was slower (q/k/v, gate/up, the
-    code head). At a depth of 2,048 or more (session 27, the Thinker's, at 1 / 8 / 32 rows): its o (2,048 wide, 4,096
+    8.8 for down, at 1 row). Splitting the wider ones at a depth of 1,024 was slower (q/k/v, gate/up, the code
+    head). At a depth of 2,048 or more (the Thinker's, at 1 / 8 / 32 rows): its o (2,048 wide, 4,096
     deep) in 32-column blocks split in four, 8.9 / 9.0 / 10.0 against 11.5 / 11.7 / 12.5 us; its router (128 wide)
     in 32-column blocks split in eight, 4.8 / 4.7 / 5.2 against 6.1 / 6.1 / 6.3; its q/k/v (5,120 wide) in
     64-column blocks, 9.3 / 10.1 / 11.7 against 10.5 / 11.0 / 12.5."""
@@ -285,8 +285,8 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     stream: every launch leaves them at zero, and launches on one stream run one after the other (a graph captured
     on its own stream keeps that stream's set). On a GPU they live in device memory of their own (`device_memory`):
     a tensor allocated inside a capture sits in the graphs' shared pool, where the replays of graphs captured before
-    it write their intermediates (sessions 52-53: the persistent pass's barrier counters, kept that way, were written
-    over), and a set off zero leaves a column block's sums unadded in every later launch. A tensor on a CPU, or past
+    it write their intermediates (the persistent pass's barrier counters, once kept that way, were written over),
+    and a set off zero leaves a column block's sums unadded in every later launch. A tensor on a CPU, or past
     ARRIVAL_SETS streams outside a capture; inside a capture with no set left, an error (the capture then fails and
     its step runs eagerly)."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
@@ -385,7 +385,7 @@ def small_attention(
     `query_heads` query heads (default: one up to 16 rows, else a KV head's all). A program's work is one chain of
     dependent steps (about 1,700 instructions a warp with two query heads at one row on an H200, under Nsight
     Compute), so fewer heads a program shorten it: the code predictor's attention with one a program took 4.4 / 4.8
-    / 5.9 us at 1 / 8 / 32 rows where two took 5.4 / 5.3 / 5.8 (session 25)."""
+    / 5.9 us at 1 / 8 / 32 rows where two took 5.4 / 5.3 / 5.8."""
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     query_heads = query_heads or (1 if rows <= 16 else heads // kv_heads)
     assert (heads // kv_heads) % query_heads == 0

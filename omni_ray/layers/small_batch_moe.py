@@ -325,7 +325,7 @@ def decode_attention(
 
 def route_warps(rows: int) -> int:
     """The routing kernel's num_warps: one warp for one row (3.2-3.5 us a call where four took 3.7-4.5 on an H200),
-    four for more (3.8-6.3 us at 2 to 32 rows, where one took 6.7-27.8; `moe_layer_bench`, session 25)."""
+    four for more (3.8-6.3 us at 2 to 32 rows, where one took 6.7-27.8)."""
     return 1 if rows == 1 else 4
 
 

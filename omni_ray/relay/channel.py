@@ -137,7 +137,7 @@ class RelayEndpoint:
         memory goes back to the transport only after the work that the consumer's streams had queued when it was
         freed. A consumer launches steps ahead, so a delivered tensor it has dropped may not have been read yet;
         without this, the transport's next buffer could take the same memory and be written while that read still
-        waits (seen as a device-side assert on a Talker fed over NCCL, session 37)."""
+        waits (seen as a device-side assert on a Talker fed over NCCL)."""
         if not buffer.is_cuda or buffer.numel() == 0:
             return
         for stream in [torch.cuda.default_stream(buffer.device), *self.reader_streams]:

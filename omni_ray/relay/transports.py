@@ -17,7 +17,7 @@ from omni_ray.relay.tcp import TcpTransport
 # Endpoints of replicas living in this process, by replica id: peers found here get a direct hand-off.
 LOCAL_ENDPOINTS: dict[str, RelayEndpoint] = {}
 # In `auto` mode, between processes on one GPU: a step's message to a peer with this many bytes of device tensors or
-# more goes through CUDA IPC, a smaller one on the host path. On an H200 (session 19) the host path took 0.94 ms for
+# more goes through CUDA IPC, a smaller one on the host path. On an H200 the host path took 0.94 ms for
 # 1 MB and 2.4 ms for 4 MB, CUDA IPC 1.0-1.2 ms at every size.
 IPC_FROM_BYTES = 2 << 20
 

@@ -361,10 +361,10 @@ def host_copies(items: list[RelayItem]) -> list[RelayItem]:
     reused pinned buffer on a side stream (a copy on the producer's stream would wait for everything queued since,
     such as its next step), one copy per storage they view (`copy_by_storage`); the host waits once, copies the
     buffer once, and each tensor is a view of that copy. Per step: a copy per storage, one wait, whatever the item
-    count. A gather kernel into one buffer (sessions 15-16) needed SMs, which under MPS it may wait for behind the
+    count. A gather kernel into one buffer (an earlier design) needed SMs, which under MPS it may wait for behind the
     other processes' kernels. Copied one by one, the 1-GPU service's Thinker made about 30 copies, event records
-    and pinned allocations per step at batch 32, each CUDA call 10-30 us under MPS (session 14's in-service
-    profile). A process's first copy waited for the queued work on an H200, so a stage on a GPU makes one at
+    and pinned allocations per step at batch 32, each CUDA call 10-30 us under MPS (in a profile inside the
+    service). A process's first copy waited for the queued work on an H200, so a stage on a GPU makes one at
     startup (`warm_host_copy`). Used where the next stage is on the host path (TCP): by default, two processes
     sharing one GPU (Thinker → Talker in the 1-GPU layout)."""
     on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
@@ -454,7 +454,7 @@ def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
 
 def warm_host_copy(device: torch.device) -> None:
     """Pay `host_copies`' first-use costs now. On an H200 a process's first side-stream copy to the host waited for
-    the work queued on the device (session 14), and so did the first gather kernel of its kind when the copy had
+    the work queued on the device, and so did the first gather kernel of its kind when the copy had
     one. Both shapes of copy are made here: one tensor, and views of several storages, of sizes that are and are not
     multiples of 16 bytes."""
     zeros = torch.zeros(64, device=device)

@@ -40,9 +40,9 @@ class ServeClient:
     Streams go over Serve's gRPC transport between replicas (`_by_reference=False`, what Serve's own
     `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode picks for every handle) rather than as Ray actor tasks with their results
     in the object store: on one H200 at 32 streams every stage's stream was open after 14 ms instead of 27 and the
-    first audio came sooner (`benchmarks/results/2026-12-03_h200_e2e_1gpu_session30_ab_*.md`). Its messages are capped by each process's
-    `RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`, which `serve/app.py` raises in every replica of the application.
-    Unary calls (the encoder's, whose audio clips may be tens of MB) stay Ray tasks."""
+    first audio came sooner. Its messages are capped by each process's `RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`,
+    which `serve/app.py` raises in every replica of the application. Unary calls (the encoder's, whose audio clips
+    may be tens of MB) stay Ray tasks."""
 
     def __init__(self, handle: Any, grpc_streams: bool = True) -> None:
         self.handle = handle

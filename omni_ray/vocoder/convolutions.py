@@ -3,13 +3,13 @@ dilated convolution folded into an undilated one where that is faster, the one-o
 
 - Channels last: cuDNN runs an H200's bf16 convolutions in NHWC. For a [B, C, T] activation stored channel by channel
   it converts each convolution's input to channels last and its output back: about 18% of the vocoder's GPU time in
-  session 20's op profile (32 streams). An activation stored time step by time step ([B, T, C] underneath: a
+  an op profile at 32 streams. An activation stored time step by time step ([B, T, C] underneath: a
   [B, C, T] view with strides (T * C, 1, C), see `kernels.empty_activation`) runs as a 2-D convolution over
   [B, C, 1, T] with the weight stored channels last as well (`channels_last_weight`), which cuDNN reads and writes as
   it is. Every function here returns its output in its input's layout.
 - The residual units' kernel-7 convolutions dilated by 3 and 9: for one of them, 384 channels at dilation 9, cuDNN
   falls back to a non-tensor-core `implicit_convolve_sgemm`, 2.91 ms per 8-frame decode of 32 streams against
-  0.26 ms undilated, 18% of the vocoder's GPU time (session 16's op profile, channel by channel).
+  0.26 ms undilated, 18% of the vocoder's GPU time (in an op profile, channel by channel).
   `dilation_folded_conv1d` gives the same sums as an undilated convolution over the time steps r, r + d, r + 2d, ...
   of each residue r; `dilated_conv1d` takes it for a shape where it ran faster when first met (timed). The fold is
   plain torch, taken on CUDA only.
@@ -121,7 +121,7 @@ def dilated_conv1d(x: torch.Tensor, conv: nn.Conv1d, bias: bool = True) -> torch
     met this input shape and layout (both timed then; a decoder's warm-up meets every shape its graphs capture).
     cuDNN's choice varies by shape: on an H200, for 32 streams' 8-frame decode stored channel by channel, its kernel
     at 384 channels and dilation 9 took 2.96 ms against 0.31 ms folded, while at 96 and 192 channels the fold was
-    slower (session 17's probe). Off CUDA, or first met inside a graph capture (no timing there), cuDNN's. Without
+    slower. Off CUDA, or first met inside a graph capture (no timing there), cuDNN's. Without
     its bias if not `bias`."""
     chosen = _FOLD_FASTER.setdefault(conv, {})
     key = (tuple(x.shape), is_channels_last(x), x.dtype, x.device)

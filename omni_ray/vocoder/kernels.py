@@ -9,12 +9,12 @@ convolution as Triton kernels.
 - `add_and_snake`: what comes around a convolution in the decoder, in the same pass. Torch adds a cuDNN
   convolution's bias in a kernel of its own (a broadcast, so not vectorised), a residual unit adds its input in
   another, the next SnakeBeta reads the sum again, and a causal convolution's carried samples are joined to its
-  input by a copy (`torch.cat`): in session 17's op profile of the vocoder (32 streams) the broadcast adds and the
+  input by a copy (`torch.cat`): in an op profile of the vocoder (32 streams) the broadcast adds and the
   joins took about a third of its GPU time. One kernel adds the bias and the residual, keeps the sum where it is
   needed later, and writes the SnakeBeta of it after the carried samples of the next convolution's input buffer.
 - The decoder's last convolution maps 96 channels at 24 kHz to one sample stream. The costliest kernel of the
   vocoder inside the 1-GPU service was a non-tensor-core cuDNN `implicit_convolve_sgemm`, about 1.4 ms per call
-  and 17% of its GPU time (session 14's profile), called about as often as the decoder runs: most likely this
+  and 17% of its GPU time (in a profile), called about as often as the decoder runs: most likely this
   convolution, which the profile does not name. `single_output_conv1d` reads the input once, each program summing
   channels x taps for a block of samples in fp32.
 - Either activation layout: a [B, C, T] activation stored channel by channel, or channels last ([B, T, C]
@@ -42,11 +42,11 @@ except ImportError:  # a CPU-only install: the module's own forward
 BLOCK = 1024  # samples per program
 # `single_output_conv1d`'s tile: 16 channels x 256 samples per program. At 32 channels x 1,024 samples, reduced over the
 # channels at every tap, the kernel took 1.1 ms per call for 32 streams' 8-frame decode (96 MB read: about 85 GB/s),
-# 10% of the vocoder's GPU time (session 20's op profile), most likely from the tile spilling out of registers.
+# 10% of the vocoder's GPU time (in an op profile), most likely from the tile spilling out of registers.
 CONV_BLOCK, CONV_BLOCK_C = 256, 16
 CONV_BLOCK_CHANNELS_LAST, CONV_BLOCK_C_CHANNELS_LAST = 128, 32  # the same tile over a strided channels-last input
 # `_single_output_conv_channels_last_kernel`'s time steps per program (x every channel). The tile above took 0.44 ms
-# per call over a channels-last input (session 21's op profile), against 0.23 ms channel by channel.
+# per call over a channels-last input (in an op profile), against 0.23 ms channel by channel.
 CONV_BLOCK_DENSE = 32
 ADD_TILE = 2048  # `_add_and_snake_channels_last_kernel`'s time steps x channels per program
 FUSE_AROUND_CONVS = True  # `add_and_snake` as one kernel; off: torch's adds, the snake kernel, a copy (A/B runs)

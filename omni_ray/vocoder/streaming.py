@@ -50,7 +50,7 @@ def measure_trim(codec: Codec, frames: int = 2) -> int:
 def joined_frames(held: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """`held` then `codes` along the frame axis, on the codes' device. Codes relayed on a GPU stay there: copied to
     the host, each stream's frames waited for the copy (in the 1-GPU service under MPS, 32 such copies per vocoder
-    step took 28 ms of host time at 32 streams, session 15's profile), and the decode then copied them back. A GPU
+    step took 28 ms of host time at 32 streams), and the decode then copied them back. A GPU
     tensor is marked as used on the current stream, which its maker's stream (the relay's) may not be."""
     if codes.is_cuda:
         codes.record_stream(torch.cuda.current_stream(codes.device))

@@ -17,7 +17,7 @@ def run_interpreted(script: str, *args: str) -> Any:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # a limit against a hang, not a speed check: a Talker reply's frames under the interpreter took 11.6-12.1 min on
-    # this project's 2-core CPU machine on 2026-12-02 (alone, at this session's start and end commits)
+    # this project's 2-core CPU machine (alone, at two commits)
     done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -146,7 +146,7 @@ def test_graph_replay_matches_eager_in_bfloat16_for_a_batch(tiny_checkpoint: Pat
 def test_text_embeddings_arriving_partly_on_the_host_speak_what_embeddings_on_the_gpu_speak(tiny_checkpoint: Path) -> None:
     """On one GPU the relay hands each Thinker step's message over through CUDA IPC or on the host path by its size,
     so a request's text embeddings arrive some on the GPU and some on the host, and one Talker step's rows mix both
-    (the 1-GPU service lost whole batches of 32 requests to a device mismatch there in session 21). With every other
+    (the 1-GPU service once lost whole batches of 32 requests to a device mismatch there). With every other
     embedding of each request moved to the host (rows of one step on both), the Talker speaks the frames it speaks
     with all of them on the GPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -172,8 +172,8 @@ def test_seeded_talker_sampling_replayed_from_graphs_draws_eagers_codes(tiny_che
     frame, for a batch of four; another seed draws other codes. Compiled: the same layers and the Triton draw kernel
     run eagerly and replayed. The replayed run goes first: on an H200 an eager run first, in a fresh process with the
     code predictor's and the MoE kernels, gave other codes than replay from frame 1-4 on (bf16), while the variants
-    run after it in the same process matched (`benchmarks/results/2026-12-01_h200_talker_divergence_session12.txt`;
-    in fp32 the replayed compiled layers give the CPU's greedy codes, `test_cuda_graph_decode_matches_cpu...`)."""
+    run after it in the same process matched (in fp32 the replayed compiled layers give the CPU's greedy codes,
+    `test_cuda_graph_decode_matches_cpu...`)."""
     prompts = ("Hello there!", "Tell me a story about a dog.", "Hi", "What is the weather like today in the city?")
     lengths = (48, 32, 48, 17)
     served = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7)
@@ -211,7 +211,7 @@ def _launch_without_syncs(runner: Any, seqs: list[Any]) -> Any:
 def test_decode_launches_never_wait_for_the_gpu(tiny_checkpoint: Path) -> None:
     """A decode step's launch, Thinker's and Talker's (graphs, seeded sampling with a repetition penalty), queues its
     work and returns: torch sees no host sync in it, so an engine launching ahead builds the next step while the GPU
-    runs this one (a sync in every launch, from a history set to a host `True`, was found in session 12)."""
+    runs this one (a sync in every launch, from a history set to a host `True`, was once found here)."""
     prompts = ("Hello there!", "Tell me a story about a dog.")
     sampling = tuple(SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=i) for i in range(2))
     seqs, outputs, _ = _think(tiny_checkpoint, "cuda", torch.bfloat16, True, prompts, (24, 24), False, sampling)

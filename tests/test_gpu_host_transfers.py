@@ -67,8 +67,8 @@ def _calls_that_waited() -> list[str]:
 
 def test_transfers_return_while_later_work_still_runs() -> None:
     """After the warm-up a GPU stage makes at startup (this test runs first in its file, in a fresh process). Without
-    it, on an H200 (session 9), the first round's host copy waited and the second's did not: a first-use cost. With
-    a warm-up of one-tensor copies only, the first round's gather of several tensors waited (session 14)."""
+    it, on an H200, the first round's host copy waited and the second's did not: a first-use cost. With a warm-up of
+    one-tensor copies only, the first round's gather of several tensors waited."""
     warm_host_copy(torch.device("cuda"))
     first, second = _calls_that_waited(), _calls_that_waited()
     assert not first and not second, f"these waited for the next step: first round {first}, second round {second}"
@@ -81,7 +81,7 @@ def test_transfers_return_while_later_work_still_runs() -> None:
 def test_no_part_of_a_side_stream_copy_to_the_host_waits_for_queued_work(upload_queued: bool, numel: int) -> None:
     """The parts of `host_copy`, one by one, with work queued on the producer's stream: a new side stream, a pinned
     host buffer, the copy queued on the side stream and the side stream's synchronisation. Names the first that waits.
-    On an H200 (sessions 8 and 9) no part waited, alone, behind an upload, or for a pinned block of a size the caching
+    On an H200 no part waited, alone, behind an upload, or for a pinned block of a size the caching
     host allocator had not held before (16 MB, new pinned memory), while host_copy waited in the test above, the first
     in its process."""
     device = torch.device("cuda")

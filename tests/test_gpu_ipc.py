@@ -151,7 +151,7 @@ def test_a_handed_over_buffer_is_not_refilled_before_the_consumers_queued_read(h
     endpoint = RelayEndpoint()
     receiving = torch.cuda.Stream()
     # every kernel below loaded once first: loading them lazily took longer than the sleep, so the read had run
-    # before the free (this test's first version, session 37)
+    # before the free (this test's first version)
     warm = torch.ones(4096, dtype=torch.uint8, device="cuda")
     torch.cuda._sleep(1000)
     warm.fill_(2)

@@ -38,8 +38,8 @@ def test_moe_layer_kernels_equal_the_layers_decode_on_the_gpu(stage: str, rows: 
     experts has logits near +3 and the others near 0 or -3, so every evaluation picks the same experts (one top-k per
     sign), and the logits stay small, as trained routers' are. With random routers (logits about 14 wide at the
     Thinker's 2,048 channels) both bf16 paths of the Thinker were 10-20% of its largest value off fp32 in some rows
-    (`benchmarks/results/2026-12-02_h200_gpu_tests_session23_moe_layer_kernels_routing_flips.txt`): bf16 rounds a
-    logit of 30 to 0.125, so each path's routing weights moved by several percent, and close experts could swap."""
+    on an H200: bf16 rounds a logit of 30 to 0.125, so each path's routing weights moved by several percent, and
+    close experts could swap."""
     pytest.importorskip("triton")
     torch.backends.cuda.matmul.allow_tf32 = False
     config = Qwen3OmniMoeConfig.from_json_file(FULL_CONFIG)

@@ -154,7 +154,7 @@ def test_a_stage_at_capacity_is_a_503_with_retry_after_not_a_500() -> None:
 
 def test_a_stream_failing_after_its_headers_ends_with_an_error_event_not_a_cut_transfer() -> None:
     """A stage failing mid-reply, after the 200 and the first chunks went out (the 1-GPU service's device mismatch in
-    the Talker, session 21): a chat stream's last events are the error in the OpenAI envelope and [DONE], so the
+    the Talker): a chat stream's last events are the error in the OpenAI envelope and [DONE], so the
     client reads why (the openai client raises it) instead of a broken chunked transfer. A raw audio stream has no room
     for an error: it is cut. Both are counted."""
     import asyncio

@@ -13,7 +13,9 @@ import torch
 from transformers import WhisperFeatureExtractor
 
 TARGET_SR: int = 16000
-# Arguments Qwen3OmniMoeProcessor passes to the feature extractor (audio_kwargs defaults, n_window popped).
+# Arguments Qwen3OmniMoeProcessor passes to the feature extractor by default (its audio kwargs, n_window popped).
+# Spelled out rather than read from transformers, which keeps these defaults in different places across releases;
+# tests/test_audio.py checks them against the installed release.
 PROCESSOR_AUDIO_KWARGS: dict[str, object] = {
     "sampling_rate": TARGET_SR,
     "padding": True,

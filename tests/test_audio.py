@@ -11,7 +11,10 @@ import soundfile as sf
 import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
-from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessorKwargs
+from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+    Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeProcessorKwargs,
+)
 
 from omni_ray.audio import (
     PROCESSOR_AUDIO_KWARGS,
@@ -150,9 +153,22 @@ def extractor() -> AudioFeatureExtractor:
     return AudioFeatureExtractor()
 
 
+def _processor_audio_defaults() -> tuple[dict[str, object], int]:
+    """The feature-extractor kwargs and `n_window` that Qwen3OmniMoeProcessor applies by default, layered as its
+    `_merge_kwargs` layers them: the processor's class attributes (`audio_kwargs`, `n_window`, as in transformers 5.25),
+    then the kwargs TypedDict's `_defaults["audio_kwargs"]` on top (where older releases keep them, `n_window` inside).
+    Raises if neither layout holds them, so a further move in transformers fails here instead of comparing nothing."""
+    kwargs: dict[str, object] = dict(getattr(Qwen3OmniMoeProcessor, "audio_kwargs", None) or {})
+    kwargs.update((getattr(Qwen3OmniMoeProcessorKwargs, "_defaults", None) or {}).get("audio_kwargs", {}))
+    n_window = kwargs.pop("n_window", getattr(Qwen3OmniMoeProcessor, "n_window", None))
+    if not kwargs or not isinstance(n_window, int):
+        raise LookupError("transformers' Qwen3OmniMoeProcessor audio defaults are in neither known layout")
+    return kwargs, n_window
+
+
 def test_processor_kwargs_match_transformers() -> None:
-    defaults = dict(Qwen3OmniMoeProcessorKwargs._defaults["audio_kwargs"])
-    assert defaults.pop("n_window") == 50
+    defaults, n_window = _processor_audio_defaults()
+    assert n_window == 50
     assert defaults == PROCESSOR_AUDIO_KWARGS
 
 
@@ -168,8 +184,7 @@ def test_features_match_processor_path(extractor: AudioFeatureExtractor, n: int)
         feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400,
         chunk_length=300, padding_value=0.0, return_attention_mask=True,
     )
-    kwargs = dict(Qwen3OmniMoeProcessorKwargs._defaults["audio_kwargs"])
-    kwargs.pop("n_window")
+    kwargs, _ = _processor_audio_defaults()
     ref = ref_fe([audio], return_tensors="pt", **kwargs)
     mask = ref["attention_mask"]
     assert int(mask.sum()) == t

@@ -52,6 +52,36 @@ def test_same_seed_identical_files(ckpts: dict[str, Path]) -> None:
         assert _sha256(ckpts["a"] / name) == _sha256(ckpts["b"] / name), name
 
 
+# sha256 of the seed-0 checkpoint's content. Weights: every tensor's key, dtype, shape and bytes, in key order (the
+# content, whatever safetensors' header layout). Other files: their bytes; the saved configs carry no
+# transformers_version stamp, so they too are the same bytes under every supported transformers release.
+GOLDEN_SEED0: dict[str, str] = {
+    "weights": "7437b2d10e971cc9028461ba64bfc41b02f5424665b255d046efe9c16287709b",
+    "config.json": "5668e67d0e107a4bcac42f89e27f1225ca1229fa53dd8049976edfaf9ee65a51",
+    "generation_config.json": "f96e25e0124ba8afb0b42ce82835c868fd6d5c35a980318a0d4a5d2b39b99205",
+    "tokenizer.json": "e08b38897a68e2afcb0658c9a4de1a4c8694f5cbff1fef0cf2a7595d3991458d",
+    "tokenizer_config.json": "afd4293783372cf7d73db0f80541943b6fdfd6dfc8abde658f037abcd389f97d",
+    "preprocessor_config.json": "30cb5d84c7c3255f9137f89f04723740dddcfe34430b895ebb1150925b4caa07",
+}
+
+
+def _content_hashes(d: Path) -> dict[str, str]:
+    weights = hashlib.sha256()
+    with safe_open(str(d / ck.WEIGHTS_FILE), "pt") as f:
+        for key in sorted(f.keys()):
+            t = f.get_tensor(key).contiguous()
+            weights.update(f"{key}|{t.dtype}|{tuple(t.shape)}\n".encode())
+            weights.update(t.numpy().tobytes())
+    return {"weights": weights.hexdigest(), **{name: _sha256(d / name) for name in GOLDEN_SEED0 if name != "weights"}}
+
+
+def test_checkpoint_matches_golden_hash(ckpts: dict[str, Path]) -> None:
+    """The seed-0 checkpoint is the same content under every supported transformers release: each tensor is drawn
+    from its checkpoint key (the official on-disk layout), not from transformers' in-memory module names, which
+    differ between releases. A change here changes every cached tiny checkpoint: bump ck.TINY_FORMAT with it."""
+    assert _content_hashes(ckpts["a"]) == GOLDEN_SEED0
+
+
 def test_different_seed_different_weights(ckpts: dict[str, Path]) -> None:
     assert _sha256(ckpts["a"] / "model.safetensors") != _sha256(ckpts["c"] / "model.safetensors")
     assert _sha256(ckpts["a"] / "tokenizer.json") == _sha256(ckpts["c"] / "tokenizer.json")
@@ -191,10 +221,26 @@ def test_ensure_default_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                                    ckpts: dict[str, Path]) -> None:
     monkeypatch.setenv("OMNI_RAY_CACHE", str(tmp_path / "cache"))
     target = ck.default_checkpoint_dir()
-    assert target == tmp_path / "cache" / "qwen3-omni-tiny-seed0"
+    assert target == tmp_path / "cache" / f"qwen3-omni-tiny-v{ck.TINY_FORMAT}-seed0"
     first = ck.ensure_default_checkpoint()
     assert first == target
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     assert ck.ensure_default_checkpoint() == target
     assert (target / "model.safetensors").stat().st_mtime_ns == mtime
     assert _sha256(target / "model.safetensors") == _sha256(ckpts["a"] / "model.safetensors")
+
+
+def test_cached_checkpoint_of_another_format_is_made_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          ckpts: dict[str, Path]) -> None:
+    """A complete-looking cached checkpoint whose marker names no or another format (an older generator's output) is
+    not reused: it is regenerated in place."""
+    monkeypatch.setenv("OMNI_RAY_CACHE", str(tmp_path / "cache"))
+    target = ck.tiny_checkpoint_dir(0)
+    target.mkdir(parents=True)
+    (target / ck.WEIGHTS_FILE).write_bytes(b"stale")
+    for marker in ({"seed": 0}, {"format": ck.TINY_FORMAT - 1, "seed": 0}):
+        (target / ck.MARKER_FILE).write_text(json.dumps(marker))
+        assert ck.ensure_tiny_checkpoint(0) == target
+        assert json.loads((target / ck.MARKER_FILE).read_text()) == {"format": ck.TINY_FORMAT, "seed": 0}
+        assert _sha256(target / ck.WEIGHTS_FILE) == _sha256(ckpts["a"] / ck.WEIGHTS_FILE)
+        (target / ck.WEIGHTS_FILE).write_bytes(b"stale")

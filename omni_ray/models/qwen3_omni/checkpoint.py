@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 if TYPE_CHECKING:
@@ -21,6 +22,12 @@ ASSETS_DIR: Path = Path(__file__).resolve().parents[2] / "assets"
 CORPUS_PATH: Path = ASSETS_DIR / "tiny_corpus.txt"
 BPE_VOCAB_SIZE: int = 1000  # includes the 256-symbol byte alphabet; special tokens come after
 DEFAULT_SEED: int = 0
+# Bumped whenever the generator's output changes, so that a cached checkpoint of an older format is made anew.
+TINY_FORMAT: int = 2
+WEIGHTS_FILE: str = "model.safetensors"
+CONFIG_FILE: str = "config.json"
+GENERATION_CONFIG_FILE: str = "generation_config.json"
+MARKER_FILE: str = "omni_ray_tiny.json"
 INIT_STD: float = 0.02  # recorded as initializer_range in the config (what HF init would use)
 # The actual re-init is variance preserving (std = gain / sqrt(fan_in)) rather than HF's flat 0.02, so
 # that attention, MoE routing and the audio tower visibly change the output: with 0.02 the residual
@@ -280,8 +287,16 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3OmniMoeConfig:
     )
 
 
+def _write_unstamped_json(src: Path, dst: Path) -> None:
+    """Copy a config transformers saved, less its ``transformers_version``: that stamps the writer, not the
+    checkpoint (loading ignores it), and without it the file is the same bytes whichever release wrote it."""
+    data = json.loads(src.read_text(encoding="utf-8"))
+    data.pop("transformers_version", None)
+    dst.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _param_generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded from (seed, parameter name), so init is independent of iteration order."""
+    """A generator seeded from (seed, checkpoint key), so init is independent of iteration order."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -303,35 +318,77 @@ def _conv_std(module: nn.Module, name: str, modules: dict[str, nn.Module]) -> fl
     return gain / float(fan_in) ** 0.5
 
 
+InitRule = tuple[str, float]  # ("fill", value) or ("normal", std)
+
+
 @torch.no_grad()
-def reinit_parameters(model: nn.Module, seed: int) -> None:
-    """Deterministically re-initialise every parameter of ``model`` from ``seed``."""
+def init_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Each parameter's init, by in-memory name: a constant fill, or normal noise of a fan-in scaled std."""
+    rules: dict[str, InitRule] = {}
     modules = dict(model.named_modules())
     for mod_name, module in modules.items():
         kind = type(module).__name__
         for p_name, param in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if "Norm" in kind:  # RMSNorm / LayerNorm: identity scale, zero shift
-                param.fill_(1.0 if p_name == "weight" else 0.0)
+                rules[full] = ("fill", 1.0 if p_name == "weight" else 0.0)
             elif "SnakeBeta" in kind:  # log-scale alpha/beta: exp(0) = 1
-                param.zero_()
+                rules[full] = ("fill", 0.0)
             elif "LayerScale" in kind:
-                param.fill_(float(model.config.code2wav_config.layer_scale_initial_scale))
+                rules[full] = ("fill", float(model.config.code2wav_config.layer_scale_initial_scale))
             elif "ConvNeXt" in kind and p_name == "gamma":
-                param.fill_(0.1)
+                rules[full] = ("fill", 0.1)
             elif p_name == "bias":
-                param.zero_()
-            else:
-                if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d)):
-                    std = _conv_std(module, mod_name, modules)
-                elif isinstance(module, nn.Embedding):
-                    std = EMBED_STD
-                elif "lm_head" in full or "codec_head" in full:
-                    std = HEAD_GAIN / param.shape[-1] ** 0.5
-                else:  # nn.Linear weights, MoE routers, fused expert tensors: fan_in is the last dim
-                    std = LINEAR_GAIN / param.shape[-1] ** 0.5
-                noise = torch.randn(param.shape, generator=_param_generator(seed, full), dtype=torch.float32)
-                param.copy_(noise * std)
+                rules[full] = ("fill", 0.0)
+            elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d)):
+                rules[full] = ("normal", _conv_std(module, mod_name, modules))
+            elif isinstance(module, nn.Embedding):
+                rules[full] = ("normal", EMBED_STD)
+            elif "lm_head" in full or "codec_head" in full:
+                rules[full] = ("normal", HEAD_GAIN / param.shape[-1] ** 0.5)
+            else:  # nn.Linear weights, MoE routers, fused expert tensors: fan_in is the last dim
+                rules[full] = ("normal", LINEAR_GAIN / param.shape[-1] ** 0.5)
+    return rules
+
+
+@torch.no_grad()
+def checkpoint_rules(model: nn.Module, scratch: Path) -> dict[str, tuple[InitRule, torch.Size]]:
+    """Each checkpoint key's init rule and shape, in the on-disk layout that ``save_pretrained`` writes.
+
+    transformers' in-memory names and layouts differ between releases (fused expert tensors, where the Thinker's
+    towers sit), while the saved keys follow the official checkpoint. To carry each rule over to the keys it becomes,
+    every parameter is filled with the index of its rule, the model is saved to ``scratch`` and the indices are read
+    back per key."""
+    from safetensors import safe_open
+
+    by_name = init_rules(model)
+    rules = sorted(set(by_name.values()))
+    for name, param in model.named_parameters():
+        param.fill_(float(rules.index(by_name[name])))  # small integers: exact in any float dtype
+    model.save_pretrained(str(scratch), safe_serialization=True)
+    out: dict[str, tuple[InitRule, torch.Size]] = {}
+    for file in sorted(scratch.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                labels = f.get_tensor(key).unique()
+                if labels.numel() != 1:
+                    raise RuntimeError(f"checkpoint key {key} mixes parameters of different init rules")
+                out[key] = (rules[int(labels.item())], f.get_slice(key).get_shape())
+    return out
+
+
+def checkpoint_tensors(rules: dict[str, tuple[InitRule, torch.Size]], seed: int) -> dict[str, torch.Tensor]:
+    """The float32 weights, each drawn from a generator seeded by (seed, checkpoint key): the same bytes whichever
+    transformers release builds the model, and independent of iteration order."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key in sorted(rules):
+        (kind, value), shape = rules[key]
+        if kind == "fill":
+            tensors[key] = torch.full(tuple(shape), value, dtype=torch.float32)
+        else:
+            noise = torch.randn(tuple(shape), generator=_param_generator(seed, key), dtype=torch.float32)
+            tensors[key] = noise * value
+    return tensors
 
 
 def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
@@ -347,16 +404,20 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
         with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG; don't leak that
             torch.manual_seed(seed)
             model = Qwen3OmniMoeForConditionalGeneration(config).to(torch.float32).eval()
-        reinit_parameters(model, seed)  # every parameter, from per-name generators
-        with torch.no_grad():
-            # Rows past len(tokenizer) only pad the vocab to a multiple of 64: a zero row gives logit 0,
-            # which never wins greedy decoding against ~1000 real logits of std HEAD_GAIN.
-            model.thinker.lm_head.weight[len(tokenizer):].zero_()
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".labels-", dir=tmp))
+        rules = checkpoint_rules(model, scratch)  # also writes config.json and generation_config.json
+        for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
+            _write_unstamped_json(scratch / name, tmp / name)
+        shutil.rmtree(scratch)
+        tensors = checkpoint_tensors(rules, seed)
+        # Rows past len(tokenizer) only pad the vocab to a multiple of 64: a zero row gives logit 0,
+        # which never wins greedy decoding against ~1000 real logits of std HEAD_GAIN.
+        tensors["thinker.lm_head.weight"][len(tokenizer):] = 0.0
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / "preprocessor_config.json").write_text(
             json.dumps(WHISPER_FEATURE_EXTRACTOR, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
-        (tmp / "omni_ray_tiny.json").write_text(json.dumps({"seed": seed}) + "\n", encoding="utf-8")
+        (tmp / MARKER_FILE).write_text(json.dumps({"format": TINY_FORMAT, "seed": seed}) + "\n", encoding="utf-8")
         for f in tmp.iterdir():  # mkdtemp / save_pretrained leave 0700 / 0600; other workers must read it
             os.chmod(f, 0o644)
         os.chmod(tmp, 0o755)
@@ -375,9 +436,10 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
 
 
 def tiny_checkpoint_dir(seed: int = DEFAULT_SEED) -> Path:
-    """Cache location of a generated tiny checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``)."""
+    """Cache location of a generated tiny checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``); the format
+    version in the name keeps a checkpoint made by an older generator from being reused."""
     cache = os.environ.get("OMNI_RAY_CACHE") or str(Path.home() / ".cache" / "omni-ray")
-    return Path(cache).expanduser() / f"qwen3-omni-tiny-seed{seed}"
+    return Path(cache).expanduser() / f"qwen3-omni-tiny-v{TINY_FORMAT}-seed{seed}"
 
 
 def default_checkpoint_dir() -> Path:
@@ -386,8 +448,13 @@ def default_checkpoint_dir() -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    """Whether ``path`` holds a finished checkpoint (the marker is written last, before the rename)."""
-    return (path / "omni_ray_tiny.json").is_file() and (path / "model.safetensors").is_file()
+    """Whether ``path`` holds a finished checkpoint of this generator's format (the marker is written last, before
+    the rename)."""
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == TINY_FORMAT and (path / WEIGHTS_FILE).is_file()
 
 
 def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:

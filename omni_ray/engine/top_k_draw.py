@@ -33,9 +33,9 @@ MAX_VOCAB = 16384  # a row in one program's registers
 
 
 def draw_warps(block: int) -> int:
-    """num_warps of a draw over `block` (a power of two) candidates: 8 from 2,048 up (a frame's 16 draws on an H200
-    in 0.189 instead of 0.210 ms at 32 rows with 4 warps for the code predictor's 2,048, the same at 1 and 8 rows;
-    1, 2 and 16 warps slower)."""
+    """num_warps of a draw over `block` (a power of two) candidates: 8 from 2,048 up (for the code predictor's 2,048,
+    a frame's 16 draws on an H200 took 10% less time at 32 rows than with 4 warps, the same at 1 and 8 rows; 1, 2
+    and 16 warps were slower)."""
     return 8 if block >= 2048 else 4
 
 

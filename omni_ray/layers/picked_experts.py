@@ -126,10 +126,9 @@ def dot_precision(weight: torch.Tensor) -> str:
 
 
 def picked_expert_config(gated: bool, tokens: int) -> ExpertMatmulConfig:
-    """The expert GEMMs' launch config: measured on an H200 (`benchmarks/moe_layer_bench.py`), gate/up at up to 8
-    rows took 17.3 us in 32 x 256 tiles against 24.7 in 64 x 128 (Thinker, 1 row; Talker 7.9 against 11.8) and 79.9
-    and 81.0 against 81.6 and 88.4 in two runs (Thinker, 8 rows, 52 experts; Talker 21.2 against 23.3), and over 16
-    rows 184 in 64 x 64 against 198 (32 rows; Talker 49 against 59); down was fastest or near it in 64 x 128."""
+    """The expert GEMMs' launch config, the fastest measured on an H200 (`benchmarks/moe_layer_bench.py`) for the
+    Thinker and the Talker alike: gate/up in 32 x 256 tiles at up to 8 rows (about 30% faster than 64 x 128 at one
+    row) and in 64 x 64 tiles over 16 rows; down in 64 x 128, fastest or near it at every batch."""
     if gated and tokens <= 8:
         return FEW_ROWS_GATE_UP_CONFIG
     if gated and tokens > 16:

@@ -256,12 +256,11 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     """The launch of `rows_matmul` for an output width n and depth k, as measured on an H200 with each weight
     streamed from memory (`benchmarks/small_batch_bench.py`). Narrow column blocks, so that even a 1,024-wide
     projection spreads over 64 programs; a narrow and deep one (the code predictor's and the Talker's o, the code
-    predictor's down) also splits its depth in four, 256 programs in all (5.8 instead of 6.7 us for o, 6.7 instead of
-    8.8 for down, at 1 row). Splitting the wider ones at a depth of 1,024 was slower (q/k/v, gate/up, the code
-    head). At a depth of 2,048 or more (the Thinker's, at 1 / 8 / 32 rows): its o (2,048 wide, 4,096
-    deep) in 32-column blocks split in four, 8.9 / 9.0 / 10.0 against 11.5 / 11.7 / 12.5 us; its router (128 wide)
-    in 32-column blocks split in eight, 4.8 / 4.7 / 5.2 against 6.1 / 6.1 / 6.3; its q/k/v (5,120 wide) in
-    64-column blocks, 9.3 / 10.1 / 11.7 against 10.5 / 11.0 / 12.5."""
+    predictor's down) also splits its depth in four, 256 programs in all (13-25% faster at 1 row). Splitting
+    the wider ones at a depth of 1,024 was slower (q/k/v, gate/up, the code head). At a depth of 2,048 or more (the
+    Thinker's, each 5-25% faster at 1 to 32 rows than without its own config): its o (2,048 wide, 4,096 deep) in
+    32-column blocks split in four, its router (128 wide) in 32-column blocks split in eight, its q/k/v (5,120 wide)
+    in 64-column blocks."""
     if k >= 2048:
         if n <= 256:
             return 32, 128, 3, 4, 8

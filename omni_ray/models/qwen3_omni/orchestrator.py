@@ -184,21 +184,26 @@ class Orchestrator:
                         timing.setdefault("prefill_launched", event["prefill_launched"])
                     timing["last_token"] = event["t"]
                     token_ids.append(event["token"])
+                    held = detokenizer.pending  # tokens whose text was held back until this one
                     delta = detokenizer.push(event["token"])
                     if delta:
-                        yield TextDelta(delta, [event["token"]], event["t"])
+                        yield TextDelta(delta, [*held, event["token"]], event["t"])
                 elif kind == "audio":
                     timing.setdefault("first_audio", event["t"])  # made by the vocoder
                     timing.setdefault("first_audio_received", time.time())  # here, on its way to the caller
                     timing["last_audio"] = event["t"]
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
+            held = detokenizer.pending
+            rest = detokenizer.flush()  # a reply cut off mid-character: its held-back bytes, as U+FFFD
+            if rest:
+                yield TextDelta(rest, held, time.time())
             usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(token_ids)}
             if "talker" in done:
                 usage["audio_frames"] = int(done["talker"].get("frames", 0))
             yield Finished(
                 done["thinker"]["finish_reason"], usage, done["talker"]["finish_reason"] if "talker" in done else None,
                 token_ids, time.time(), timing, done.get("vocoder", {}).get("codes"),
-                self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                detokenizer.text,  # the streamed deltas' concatenation: the whole reply's decode
             )
         finally:
             for task in tasks:  # cancelling a pump closes its stage stream: that stage frees the request

@@ -6,7 +6,7 @@ relay, the engines); `benchmarks/compare_runs.py` sets runs side by side.
 
     python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --baseline --out DIR  # 2 H200s
     nvidia-cuda-mps-control -d; python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
-        --out DIR  # one H200 under MPS (one H100: README's GPU section has the overrides)
+        --out DIR  # one H200 under MPS (one H100: docs/gpu.md has the overrides)
 
 `OMNI_RAY_STEP_TRACE_DIR=DIR` also traces every engine step, for `benchmarks/step_timeline.py`."""
 

@@ -54,7 +54,7 @@ if [ "${DRY_RUN:-0}" != 1 ]; then  # stop before any step when the image and the
   missing=$(python3 -c "import omni_ray.serve.app" 2>&1 | grep -o "No module named '[^']*'" | head -n 1)
   if [ -n "$missing" ]; then
     echo "gpu_suite: $missing. Build the bundle with bash benchmarks/gpu_wheels.sh .whl soundfile==0.13.1 cffi pycparser" \
-         "(README, GPU section) and carry .whl" | tee "$OUT/logs/suite_setup.txt"
+         "(docs/gpu.md) and carry .whl" | tee "$OUT/logs/suite_setup.txt"
     exit 1
   fi
 fi

@@ -212,8 +212,11 @@ if triton is not None:
                                   sin_ptr + row * rope_stride, D)
             value = tl.load(base + (HEADS + KV_HEADS + g) * D + d)
             at = slot * slot_stride + written * position_stride + g * D + d
-            tl.store(k_cache_ptr + at, key.to(k_cache_ptr.dtype.element_ty), mask=(d < D) & (part == 0))
-            tl.store(v_cache_ptr + at, value.to(v_cache_ptr.dtype.element_ty), mask=(d < D) & (part == 0))
+            # The group's first program writes the cache. A branch, not a mask `(d < D) & (part == 0)`: Triton's
+            # interpreter keeps that scalar comparison as int32 data, which Triton 3.9's masked store refuses.
+            if part == 0:
+                tl.store(k_cache_ptr + at, key.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + at, value.to(v_cache_ptr.dtype.element_ty))
             here = (positions == written)[:, None]
             keys = tl.where(here, key.to(k_cache_ptr.dtype.element_ty).to(tl.float32)[None, :], keys)
             values = tl.where(here, value.to(v_cache_ptr.dtype.element_ty).to(tl.float32)[None, :], values)

@@ -111,8 +111,12 @@ if triton is not None:
         key = tl.sum(tl.where(first, key.to(tl.float32), 0.0), axis=0).to(cache_dtype)
         value = tl.load(base + (HEADS + KV_HEADS + g) * D + d, mask=d_ok, other=0.0).to(cache_dtype)
         at = slot * slot_stride + written * position_stride + g * D + d
-        tl.store(k_cache_ptr + at, key, mask=d_ok & (split == 0))  # a split whose block holds it reads registers
-        tl.store(v_cache_ptr + at, value, mask=d_ok & (split == 0))
+        # The first split writes the cache (a split whose block holds it reads registers). A branch, not a mask
+        # `d_ok & (split == 0)`: Triton's interpreter keeps that scalar comparison as int32 data, which Triton 3.9's
+        # masked store refuses.
+        if split == 0:
+            tl.store(k_cache_ptr + at, key, mask=d_ok)
+            tl.store(v_cache_ptr + at, value, mask=d_ok)
         head_ok = (j < GROUP)[:, None]
         query = _norm_rope_rows(base + (g * GROUP + j)[:, None] * D, head_ok, q_norm_ptr, eps, cos_at, sin_at, D,
                                 D_PAD).to(cache_dtype)

@@ -271,7 +271,7 @@ class PersistentPass:
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.vocab: int | None = None  # the head's rows, fixed by the first head (the kernel is built for it)
-        self.passes_in_launch = 1  # passes a launch runs, each after the last (`PASSES_IN_LAUNCH`, probe builds)
+        self.passes_in_launch = 1  # passes a launch runs, each after the last (`PASSES_IN_LAUNCH`, a measurement build)
         self.smem = shared_bytes(self.hidden, self.heads * self.head_dim, self.inter, self.qkv_width)
         self._function: ctypes.c_void_p | None = None
         self._module = ctypes.c_void_p()
@@ -288,10 +288,11 @@ class PersistentPass:
         self.eps = float(layer0.input_layernorm.variance_epsilon)
         self.qk_eps = float(layer0.self_attn.q_norm.variance_epsilon)
 
-    def build(self, vocab: int, probe_defines: dict[str, int] | None = None) -> None:
-        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture). `probe_defines`:
-        the source's SKIP_* switches, for timing by difference only, or PASSES_IN_LAUNCH (a launch runs that many
-        passes, each after the last; drawing, a later pass reads the codes the pass before drew)."""
+    def build(self, vocab: int, extra_defines: dict[str, int] | None = None) -> None:
+        """Compile and load the kernel for a head of `vocab` rows (once; before any graph capture). `extra_defines`:
+        the source's switches for tests and timing: SKIP_* (timing by difference only), STALL_TEST, or
+        PASSES_IN_LAUNCH (a launch runs that many passes, each after the last; drawing, a later pass reads the codes
+        the pass before drew)."""
         if self._function is not None:
             if vocab != self.vocab:
                 raise ValueError(f"built for a head of {self.vocab} rows, not {vocab}")
@@ -306,9 +307,9 @@ class PersistentPass:
         defines = {"HIDDEN": self.hidden, "HEADS": self.heads, "KV_HEADS": self.kv_heads, "HEAD_DIM": self.head_dim,
                    "INTER": self.inter, "VOCAB": vocab, "BLOCKS": BLOCKS, "WARPS": WARPS,
                    "L2_KEEP_PERCENT": self.l2_keep_percent, "STALL_NS": f"{int(STALL_SECONDS * 1e9)}ull",
-                   **(probe_defines or {})}
+                   **(extra_defines or {})}
         cubin = compile_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}")
-        self.passes_in_launch = int(defines.get("PASSES_IN_LAUNCH", 1))  # a probe's build may run several
+        self.passes_in_launch = int(defines.get("PASSES_IN_LAUNCH", 1))  # a measurement build may run several
         lib = _driver()
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).synchronize()  # the context is current on this thread

@@ -46,7 +46,8 @@ def hf_model(tiny_checkpoint: Path) -> Any:
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
 
 
-SERVE_PORT = 8000
+# OMNI_RAY_TEST_PORT: another port, for test runs side by side on one machine
+SERVE_PORT = int(os.environ.get("OMNI_RAY_TEST_PORT", "8000"))
 INGRESS_REPLICAS = 2
 # Small limits so that the 413 paths are cheap to exercise.
 SERVE_LIMITS = {

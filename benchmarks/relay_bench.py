@@ -1,9 +1,13 @@
 """Relay latency and bandwidth between two processes: the pairwise-collective path (NCCL between GPUs) or CUDA IPC
 (two processes on one GPU) against the host path (TCP), payloads 4 KB to 16 MB, each delivery checked bitwise
-(SHA-256 of the bytes). Use it for changes to `omni_ray/relay` or to choose a transport for a layout.
+(SHA-256 of the bytes). Use it for changes to `omni_ray/relay` or to choose a transport for a layout. With
+`--step-messages` it also times the pipeline's step messages on the host path in one process (a Talker step's codes, a
+Thinker step's embeddings, for 1 / 8 / 32 requests): the frame codec alone (encode, then decode), and a message's
+way through a loopback connection (send until delivered).
 
     python -m benchmarks.relay_bench --out DIR                                                    # two GPUs: NCCL
-    python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out DIR  # one GPU: IPC"""
+    python -m benchmarks.relay_bench --producer cuda:0 --consumer cuda:0 --modes ipc,host --out DIR  # one GPU: IPC
+    python -m benchmarks.relay_bench --producer cpu --consumer cpu --modes host --step-messages --out DIR  # CPU"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from omni_ray.bench import run_meta, write_results
 from omni_ray.relay import RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelayServer
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
+from omni_ray.relay.tcp import TcpTransport, decode_message, encode_message
 from omni_ray.relay.transports import PlacementTransport, gpu_uuid
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -78,7 +83,7 @@ async def produce(device: str, peer: RelayPeer, iterations: int, modes: list[str
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 start, wall_start = time.perf_counter(), time.time()
-                tensor = payload.cpu() if transport.needs_host_tensors(peer) else payload  # what a stage does
+                tensor = payload.cpu() if transport.needs_host_tensors(peer, size) else payload  # what a stage does
                 await transport.send(peer, RelayMessage("producer", [RelayItem(rid, tensors={"x": tensor}, seq=0)]))
                 sent.append(time.perf_counter() - start)
                 got_rid, got_device, check, delivered_at = await loop.run_in_executor(None, conn.recv)
@@ -99,6 +104,89 @@ async def produce(device: str, peer: RelayPeer, iterations: int, modes: list[str
                          "transport": type(transport.select(peer)).__name__})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+STEP_REQUESTS = (1, 8, 32)
+
+
+def step_message(kind: str, requests: int) -> RelayMessage:
+    """One step's message as the stages send it: a Talker's frame of 16 code groups per request (int64, with the
+    step's clock), or a Thinker's text embedding per request (bf16, 2048 wide)."""
+    items = []
+    for i in range(requests):
+        if kind == "talker":
+            items.append(RelayItem(f"req-{i}", tensors={"codes": torch.randint(0, 2048, (16, 1))},
+                                   meta={"clock": 1234}, seq=100))
+        else:
+            items.append(RelayItem(f"req-{i}", tensors={"text_embed": torch.randn(2048).to(torch.bfloat16)}, seq=100))
+    return RelayMessage("producer", items)
+
+
+def _median_of_rounds(sample: Any, rounds: int, per_round: int) -> float:
+    """The median over `rounds` of each round's median time (µs) of `sample()` (one call, timed)."""
+    medians = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(per_round):
+            start = time.perf_counter()
+            sample()
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return statistics.median(medians) * 1e6
+
+
+async def step_message_rows(rounds: int = 7, per_round: int = 200) -> list[dict[str, Any]]:
+    """Per step message: the codec's encode and decode (µs), and send-until-delivered through a loopback connection
+    in this process (µs; sender and receiver share one event loop, so it is the whole CPU cost of a message)."""
+    endpoint = RelayEndpoint()
+    server = RelayServer(endpoint)
+    peer = RelayPeer("consumer", await server.start("127.0.0.1"))
+    transport = TcpTransport()
+    delivered: asyncio.Queue[str] = asyncio.Queue()
+    rows = []
+    for kind in ("talker", "thinker"):
+        for requests in STEP_REQUESTS:
+            message = step_message(kind, requests)
+            encode_us = _median_of_rounds(lambda: encode_message(message), rounds, per_round)
+            frame = b"".join(encode_message(message))
+            decode_us = _median_of_rounds(lambda: decode_message(bytearray(frame)), rounds, per_round)
+            times = []
+            for round_index in range(rounds):
+                round_times = []
+                for i in range(per_round // 4):
+                    # fresh request ids each time (the endpoint checks each request's order), made before the clock
+                    tag = f"{kind}-{requests}-{round_index}-{i}"
+                    sent = RelayMessage("producer", [RelayItem(f"{item.request_id}-{tag}", item.kind, item.tensors,
+                                                               item.meta, 0) for item in message.items])
+                    for item in sent.items:
+                        endpoint.claim(item.request_id, lambda got: delivered.put_nowait(got.request_id))
+                    start = time.perf_counter()
+                    await transport.send(peer, sent)
+                    while await delivered.get() != sent.items[-1].request_id:
+                        pass
+                    round_times.append(time.perf_counter() - start)
+                    for item in sent.items:
+                        endpoint.release(item.request_id)
+                times.append(statistics.median(round_times))
+            rows.append({"message": kind, "requests": requests, "frame_bytes": len(frame),
+                         "encode_us_p50": encode_us, "decode_us_p50": decode_us,
+                         "loopback_us_p50": statistics.median(times) * 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+    await server.close()
+    return rows
+
+
+def step_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["", "The pipeline's step messages on the host path, in one process: the frame codec (encode, decode) and "
+             "a message's way through a loopback connection (send until delivered, sender and receiver on one event "
+             "loop). Medians of 7 rounds' medians.", "",
+             "| step message | requests | frame bytes | encode (µs) | decode (µs) | loopback send→delivered (µs) |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        label = "Talker: codes (16×1 int64) + clock" if row["message"] == "talker" else "Thinker: text_embed (2048 bf16)"
+        lines.append(f"| {label} | {row['requests']} | {row['frame_bytes']} | {row['encode_us_p50']:.1f} | "
+                     f"{row['decode_us_p50']:.1f} | {row['loopback_us_p50']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -137,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consumer", default="cuda:1")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--modes", default="collective,host", help="relay modes to compare, e.g. ipc,host on one GPU")
+    parser.add_argument("--step-messages", action="store_true",
+                        help="also time the pipeline's step messages on the host path, in this process")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -155,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         process.kill()
     gpu = f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""
     meta = run_meta("benchmarks.relay_bench", argv, devices=f"{args.producer} → {args.consumer}{gpu}")
-    write_results(args.out, "relay", {"meta": meta, "rows": rows}, markdown(meta, rows))
+    document: dict[str, Any] = {"meta": meta, "rows": rows}
+    table = markdown(meta, rows)
+    if args.step_messages:
+        document["step_messages"] = asyncio.run(step_message_rows())
+        table += step_markdown(document["step_messages"])
+    write_results(args.out, "relay", document, table)
     return 0
 
 

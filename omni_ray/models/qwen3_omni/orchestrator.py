@@ -80,11 +80,13 @@ class Orchestrator:
         request_id: str | None = None,
         return_codes: bool = False,
         ignore_eos: bool = False,
+        prompt: Prompt | None = None,
     ) -> AsyncIterator[Event]:
         """A chat reply: streamed text and (unless audio=False) streamed speech. `ignore_eos` (benchmarks): the
-        reply runs to max_tokens and the speech to its frame cap (max_audio_frames when given)."""
+        reply runs to max_tokens and the speech to its frame cap (max_audio_frames when given). `prompt`: the
+        messages' prompt built already (`self.prompts.build`; the ingress builds it off its event loop)."""
         submitted = time.time()
-        prompt = self.prompts.build(messages)
+        prompt = prompt if prompt is not None else self.prompts.build(messages)
         voice = self.check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames)
         thinker = ThinkerRequest(
             request_id or uuid.uuid4().hex, prompt.ids, sampling or SamplingParams(), max_tokens,
@@ -103,13 +105,14 @@ class Orchestrator:
         max_audio_frames: int | None = None,
         request_id: str | None = None,
         return_codes: bool = False,
+        prepared: tuple[Prompt, list[int]] | None = None,
     ) -> AsyncIterator[Event]:
-        """Speech for `text` verbatim: it is the assistant's reply, teacher-forced through the Thinker."""
+        """Speech for `text` verbatim: it is the assistant's reply, teacher-forced through the Thinker. `prepared`:
+        `speech_prompt(text, instructions)` made already (the ingress makes it off its event loop)."""
         submitted = time.time()
         if not text.strip():
             raise InvalidRequestError("input text must not be empty")
-        prompt = self.prompts.build([{"role": "user", "content": instructions or SPEECH_INSTRUCTION}])
-        forced = self.tokenizer.encode(text, add_special_tokens=False) + [self.model_config.im_end_token_id]
+        prompt, forced = prepared if prepared is not None else self.speech_prompt(text, instructions)
         voice = self.check_request(len(prompt.ids), len(forced), True, speaker, max_audio_frames)
         thinker = ThinkerRequest(
             request_id or uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0), len(forced),
@@ -117,6 +120,12 @@ class Orchestrator:
         )
         async for event in self._run(prompt, thinker, True, voice, talker_sampling, max_audio_frames, return_codes, submitted):
             yield event
+
+    def speech_prompt(self, text: str, instructions: str | None = None) -> tuple[Prompt, list[int]]:
+        """speak()'s prompt (the user turn) and the ids it forces through the Thinker (`text`, then <|im_end|>)."""
+        prompt = self.prompts.build([{"role": "user", "content": instructions or SPEECH_INSTRUCTION}])
+        forced = self.tokenizer.encode(text, add_special_tokens=False) + [self.model_config.im_end_token_id]
+        return prompt, forced
 
     async def _run(
         self,

@@ -167,6 +167,13 @@ class EngineSettings(_Strict):
         default=20.0, ge=0, le=1000, description="the longest a request waits for admission under `admission_quiet_ms`"
     )
     gil_switch_interval_ms: float = Field(default=0.2, gt=0, le=5, description=GIL_SWITCH_DESCRIPTION)
+    max_queue_wait_s: float = Field(
+        default=30.0, ge=0,
+        description="a new request is refused (503 with Retry-After) before any stage opens its stream when the "
+        "stage expects it to wait longer than this for admission: the token (Thinker) or frame (Talker) budgets "
+        "of the requests already waiting, over the rate the engine steps rows at with a full batch (measured). "
+        "0: no bound (only Serve's request counts)",
+    )
     stall_timeout_s: float = Field(
         default=180.0, ge=0,
         description="the replica fails Serve's health check once one engine step has waited on the device this long "

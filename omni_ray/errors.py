@@ -10,4 +10,12 @@ class StageError(RuntimeError):
 
 
 class CapacityError(RuntimeError):
-    """A replica has no room for another request right now (try again shortly): 503 with Retry-After."""
+    """A replica has no room for another request right now (try again shortly): 503 with Retry-After.
+    `retry_after_s`: when the replica expects to have room again (None: it cannot say)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, float | None]]:  # pickled with its retry_after_s
+        return type(self), (str(self), self.retry_after_s)

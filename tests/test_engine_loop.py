@@ -122,10 +122,11 @@ def test_max_batch_is_respected_and_stats_report_waiting(make: Callable[..., Har
                               "batch_mean": 0.0, "step_ms_p50": 0.0, "step_ms_mean": 0.0, "step_ms_p90": 0.0,
                               "launch_ms_p50": 0.0, "launch_ms_mean": 0.0, "outputs_ms_p50": 0.0,
                               "outputs_ms_mean": 0.0, "launch_cpu_ms_p50": 0.0, "outputs_cpu_ms_p50": 0.0,
-                              "collect_ms_p50": 0.0, "collect_ms_mean": 0.0}
+                              "collect_ms_p50": 0.0, "collect_ms_mean": 0.0, "expected_wait_s": 0.0}
     h.runner.allow(2)
     h.runner.wait_batches(3)
     assert h.loop.stats()["running"] == 2 and h.loop.stats()["waiting"] == 1
+    assert h.loop.stats()["expected_wait_s"] > 0  # once a step has been timed: one request's work queued
     h.runner.allow(10)
     h.wait_finished(*(f"r{i}" for i in range(5)))
     assert h.runner.batches == [["r0", "r1"], ["r0", "r1"], ["r2", "r3"], ["r2", "r3"], ["r4"], ["r4"]]

@@ -48,6 +48,10 @@ class EngineLanes(Generic[S, O]):
         for loop in self.loops:
             loop.notify()
 
+    def expected_wait_s(self) -> float:
+        """`EngineLoop.expected_wait_s` of the lane `add` would pick now."""
+        return min(self.loops, key=lambda loop: loop.load()).expected_wait_s()
+
     def check_health(self) -> None:
         """`EngineLoop.check_health` for every lane."""
         for loop in self.loops:
@@ -63,5 +67,6 @@ class EngineLanes(Generic[S, O]):
             if key.endswith(("_p50", "_p90", "_mean")) and key != "batch_mean":
                 total[key] = max(stats[key] for stats in per_lane)
         total["batch_mean"] = sum(stats["batch_mean"] for stats in per_lane)
+        total["expected_wait_s"] = self.expected_wait_s()
         total["lanes"] = len(self.loops)
         return total

@@ -26,6 +26,7 @@ class Sequence(Protocol):
 
 S = TypeVar("S", bound=Sequence)
 ABORT_MEMORY_S = 30.0  # an abort that arrives before its request is remembered this long
+STEP_EWMA = 0.2  # the weight of the latest round in the engine's running mean of a step's seconds
 # An engine thread shares its process's GIL with the replica's event loop. Each time it lets the GIL go (a CUDA graph
 # replay, a wait for the device) and the event loop is busy, it waits up to Python's switch interval (5 ms by default)
 # to get it back: on this project's CPU a call that lets the GIL go took 5.3 ms next to a busy thread at 5 ms, and
@@ -117,8 +118,12 @@ class EngineLoop(Generic[S, O]):
         gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
         admission: AdmissionWindow = AdmissionWindow(),
         stall_timeout_s: float = 0.0,
+        work_of: Callable[[S], float] | None = None,
     ) -> None:
         self.runner = runner
+        # a sequence's work in rows of steps (its token or frame budget): what `expected_wait_s` adds up; 1 each
+        self.work_of: Callable[[S], float] = work_of or (lambda seq: 1.0)
+        self.step_s = 0.0  # running mean (EWMA) of a round that stepped rows, in seconds; 0 until one has
         self.stall_timeout_s = stall_timeout_s  # `check_health`'s limit on one round of device work (0: none)
         self._round_started: float | None = None  # perf_counter s the round under way began (None: between rounds)
         self.device_lost: str | None = None  # the CUDA error that lost this process's context, once one has
@@ -188,11 +193,30 @@ class EngineLoop(Generic[S, O]):
         with self._cond:
             return len(self._running) + len(self._waiting)
 
+    def queued_work(self) -> float:
+        """The work (`work_of`) of the sequences waiting for admission."""
+        with self._cond:
+            return float(sum(self.work_of(seq) for seq in self._waiting))
+
+    def rate(self) -> float:
+        """Rows this loop steps per second with a full batch: `max_batch` / the running mean of a step's seconds
+        (0 before any step). A waiting queue exists only while the batch is full, so this is the rate it drains at."""
+        return self.max_batch / self.step_s if self.step_s > 0 else 0.0
+
+    def expected_wait_s(self) -> float:
+        """How long a request added now would wait for admission: the waiting sequences' work (their token or frame
+        budgets) over `rate()`. In steady state a slot frees each time a running sequence's budget's worth of rows
+        has been stepped, so the queue drains at that rate. Budgets are upper bounds (a reply may stop early), so
+        this errs long. 0 before the first step has been timed (nothing to go by: admit)."""
+        rate = self.rate()
+        return self.queued_work() / rate if rate > 0 else 0.0
+
     def stats(self) -> dict[str, float]:
         with self._cond:
             recent = list(self._recent)
             counts = {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
                       "steps_launched_ahead": self.steps_launched_ahead, "max_batch_seen": self.max_batch_seen}
+        counts["expected_wait_s"] = self.expected_wait_s()
         # per step: the whole round (`step_ms`), the host queueing its device work (`launch`), the runner's collect
         # (`collect`: the wait for the device, then reading the step's results back; in a loop that does not launch
         # ahead, inside `launch`), handing its outputs on (`outputs`); the engine thread's own CPU time in the launch
@@ -301,6 +325,8 @@ class EngineLoop(Generic[S, O]):
             self._round_started = None
             round_ms = (time.perf_counter() - started) * 1000
             if launched is not None:
+                round_s = round_ms / 1000
+                self.step_s = round_s if self.step_s <= 0 else self.step_s + STEP_EWMA * (round_s - self.step_s)
                 with self._cond:
                     self._recent.append((round_ms, len(batch), self._launch_ms, self._outputs_ms, self._launch_cpu_ms,
                                          self._outputs_cpu_ms, self._collect_ms))

@@ -323,6 +323,11 @@ class StageConfig(_Strict):
         "path), ipc (as auto, with every message between processes on one GPU through CUDA IPC), host (TCP), "
         "collective (pairwise NCCL / gloo)",
     )
+    relay_listen_host: str = Field(
+        default="",
+        description="the address this stage's replicas listen on for host-path relay connections: empty for the "
+        "node's own address (as Ray sees it); 0.0.0.0 for every interface (peers are still told the node's address)",
+    )
 
 
 class ThinkerStageConfig(StageConfig):

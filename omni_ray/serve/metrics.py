@@ -59,6 +59,8 @@ STAGE_GAUGES = {
     "decode_frames": "codec frames the vocoder has decoded, left context included (cumulative)",
     "decode_calls": "batched decode calls the vocoder has made (cumulative)",
     "decode_windows": "streams' chunks the vocoder has decoded, in all its calls (cumulative; per call: the batch)",
+    "relay_rejected": "host-path relay connections the replica closed (cumulative): a peer that failed the "
+                      "application-secret handshake, or sent a frame that did not decode",
 }
 # The points of a reply's way that the ingress times from submitting it: {timing key: (histogram name, help)}, in
 # the order a reply passes them

@@ -7,6 +7,7 @@ import base64
 import binascii
 import os
 import stat
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,14 +24,29 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+FETCH_PIECE = 1 << 16
+
+
 def _fetch_http(url: str, timeout: float, max_bytes: int, param: str) -> bytes:
+    """The URL's body; `timeout` bounds each read (the socket's) and the whole transfer (checked between reads)."""
     request = urllib.request.Request(url, headers={"User-Agent": "omni-ray"})
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.build_opener(_HttpOnlyRedirects).open(request, timeout=timeout) as response:
             length = response.headers.get("Content-Length", "")
             if length.isdigit() and int(length) > max_bytes:
                 raise too_large(f"audio_url is {length} bytes, over the limit of {max_bytes}", param)
-            data: bytes = response.read(max_bytes + 1)
+            pieces: list[bytes] = []
+            size = 0
+            while size <= max_bytes:
+                if time.monotonic() > deadline:
+                    raise bad_request(f"fetching audio_url timed out after {timeout:g}s", param, "audio_url_fetch_failed")
+                piece = response.read(min(FETCH_PIECE, max_bytes + 1 - size))
+                if not piece:
+                    break
+                pieces.append(piece)
+                size += len(piece)
+            data = b"".join(pieces)
     except urllib.error.HTTPError as exc:
         raise bad_request(f"could not fetch audio_url: HTTP {exc.code}", param, "audio_url_fetch_failed") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -63,7 +79,7 @@ def _read_local(url: str, limits: ServiceLimits, param: str) -> bytes:
     return data
 
 
-async def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str, Any]:
+def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str, Any]:
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "data":  # data:[<mime>][;base64],<payload>; base64 passes through to the prompt builder's check
         header, sep, payload = url[5:].partition(",")
@@ -76,15 +92,9 @@ async def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str,
         if not limits.allow_audio_urls:
             raise bad_request("http(s) audio_url is disabled on this server; send input_audio", param,
                               "audio_url_disabled")
-        timeout = limits.url_fetch_timeout_s
-        fetch = asyncio.to_thread(_fetch_http, url, timeout, limits.max_url_bytes, param)
-        try:  # the socket timeout bounds each read; this bounds the whole transfer
-            return {"type": "audio", "audio": await asyncio.wait_for(fetch, timeout)}
-        except asyncio.TimeoutError as exc:
-            msg = f"fetching audio_url timed out after {timeout:g}s"
-            raise bad_request(msg, param, "audio_url_fetch_failed") from exc
+        return {"type": "audio", "audio": _fetch_http(url, limits.url_fetch_timeout_s, limits.max_url_bytes, param)}
     if scheme == "file":
-        return {"type": "audio", "audio": await asyncio.to_thread(_read_local, url, limits, param)}
+        return {"type": "audio", "audio": _read_local(url, limits, param)}
     raise bad_request(f"unsupported audio_url scheme {scheme!r}; use data:, http(s): or file:", param)
 
 
@@ -105,13 +115,19 @@ def check_audio_duration(messages: list[dict[str, Any]], limits: ServiceLimits) 
         raise too_large(msg, "messages", "audio_too_long")
 
 
-async def resolve_audio_urls(request: ChatCompletionRequest, limits: ServiceLimits) -> ChatCompletionRequest:
-    """A copy whose audio_url parts carry their audio (see to_pipeline_messages); also enforces max_audio_seconds."""
+def resolve_audio_urls_blocking(request: ChatCompletionRequest, limits: ServiceLimits) -> ChatCompletionRequest:
+    """A copy whose audio_url parts carry their audio (see to_pipeline_messages); also enforces max_audio_seconds.
+    It blocks (fetches, reads files, decodes headers): the ingress runs it on its parsing pool."""
     resolved = request.model_copy(deep=True)
     for i, message in enumerate(resolved.messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
             if isinstance(part, AudioUrlPart):
                 param = f"messages.{i}.content.{j}.audio_url.url"
-                part._resolved = await _resolve_one(part.audio_url.url, limits, param)
-    await asyncio.to_thread(check_audio_duration, resolved.to_pipeline_messages(), limits)
+                part._resolved = _resolve_one(part.audio_url.url, limits, param)
+    check_audio_duration(resolved.to_pipeline_messages(), limits)
     return resolved
+
+
+async def resolve_audio_urls(request: ChatCompletionRequest, limits: ServiceLimits) -> ChatCompletionRequest:
+    """resolve_audio_urls_blocking on a thread."""
+    return await asyncio.to_thread(resolve_audio_urls_blocking, request, limits)

@@ -21,18 +21,21 @@ from omni_ray.config import PipelineConfig
 from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.model_files import resolve_model
-from omni_ray.serve.audio_urls import resolve_audio_urls
+from omni_ray.serve.audio_urls import resolve_audio_urls_blocking
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
-from omni_ray.models.qwen3_omni.prompt import PromptBuilder
+from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
-from omni_ray.serve.stats import StatsReporter, serve_replica_id, stats_board
+from omni_ray.serve.openapi_schema import REQUEST_BODIES, with_request_schemas
+from omni_ray.serve.request_work import ParsingPool, read_body
+from omni_ray.serve.stats import READY_AFTER_S, StatsReporter, serve_replica_id, stats_board
 from omni_ray.stages.client import ServeClient
 
 STAGES = ("encoder", "thinker", "talker", "vocoder")
 logger = logging.getLogger(__name__)
 app = FastAPI(title="omni-ray", docs_url=None, redoc_url=None)
+with_request_schemas(app)
 
 
 def error_response(error: oai.OpenAIError) -> JSONResponse:
@@ -57,7 +60,7 @@ def _as_openai_error(exc: Exception) -> oai.OpenAIError:
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=exc.status_code)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # a 405's Allow
 
 
 def _with_sent(timing: dict[str, float], first_sent: float | None) -> dict[str, float]:
@@ -69,6 +72,11 @@ def _sse_error(exc: Exception) -> bytes:
     """A chat stream's last events after a failure: the error in the OpenAI envelope (as its HTTP body would be),
     then [DONE]."""
     return oai.sse(_as_openai_error(exc).body()) + oai.SSE_DONE
+
+
+def _speech_sse_error(exc: Exception) -> bytes:
+    """A speech event stream's last event after a failure: the error in the OpenAI envelope (no speech.audio.done)."""
+    return oai.sse(_as_openai_error(exc).body())
 
 
 @serve.ingress(app)
@@ -87,6 +95,7 @@ class OmniIngress:
         prompts = PromptBuilder(str(files.tokenizer_dir), model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
         clients = {name: ServeClient(h) for name, h in zip(STAGES, (encoder, thinker, talker, vocoder))}
         self.orchestrator = Orchestrator(clients, prompts, self.config, model_config, self.limits.max_prompt_tokens)
+        self.parsing = ParsingPool(self.limits)
         self.metrics = ServiceMetrics()
         self.board = stats_board()
         # the other ingress replicas' /metrics include this one's requests: it posts them with its load
@@ -97,11 +106,11 @@ class OmniIngress:
         return {"stage": "ingress", "reply_samples": self.metrics.reply_samples()}
 
     # ---- routes --------------------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=REQUEST_BODIES["chat"])
     async def route_chat(self, request: Request) -> Response:
         return await self._guard("chat", self.chat, request)
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", openapi_extra=REQUEST_BODIES["speech"])
     async def route_speech(self, request: Request) -> Response:
         return await self._guard("speech", self.speech, request)
 
@@ -155,7 +164,7 @@ class OmniIngress:
         self.metrics.observe_request_path(request.headers.get("x-request-start"), time.time())
         self.metrics.in_flight.inc()
         try:
-            response = await handler(await request.body())
+            response = await handler(await read_body(request, self.limits.max_request_bytes))
         except asyncio.CancelledError:
             self.metrics.cancelled.labels(endpoint).inc()
             raise
@@ -188,16 +197,24 @@ class OmniIngress:
             yield error_tail(exc)
 
     # ---- chat ----------------------------------------------------------------------------------------------
-    async def chat(self, raw: bytes) -> Response:
-        request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)
+    def _prepare_chat(self, raw: bytes) -> tuple[oai.ChatCompletionRequest, dict[str, Any], list[dict[str, Any]], Prompt]:
+        """Everything a chat request needs before any stage sees it; blocking work, run on the parsing pool."""
+        request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)  # max_prompt_chars checked here
         self._check_model(request.model)
-        request = await resolve_audio_urls(request, self.limits)
+        request = resolve_audio_urls_blocking(request, self.limits)
         kwargs = request.to_generate_kwargs(self.limits)
+        messages = request.to_pipeline_messages()
+        prompt = self.orchestrator.prompts.build(messages)  # input audio decoded, the prompt tokenized
+        oai.check_prompt_tokens(len(prompt.ids), self.limits)
+        return request, kwargs, messages, prompt
+
+    async def chat(self, raw: bytes) -> Response:
+        request, kwargs, messages, prompt = await self.parsing.run(self._prepare_chat, raw)
         audio_format = kwargs.pop("audio_format")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         first, events = await self._start(
-            self.orchestrator.generate(request.to_pipeline_messages(), request_id=rid, **kwargs)
+            self.orchestrator.generate(messages, request_id=rid, prompt=prompt, **kwargs)
         )
         if request.stream:
             body = self._chat_stream(rid, created, first, events, kwargs["audio"])
@@ -225,7 +242,8 @@ class OmniIngress:
             elif isinstance(event, Finished):
                 usage = oai.usage_dict(event.usage["prompt_tokens"], event.usage["completion_tokens"], event.usage.get("audio_frames"))
                 self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
-                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {}, event.finish_reason, usage))
+                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {}, event.finish_reason, usage,
+                                             event.audio_finish_reason if audio else None))
             event = await anext(events, None)
         yield oai.SSE_DONE
 
@@ -235,25 +253,41 @@ class OmniIngress:
         samples, final = await self._collect(first, events)
         audio = oai.audio_message(f"audio_{rid}", samples, audio_format, final.text, created) if audio_format else None
         usage = oai.usage_dict(final.usage["prompt_tokens"], final.usage["completion_tokens"], final.usage.get("audio_frames"))
-        body = oai.chat_completion(rid, self.model_name, created, final.text, final.finish_reason, usage, audio)
+        body = oai.chat_completion(rid, self.model_name, created, final.text, final.finish_reason, usage, audio,
+                                   final.audio_finish_reason if audio_format else None)
         return JSONResponse(body)
 
     # ---- speech --------------------------------------------------------------------------------------------
-    async def speech(self, raw: bytes) -> Response:
+    def _prepare_speech(self, raw: bytes) -> tuple[oai.SpeechRequest, tuple[Prompt, list[int]]]:
+        """A speech request parsed, its prompt built and its input tokenized; run on the parsing pool."""
         request = oai.parse_request(raw, oai.SpeechRequest, self.limits)
         self._check_model(request.model)
-        first, events = await self._start(
-            self.orchestrator.speak(request.input, request_id=f"speech-{uuid.uuid4().hex}", **request.to_speak_kwargs())
-        )
+        return request, self.orchestrator.speech_prompt(request.input, request.instructions)
+
+    async def speech(self, raw: bytes) -> Response:
+        request, prepared = await self.parsing.run(self._prepare_speech, raw)
+        first, events = await self._start(self.orchestrator.speak(
+            request.input, request_id=f"speech-{uuid.uuid4().hex}", prepared=prepared, **request.to_speak_kwargs()
+        ))
+        if request.stream_format == "sse":
+            body = self._speech_stream(first, events, request.response_format == "wav", events_out=True)
+            return StreamingResponse(self._counted("speech", body, _speech_sse_error), media_type="text/event-stream")
         if request.stream:
             body = self._speech_stream(first, events, request.response_format == "wav")
             return StreamingResponse(self._counted("speech", body), media_type=request.content_type)
         samples, _ = await self._collect(first, events)
         return Response(encode_audio(samples, OUTPUT_SAMPLE_RATE, request.audio_format), media_type=request.content_type)
 
-    async def _speech_stream(self, first: Event | None, events: AsyncIterator[Event], wav: bool) -> AsyncIterator[bytes]:
+    async def _speech_stream(
+        self, first: Event | None, events: AsyncIterator[Event], wav: bool, events_out: bool = False
+    ) -> AsyncIterator[bytes]:
+        """The audio's bytes as they are made (a WAV stream header first); with `events_out`, each piece as a
+        speech.audio.delta event and a last speech.audio.done with usage."""
+        def piece(audio: bytes) -> bytes:
+            return oai.sse(oai.speech_audio_delta(audio)) if events_out else audio
+
         if wav:
-            yield wav_stream_header(OUTPUT_SAMPLE_RATE)
+            yield piece(wav_stream_header(OUTPUT_SAMPLE_RATE))
         seconds = 0.0
         first_sent: float | None = None
         event = first
@@ -261,14 +295,17 @@ class OmniIngress:
             if isinstance(event, AudioChunk):
                 seconds += len(event.pcm) / event.sample_rate
                 first_sent = first_sent or time.time()
-                yield encode_audio(event.pcm, event.sample_rate, "pcm16")
+                yield piece(encode_audio(event.pcm, event.sample_rate, "pcm16"))
             elif isinstance(event, Finished):
                 self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
+                if events_out:  # the text read (the instruction turn and the input), the codec frames made
+                    read = event.usage["prompt_tokens"] + event.usage["completion_tokens"]
+                    yield oai.sse(oai.speech_audio_done(read, int(event.usage.get("audio_frames", 0))))
             event = await anext(events, None)
 
     # ---- service -------------------------------------------------------------------------------------------
     async def ready(self) -> Response:
-        snapshot: dict[str, dict[str, Any]] = await self.board.snapshot.remote()
+        snapshot: dict[str, dict[str, Any]] = await self.board.snapshot.remote(READY_AFTER_S)
         present = {str(s.get("stage")) for s in snapshot.values()}
         missing = [stage for stage in STAGES if stage not in present]
         if missing:

@@ -94,7 +94,12 @@ class ServiceLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_request_bytes: int = Field(default=32 * MiB, ge=1)
+    max_request_bytes: int = Field(default=32 * MiB, ge=1, description="refused as soon as the bytes read pass it")
+    max_json_items: int = Field(default=1 << 18, ge=1,
+                                description="commas and colons a JSON body may hold (inside its strings too)")
+    max_prompt_chars: int = Field(default=1 << 18, ge=1, description="a chat prompt's text, checked before tokenizing")
+    max_parsing_concurrency: int = Field(default=4, ge=1, description="requests parsed at once, off the event loop")
+    max_parsing_wait_s: float = Field(default=10.0, gt=0, description="a request's wait for a parsing slot, then 503")
     max_audio_seconds: float = Field(default=300.0, gt=0, description="total input audio of one request")
     max_prompt_tokens: int = Field(default=8192, ge=1)
     max_completion_tokens: int = Field(default=2048, ge=1)
@@ -113,7 +118,20 @@ def check_prompt_tokens(prompt_tokens: int, limits: ServiceLimits) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """No coercion ("stream": "yes" is a 422), except an int where a float is expected; unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _named_voice(value: str, param: str) -> str:
+    """A voice of only whitespace is a 400, not the default voice."""
+    if not value.strip():
+        raise bad_request("voice must name a voice, not be blank", param, "invalid_voice")
+    return value
+
+
+# Characters a message or a content part adds to the prompt's text (the chat template's markup), for max_prompt_chars.
+PROMPT_CHARS_PER_PART = 16
 
 
 class TextPart(_Strict):
@@ -170,6 +188,11 @@ class ChatMessage(_Strict):
 class AudioOutput(_Strict):
     voice: str = Field(min_length=1)
     format: Literal["wav", "pcm16", "flac", "mp3", "opus"]
+
+    @field_validator("voice")
+    @classmethod
+    def _voice(cls, value: str) -> str:
+        return _named_voice(value, "audio.voice")
 
 
 class StreamOptions(_Strict):
@@ -250,8 +273,22 @@ class ChatCompletionRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def prompt_chars(self) -> int:
+        """The messages' text, plus PROMPT_CHARS_PER_PART for each message and part (audio parts count only that)."""
+        total = 0
+        for message in self.messages:
+            parts = [message.content] if isinstance(message.content, str) else message.content
+            total += PROMPT_CHARS_PER_PART * (1 + len(parts))
+            total += sum(len(p) if isinstance(p, str) else len(p.text) if isinstance(p, TextPart) else 0 for p in parts)
+        return total
+
     def check_limits(self, limits: ServiceLimits) -> int:
-        """The reply's max_tokens: max_completion_tokens, else max_tokens, else the default; 400 over the cap."""
+        """The reply's max_tokens: max_completion_tokens, else max_tokens, else the default; 400 over the cap.
+        A prompt over max_prompt_chars is a 400 here, before anything tokenizes it."""
+        if self.prompt_chars > limits.max_prompt_chars:
+            msg = f"prompt is {self.prompt_chars} characters, over the limit of {limits.max_prompt_chars}"
+            raise bad_request(msg, "messages", "context_length_exceeded")
         param, requested = "max_completion_tokens", self.max_completion_tokens
         if requested is None and self.max_tokens is not None:
             param, requested = "max_tokens", self.max_tokens
@@ -300,7 +337,10 @@ class SpeechRequest(_Strict):
     voice: str = Field(min_length=1)
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = "wav"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream: bool = False
+    stream_format: Literal["audio", "sse"] = Field(
+        default="audio", description="audio: the audio's bytes (a whole file, or chunked with stream); sse: "
+        "speech.audio.delta events with base64 chunks, then speech.audio.done with usage")
+    stream: bool = Field(default=False, description="extension: a chunked audio body as the audio is made")
     instructions: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="extension: Talker temperature")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="extension: Talker sampling seed")
@@ -312,13 +352,23 @@ class SpeechRequest(_Strict):
             raise ValueError("input must not be empty")
         return value
 
+    @field_validator("voice")
+    @classmethod
+    def _voice(cls, value: str) -> str:
+        return _named_voice(value, "voice")
+
     @model_validator(mode="after")
     def _supported(self) -> SpeechRequest:
         if self.speed != 1.0:
             raise bad_request("only speed 1.0 is supported", "speed")
-        if self.stream and self.response_format not in ("pcm", "wav"):
+        if self.streams and self.response_format not in ("pcm", "wav"):
             raise bad_request("streaming speech is available as 'pcm' or 'wav' only", "response_format")
         return self
+
+    @property
+    def streams(self) -> bool:
+        """Sent as it is made: a chunked audio body (stream) or server-sent events (stream_format sse)."""
+        return self.stream or self.stream_format == "sse"
 
     @property
     def content_type(self) -> str:
@@ -359,9 +409,27 @@ def talker_sampling(temperature: float | None, seed: int | None) -> SamplingPara
 RequestT = TypeVar("RequestT", ChatCompletionRequest, SpeechRequest)
 
 
+# Work on a big body goes in slices this long: the event loop's thread gets the GIL back between them.
+SCAN_SLICE = 1 << 20
+
+
+def count_json_items(raw: bytes) -> int:
+    """Commas and colons in `raw`: a bound on the values it decodes into (json.loads holds the GIL throughout, and
+    takes about 40 ms per 1M values), so that a body of many tiny values is refused before it is decoded."""
+    total = 0
+    for start in range(0, len(raw), SCAN_SLICE):
+        end = start + SCAN_SLICE
+        total += raw.count(b",", start, end) + raw.count(b":", start, end)
+    return total
+
+
 def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
     if len(raw) > limits.max_request_bytes:
         raise too_large(f"request body is {len(raw)} bytes, over the limit of {limits.max_request_bytes}")
+    items = count_json_items(raw)
+    if items > limits.max_json_items:
+        msg = f"request body holds {items} commas and colons, over the limit of {limits.max_json_items}"
+        raise bad_request(msg, code="too_many_json_items")
     try:
         body = json.loads(raw)
     except ValueError as exc:  # includes UnicodeDecodeError and JSONDecodeError
@@ -387,7 +455,7 @@ def _holds_lone_surrogate(value: Any) -> bool:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if not item.isascii() and _SURROGATE.search(item) is not None:  # (isascii reads a flag: base64 audio is free)
+            if not item.isascii() and _has_surrogate(item):  # (isascii reads a flag: base64 audio is free)
                 return True
         elif isinstance(item, dict):
             stack.extend(item.keys())
@@ -395,6 +463,11 @@ def _holds_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
+
+
+def _has_surrogate(text: str) -> bool:
+    """A lone surrogate in `text`, searched a slice at a time (see SCAN_SLICE)."""
+    return any(_SURROGATE.search(text, start, start + SCAN_SLICE) is not None for start in range(0, len(text), SCAN_SLICE))
 
 
 def parse_request(raw: bytes | dict[str, Any], cls: type[RequestT], limits: ServiceLimits) -> RequestT:
@@ -416,6 +489,8 @@ from omni_ray.serve.openai_responses import (  # noqa: E402,F401
     chat_chunk,
     chat_completion,
     models_list,
+    speech_audio_delta,
+    speech_audio_done,
     sse,
     usage_dict,
 )

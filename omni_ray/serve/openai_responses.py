@@ -25,10 +25,15 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, audio_frames: int | N
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chat.completion.chunk; delta None gives the final usage-only chunk (choices [])."""
+               finish_reason: str | None = None, usage: dict[str, Any] | None = None,
+               audio_finish_reason: str | None = None) -> dict[str, Any]:
+    """One chat.completion.chunk; delta None gives the final usage-only chunk (choices []). `audio_finish_reason`
+    (an extension, in the final chunk of a reply with audio): why the speech ended, `length` when it was cut short."""
     chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    if audio_finish_reason is not None:
+        choice["audio_finish_reason"] = audio_finish_reason
+    chunk["choices"] = [] if delta is None else [choice]
     if usage is not None:
         chunk["usage"] = usage
     return chunk
@@ -62,14 +67,29 @@ def audio_message(audio_id: str, pcm: np.ndarray, fmt: str, transcript: str, cre
 
 
 def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str,
-                    usage: dict[str, Any], audio: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A chat.completion. With audio (from audio_message) content is null, as in OpenAI: the text is its transcript."""
+                    usage: dict[str, Any], audio: dict[str, Any] | None = None,
+                    audio_finish_reason: str | None = None) -> dict[str, Any]:
+    """A chat.completion; the text is also the audio's transcript. `audio_finish_reason` (an extension, with audio):
+    why the speech ended, `length` when it was cut short."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if audio is not None:
         message["audio"] = audio
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    if audio_finish_reason is not None:
+        choice["audio_finish_reason"] = audio_finish_reason
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [choice], "usage": usage}
+
+
+def speech_audio_delta(audio: bytes) -> dict[str, Any]:
+    """A `stream_format: sse` speech event: the next bytes of the audio, base64."""
+    return {"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode()}
+
+
+def speech_audio_done(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The last `stream_format: sse` speech event: usage (text tokens read, codec frames made)."""
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+    return {"type": "speech.audio.done", "usage": usage}
 
 
 def models_list(model_ids: list[str], created: int | None = None) -> dict[str, Any]:

@@ -11,6 +11,8 @@ import ray
 BOARD_NAME = "omni-ray-stats"
 REPORT_PERIOD_S = 0.25
 STALE_AFTER_S = 3.0
+# /ready counts a replica only while its reports keep coming: three missed reports, and its stage is gone.
+READY_AFTER_S = 3 * REPORT_PERIOD_S
 
 
 @ray.remote(num_cpus=0)
@@ -23,10 +25,13 @@ class StatsBoard:
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
         self._stats[replica_id] = (time.time(), stats)
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        cutoff = time.time() - STALE_AFTER_S
+    def snapshot(self, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Every replica's latest stats; with `max_age_s`, only those of replicas that reported that recently."""
+        now = time.time()
+        cutoff = now - STALE_AFTER_S
         self._stats = {rid: (t, s) for rid, (t, s) in self._stats.items() if t >= cutoff}
-        return {rid: s for rid, (_, s) in self._stats.items()}
+        fresh = now - (STALE_AFTER_S if max_age_s is None else max_age_s)
+        return {rid: s for rid, (t, s) in self._stats.items() if t >= fresh}
 
 
 def current_app_name() -> str:

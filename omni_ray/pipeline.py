@@ -13,6 +13,7 @@ from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import PromptBuilder
 from omni_ray.models.qwen3_omni.stages import EncoderStage, TalkerStage, ThinkerStage, VocoderStage
+from omni_ray.relay.auth import with_relay_env
 from omni_ray.stages.client import ActorClient
 
 __all__ = ["AudioChunk", "Event", "Finished", "Pipeline", "TextDelta"]
@@ -21,7 +22,9 @@ STAGE_CLASSES = {"encoder": EncoderStage, "thinker": ThinkerStage, "talker": Tal
 
 
 def _actor(cls: type, stage: StageConfig) -> Any:
-    return ray.remote(cls).options(**stage.resources.actor_options(), max_concurrency=1000)
+    """The stage's actor class, with this process's relay secret (the caller's relay links need it too)."""
+    options = with_relay_env(stage.resources.actor_options(), stage.relay_listen_host)
+    return ray.remote(cls).options(**options, max_concurrency=1000)
 
 
 class Pipeline:

@@ -17,6 +17,7 @@ from ray import cloudpickle
 from omni_ray.relay import PlacementTransport, RelayEndpoint, RelayItem, RelayPeer, RelaySender
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
+from omni_ray.relay.auth import with_relay_env
 from omni_ray.relay.tcp import RelayServer
 from omni_ray.relay.transports import gpu_uuid
 
@@ -92,7 +93,8 @@ def test_ipc_relay_between_two_processes_on_one_gpu_is_ordered_and_bitwise(ray_c
         async def inline(self) -> int:
             return self.transport.ipc.inline
 
-    consumer, producer = Consumer.remote(), Producer.remote()
+    relay_env = with_relay_env({})  # one relay secret for both actors
+    consumer, producer = Consumer.options(**relay_env).remote(), Producer.options(**relay_env).remote()
     peer = ray.get(consumer.peer.remote())
     assert not ray.get(producer.send_all.remote(peer, 20))
     deadline = time.monotonic() + 30

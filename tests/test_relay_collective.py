@@ -13,6 +13,7 @@ import ray
 import torch
 
 from omni_ray.relay import LOCAL_ENDPOINTS, PlacementTransport, RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelaySender
+from omni_ray.relay.auth import with_relay_env
 from omni_ray.relay.collective import CollectiveReceiver, CollectiveTransport, flatten, pack, unpack
 from omni_ray.relay.tcp import RelayServer
 
@@ -168,7 +169,9 @@ def relay_actors(ray_cluster: str) -> Any:
 
 def test_a_dead_consumer_fails_only_its_requests_and_the_producer_keeps_serving(relay_actors: Any) -> None:
     ray, Producer, Consumer = relay_actors
-    producer, alive, doomed = Producer.remote(), Consumer.remote("alive"), Consumer.remote("doomed")
+    relay_env = with_relay_env({})  # the driver's relay secret: the actors' connections pass each other's handshake
+    producer = Producer.options(**relay_env).remote()
+    alive, doomed = Consumer.options(**relay_env).remote("alive"), Consumer.options(**relay_env).remote("doomed")
     ray.get(producer.start.remote())
     alive_peer, doomed_peer = ray.get([alive.peer.remote(), doomed.peer.remote()])
     ray.get([alive.claim.remote("a"), doomed.claim.remote("d")])

@@ -1,109 +1,28 @@
-"""Host-path relay between replicas on any nodes: pickled messages whose tensors travel as raw out-of-band buffers,
-over persistent TCP streams, with no copy of a tensor's bytes between the sender's host tensor and the socket."""
+"""Host-path relay between replicas on any nodes: authenticated TCP streams carrying msgpack frames whose tensors
+travel as raw out-of-band buffers, with no copy of a tensor's bytes between the sender's host tensor and the socket.
+Each connection first passes the application-secret handshake (`auth.py`); frames are `wire.py`'s."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import socket
 import struct
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Union
+from typing import Callable
 
-import torch
-
+from omni_ray.relay.auth import (
+    HANDSHAKE_TIMEOUT_S, LISTEN_HOST_ENV, RelayAuthError, accept_handshake, connect_handshake, relay_secret,
+)
 from omni_ray.relay.channel import RelayEndpoint, RelayMessage, RelayPeer
+from omni_ray.relay.wire import (
+    BUFFER_ALIGN, FIXED, Part, RelayWireError, check_announced, decode_message, encode_message, header_size,
+)
 
+__all__ = ["BUFFER_ALIGN", "LISTEN_HOST_ENV", "RelayServer", "RelayWireError", "TcpTransport", "decode_message",
+           "encode_message", "node_ip"]
 log = logging.getLogger(__name__)
-# A frame: (pickled body length, buffer count), each buffer's length, the body, then each buffer from an offset of
-# the frame aligned to BUFFER_ALIGN bytes (so a tensor read in place, in a frame-sized buffer, is aligned for its dtype).
-_FIXED = struct.Struct("!QI")
-BUFFER_ALIGN = 64
 SEPARATE_SEND_BYTES = 64 << 10  # parts this large go to the socket as they are; smaller ones are joined first
-Part = Union[bytes, bytearray, memoryview]
-
-
-@dataclass(frozen=True)
-class WireTensor:
-    """A CPU tensor as its dtype, shape and raw bytes. Torch's own pickling of a tensor serialises its storage as an
-    archive: about 46 us per small tensor here, which for a Talker step's 32 frames of codes came to 1.5 ms of the
-    event loop's time, and as much again to unpickle. Pickled with `encode_message`, the bytes travel out of band
-    (pickle protocol 5): the frame's bytes are the tensor's own, and the receiver's tensor is a view of its frame."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: object  # pickle.PickleBuffer when sent; a memoryview (or bytes) of the received frame
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "WireTensor":
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        return cls(str(flat.dtype).removeprefix("torch."), tuple(tensor.shape),
-                   pickle.PickleBuffer(flat.view(torch.uint8).numpy()))
-
-    def tensor(self) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype)
-        data = memoryview(self.data)  # type: ignore[arg-type]
-        if data.nbytes == 0:
-            return torch.empty(self.shape, dtype=dtype)
-        if data.readonly:  # torch.frombuffer wants a writable buffer
-            data = memoryview(bytearray(data))
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(self.shape)
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // BUFFER_ALIGN) * BUFFER_ALIGN
-
-
-def _header_size(count: int) -> int:
-    return _FIXED.size + 8 * count
-
-
-def _layout(body_length: int, sizes: tuple[int, ...]) -> tuple[list[int], int]:
-    """Each buffer's offset in the frame, and the frame's length."""
-    offsets, end = [], _header_size(len(sizes)) + body_length
-    for size in sizes:
-        start = _aligned(end)
-        offsets.append(start)
-        end = start + size
-    return offsets, end
-
-
-def encode_message(message: RelayMessage) -> list[Part]:
-    """A message as the parts of one frame for the host path, in order: its header and pickled body, then each
-    tensor's bytes (views of the tensors, not copies) after the padding that aligns them."""
-    items = [replace(item, tensors={k: WireTensor.of(v) for k, v in item.tensors.items()}) if item.tensors else item
-             for item in message.items]
-    buffers: list[pickle.PickleBuffer] = []
-    body = pickle.dumps(replace(message, items=items), protocol=5, buffer_callback=buffers.append)
-    raws = [buffer.raw() for buffer in buffers]
-    sizes = tuple(raw.nbytes for raw in raws)
-    offsets, _ = _layout(len(body), sizes)
-    parts: list[Part] = [_FIXED.pack(len(body), len(raws)) + struct.pack(f"!{len(sizes)}Q", *sizes), body]
-    end = _header_size(len(sizes)) + len(body)
-    for raw, offset in zip(raws, offsets):
-        if offset > end:
-            parts.append(bytes(offset - end))
-        parts.append(raw)
-        end = offset + raw.nbytes
-    return parts
-
-
-def decode_message(frame: Union[bytes, bytearray, memoryview]) -> RelayMessage:
-    """One whole frame (`encode_message`'s parts joined) back into a message. Its tensors view the frame's bytes
-    (pass a bytearray to keep them writable without a copy)."""
-    view = memoryview(frame)
-    body_length, count = _FIXED.unpack_from(view)
-    sizes = struct.unpack_from(f"!{count}Q", view, _FIXED.size)
-    start = _header_size(count)
-    offsets, _ = _layout(body_length, sizes)
-    buffers = [view[offset : offset + size] for offset, size in zip(offsets, sizes)]
-    message: RelayMessage = pickle.loads(view[start : start + body_length], buffers=buffers)
-    for i, item in enumerate(message.items):
-        if item.tensors:
-            message.items[i] = replace(item, tensors={k: v.tensor() for k, v in item.tensors.items()})
-    return message
 
 
 def node_ip() -> str:
@@ -129,16 +48,18 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
 
 
 async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytearray:
-    """One frame into one buffer of its own size, read straight from the socket (no intermediate copies)."""
-    fixed = bytearray(_FIXED.size)
+    """One frame into one buffer of its own size, read straight from the socket (no intermediate copies). What its
+    header announces is checked against the caps before anything is allocated (RelayWireError)."""
+    fixed = bytearray(FIXED.size)
     await _recv_into(loop, sock, memoryview(fixed))
-    body_length, count = _FIXED.unpack(fixed)
+    body_length, count = FIXED.unpack(fixed)
+    check_announced(body_length, count)
     sizes = bytearray(8 * count)
     await _recv_into(loop, sock, memoryview(sizes))
-    header_size = _header_size(count)
-    frame = bytearray(_layout(body_length, struct.unpack(f"!{count}Q", sizes))[1])
-    frame[: _FIXED.size], frame[_FIXED.size : header_size] = fixed, sizes
-    await _recv_into(loop, sock, memoryview(frame)[header_size:])
+    size = header_size(count)
+    frame = bytearray(check_announced(body_length, count, struct.unpack(f"!{count}Q", sizes)))
+    frame[: FIXED.size], frame[FIXED.size : size] = fixed, sizes
+    await _recv_into(loop, sock, memoryview(frame)[size:])
     return frame
 
 
@@ -158,21 +79,29 @@ async def _send_parts(loop: asyncio.AbstractEventLoop, sock: socket.socket, part
 
 
 class RelayServer:
-    """Accepts relay connections for one replica and hands each message to its endpoint, in arrival order."""
+    """Accepts relay connections for one replica and hands each message to its endpoint, in arrival order. A
+    connection whose peer fails the handshake, or sends a frame that does not decode, is closed and counted in
+    `rejected`; the others go on."""
 
-    def __init__(self, endpoint: RelayEndpoint) -> None:
+    def __init__(self, endpoint: RelayEndpoint, secret: bytes | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.endpoint = endpoint
+        self.secret = secret if secret is not None else relay_secret()
+        self.handshake_timeout_s = handshake_timeout_s
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.address = ""
+        self.rejected = 0  # connections dropped: failed handshakes and undecodable frames
 
-    async def start(self, host: str) -> str:
+    async def start(self, host: str, advertised_host: str | None = None) -> str:
+        """Listen on `host`, on a free port; returns the address peers reach it at (`advertised_host`, default
+        `host`: a wildcard listen address such as 0.0.0.0 needs the node's own address here)."""
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         port = self._listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept(self._listener))
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{advertised_host or host}:{port}"
         return self.address
 
     async def close(self) -> None:
@@ -193,6 +122,14 @@ class RelayServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        peer = _peer_name(sock)
+        try:
+            await accept_handshake(sock, self.secret, self.handshake_timeout_s)
+        except (RelayAuthError, asyncio.TimeoutError, OSError) as exc:
+            self.rejected += 1
+            log.warning("relay connection from %s refused: %s", peer, exc if str(exc) else "handshake timed out")
+            sock.close()
+            return
         try:
             while True:
                 message = decode_message(await _read_frame(loop, sock))
@@ -201,13 +138,25 @@ class RelayServer:
                     self.endpoint.deliver(message)
                 except Exception:  # a bad message must not kill the connection for other requests
                     log.exception("relay delivery failed")
+        except RelayWireError as exc:
+            self.rejected += 1
+            log.warning("relay connection from %s closed: %s", peer, exc)
         except (ConnectionError, OSError):
             pass
         finally:
             sock.close()
 
 
-async def _connect(address: str) -> socket.socket:
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "an unknown peer"
+
+
+async def _connect(address: str, secret: bytes) -> socket.socket:
+    """A connection to a relay server that has passed the handshake (RelayAuthError if it fails)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     loop = asyncio.get_running_loop()
     family, kind, proto, _, target = (await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM))[0]
@@ -216,6 +165,7 @@ async def _connect(address: str) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         await asyncio.wait_for(loop.sock_connect(sock, target), timeout=10)
+        await connect_handshake(sock, secret)
     except BaseException:
         sock.close()
         raise
@@ -225,10 +175,12 @@ async def _connect(address: str) -> socket.socket:
 class TcpTransport:
     """One persistent connection per peer address; sends on a connection are serialised, so order is kept.
 
-    The receiving side never writes back, so end-of-stream on a connection means the peer process is gone: the
-    connection is dropped at once (the next send then fails fast) and `on_lost(peer)` is called."""
+    The receiving side writes back only during the handshake, so afterwards end-of-stream on a connection means
+    the peer process is gone: the connection is dropped at once (the next send then fails fast) and `on_lost(peer)`
+    is called."""
 
-    def __init__(self, on_lost: Callable[[RelayPeer], None] | None = None) -> None:
+    def __init__(self, on_lost: Callable[[RelayPeer], None] | None = None, secret: bytes | None = None) -> None:
+        self.secret = secret if secret is not None else relay_secret()
         self.connections: dict[str, socket.socket] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._watchers: set[asyncio.Task[None]] = set()
@@ -243,7 +195,7 @@ class TcpTransport:
         async with lock:
             sock = self.connections.get(peer.address)
             if sock is None:
-                sock = await _connect(peer.address)
+                sock = await _connect(peer.address, self.secret)
                 self.connections[peer.address] = sock
                 watcher = loop.create_task(self._watch(peer, sock))
                 self._watchers.add(watcher)

@@ -82,7 +82,7 @@ class PlacementTransport:
 
     def needs_host_tensors(self, peer: RelayPeer, device_bytes: int) -> bool:
         """Must a message to this peer with `device_bytes` of device tensors have them on the CPU first (its
-        transport pickles them)?"""
+        transport serializes them)?"""
         transport = self.select(peer)
         return transport is self.tcp or (transport is self.ipc and device_bytes < self.ipc_from_bytes)
 

@@ -10,6 +10,7 @@ from ray import serve
 
 from omni_ray.config import PipelineConfig, StageConfig
 from omni_ray.models.qwen3_omni.stages import EncoderStage, TalkerStage, ThinkerStage, VocoderStage
+from omni_ray.relay.auth import with_relay_env
 from omni_ray.serve.ingress import OmniIngress
 from omni_ray.serve.openai_protocol import ServiceLimits
 
@@ -72,11 +73,14 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         if "autoscaling_config" in override:
             options.pop("num_replicas")
         options.update(override)
+        # every replica of the application shares one relay secret: the environment's, else a random one per build
+        options["ray_actor_options"] = with_relay_env(options.get("ray_actor_options") or {}, stage.relay_listen_host)
         deployment = serve.deployment(cls).options(**options)
         bound[name] = deployment.bind(config.model, stage)
     ingress_options = {"name": "ingress", "ray_actor_options": with_serve_env({"num_cpus": 0.2}, INGRESS_ENV),
                        "max_ongoing_requests": 256, "max_queued_requests": 512,
                        **(args.get("stage_options") or {}).get("ingress", {})}
+    ingress_options["ray_actor_options"] = with_relay_env(ingress_options.get("ray_actor_options") or {})
     ingress = serve.deployment(OmniIngress).options(**ingress_options)
     return ingress.bind(
         bound["encoder"], bound["thinker"], bound["talker"], bound["vocoder"],

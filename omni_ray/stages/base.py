@@ -20,7 +20,7 @@ from omni_ray.relay import (
 )
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
-from omni_ray.relay.tcp import node_ip
+from omni_ray.relay.tcp import LISTEN_HOST_ENV, node_ip
 from omni_ray.relay.transports import RelayMode, device_bytes, gpu_uuid
 from omni_ray.serve.stats import StatsReporter, serve_replica_id
 
@@ -56,10 +56,15 @@ class StageBase:
 
     stage_name = "stage"
 
-    def __init__(self, replica_id: str | None = None, device: str = "cpu", relay_mode: RelayMode = "auto") -> None:
+    def __init__(self, replica_id: str | None = None, device: str = "cpu", relay_mode: RelayMode = "auto",
+                 relay_listen_host: str | None = None) -> None:
         self.replica_id = replica_id or serve_replica_id() or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
         self.device = torch.device(device)
         self.relay_mode: RelayMode = relay_mode
+        # where the host-path listener binds: the stage's `relay_listen_host`, which the Serve app and the Python API
+        # hand each replica in its environment; empty: the node's address
+        self.relay_listen_host = relay_listen_host if relay_listen_host is not None else os.environ.get(
+            LISTEN_HOST_ENV, "")
         self.endpoint = RelayEndpoint()
         self._receiver: CollectiveReceiver | None = None
         self._ipc_receiver: IpcReceiver | None = None
@@ -107,11 +112,13 @@ class StageBase:
 
     def load_stats(self) -> dict[str, Any]:
         """What this replica is doing now, its startup by phase, its process's garbage-collector pauses and CUDA
-        allocator retries. Stages with an engine add running/waiting/KV numbers."""
+        allocator retries, and the relay connections it refused. Stages with an engine add running/waiting/KV
+        numbers."""
         return {"stage": self.stage_name, "streams": self.active_requests(), "completed": self.completed,
                 "failed": self.failed, "load": self.active_requests(),
                 **{f"startup_{phase}_s": seconds for phase, seconds in self.startup_s.items()},
-                **self.gc_pauses.stats(), **cuda_allocator_stats()}
+                **self.gc_pauses.stats(), **cuda_allocator_stats(),
+                "relay_rejected": self._server.rejected if self._server is not None else 0}
 
     async def stats(self) -> dict[str, Any]:
         return self.load_stats()
@@ -138,7 +145,9 @@ class StageBase:
         async with self._peer_lock:
             if self._self_peer is None:
                 self._server = RelayServer(self.endpoint)
-                address = await self._server.start(node_ip())
+                listen = self.relay_listen_host or node_ip()
+                wildcard = listen in ("0.0.0.0", "::")  # every interface: peers are told the node's address
+                address = await self._server.start(listen, node_ip() if wildcard else None)
                 self._receiver = CollectiveReceiver(self.endpoint, self.device)
                 if self.device.type == "cuda":  # producers on this GPU may share buffers through CUDA IPC
                     self._ipc_receiver = IpcReceiver(self.endpoint, self.device)

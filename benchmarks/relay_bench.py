@@ -16,6 +16,8 @@ import asyncio
 import hashlib
 import json
 import multiprocessing as mp
+import os
+import secrets
 import statistics
 import time
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 
 from omni_ray.bench import run_meta, write_results
 from omni_ray.relay import RelayEndpoint, RelayItem, RelayMessage, RelayPeer, RelayServer
+from omni_ray.relay.auth import SECRET_ENV
 from omni_ray.relay.collective import CollectiveReceiver
 from omni_ray.relay.ipc import IpcReceiver
 from omni_ray.relay.tcp import TcpTransport, decode_message, encode_message
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))  # one relay secret for both processes (the child inherits)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     process = ctx.Process(target=consumer, args=(args.consumer, args.iterations, modes, theirs), daemon=True)

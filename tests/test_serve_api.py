@@ -53,7 +53,7 @@ def test_streaming_chat_with_audio_equals_the_python_api(client: openai.OpenAI, 
         model=MODEL, messages=messages, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
         stream=True, temperature=0, max_completion_tokens=14, stream_options={"include_usage": True},
     )
-    text, pcm, finish_reason, usage, transcript = "", b"", None, None, ""
+    text, pcm, finish_reason, usage, transcript, audio_finish_reason = "", b"", None, None, "", None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -64,12 +64,15 @@ def test_streaming_chat_with_audio_equals_the_python_api(client: openai.OpenAI, 
             pcm += base64.b64decode(audio.get("data") or "")
             transcript += audio.get("transcript") or ""
             finish_reason = choice.finish_reason or finish_reason
+            audio_finish_reason = getattr(choice, "audio_finish_reason", None) or audio_finish_reason
     expected_text, expected_pcm, final = python_api(
         pipeline.generate(messages, sampling=GREEDY, max_tokens=14, speaker="ethan", talker_sampling=GREEDY_TALKER)
     )
     assert text == expected_text and transcript == expected_text
     assert len(pcm) > 0 and pcm == expected_pcm
     assert finish_reason == final.finish_reason == "length"
+    # the speech's own end, next to the text's (an extension field of the final chunk's choice)
+    assert audio_finish_reason == final.audio_finish_reason and audio_finish_reason in ("stop", "length")
     assert usage is not None and usage.completion_tokens == 14 and usage.prompt_tokens == final.usage["prompt_tokens"]
 
 
@@ -88,6 +91,7 @@ def test_chat_with_audio_in_and_wav_out_equals_the_python_api(client: openai.Ope
     assert message.content == expected_text and message.audio.transcript == expected_text
     assert rate == 24000 and samples.tobytes() == expected_pcm
     assert message.audio.expires_at > reply.created
+    assert getattr(reply.choices[0], "audio_finish_reason") == final.audio_finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens == len(final.token_ids)
 
 
@@ -115,6 +119,40 @@ def test_speech_equals_the_python_api_streamed_or_not(client: openai.OpenAI, pip
     wav = client.audio.speech.create(model=MODEL, voice="aiden", input=text, extra_body={"temperature": 0}).read()
     samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
     assert rate == 24000 and samples.tobytes() == expected_pcm
+
+
+def test_speech_stream_formats_with_the_openai_client(client: openai.OpenAI, pipeline: Any) -> None:
+    """`stream_format="sse"`: speech.audio.delta events whose audio joins into the same bytes as
+    `stream_format="audio"` gives, then speech.audio.done with usage."""
+    import json
+
+    text = "Seven swans swim by the bridge."
+    raw = client.audio.speech.create(model=MODEL, voice="chelsie", input=text, response_format="pcm",
+                                     stream_format="audio", extra_body={"temperature": 0}).read()
+    events: list[dict[str, Any]] = []
+    with client.audio.speech.with_streaming_response.create(
+        model=MODEL, voice="chelsie", input=text, response_format="pcm", stream_format="sse",
+        extra_body={"temperature": 0},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"} and len(kinds) > 2
+    streamed = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    _, expected_pcm, final = python_api(pipeline.speak(text, speaker="chelsie", talker_sampling=GREEDY_TALKER))
+    assert len(raw) > 0 and raw == streamed == expected_pcm
+    usage = events[-1]["usage"]
+    assert usage["input_tokens"] == final.usage["prompt_tokens"] + final.usage["completion_tokens"]
+    assert usage["output_tokens"] == final.usage["audio_frames"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    with client.audio.speech.with_streaming_response.create(  # wav as events: a stream header, then the PCM
+        model=MODEL, voice="chelsie", input=text, stream_format="sse", extra_body={"temperature": 0},
+    ) as response:
+        pieces = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    wav = b"".join(base64.b64decode(e["audio"]) for e in pieces if e["type"] == "speech.audio.delta")
+    assert wav[:4] == b"RIFF" and wav.endswith(expected_pcm)
 
 
 def test_models_health_ready_metrics(client: openai.OpenAI, serve_url: str) -> None:

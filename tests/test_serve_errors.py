@@ -69,6 +69,19 @@ BAD: list[tuple[str, str, str, Any, int]] = [
     ("speech unknown format", "POST", "/v1/audio/speech",
      {"model": MODEL, "input": "hi", "voice": "ethan", "response_format": "aac"}, 422),
     ("speech unknown voice", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "nobody"}, 400),
+    ("speech blank voice", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "  "}, 400),
+    ("blank voice", "POST", "/v1/chat/completions",
+     _chat(modalities=["text", "audio"], audio={"voice": " \t", "format": "wav"}), 400),
+    ("stream as a string", "POST", "/v1/chat/completions", _chat(stream="yes"), 422),
+    ("temperature as a string", "POST", "/v1/chat/completions", _chat(temperature="0.5"), 422),
+    ("speech stream as a string", "POST", "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "ethan", "stream": "yes"}, 422),
+    ("speech events as mp3", "POST", "/v1/audio/speech",
+     {"model": MODEL, "input": "hi", "voice": "ethan", "stream_format": "sse", "response_format": "mp3"}, 400),
+    ("speech unknown stream_format", "POST", "/v1/audio/speech",
+     {"model": MODEL, "input": "hi", "voice": "ethan", "stream_format": "chunks"}, 422),
+    ("prompt over max_prompt_chars", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x" * 300_000}]), 400),
+    ("body said too large", "POST", "/v1/chat/completions", b"{" + b" " * (3 * 1024 * 1024) + b"}", 413),
     ("wrong method", "GET", "/v1/chat/completions", None, 405),
     ("unknown path", "POST", "/v1/nothing", {}, 404),
 ]
@@ -84,6 +97,25 @@ def test_malformed_request_gets_its_documented_status(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_a_wrong_method_says_which_are_allowed(serve_url: str) -> None:
+    for path, allowed in (("/v1/chat/completions", "POST"), ("/v1/audio/speech", "POST"), ("/health", "GET")):
+        response = httpx.request("PUT", f"{serve_url}{path}", timeout=60)
+        assert response.status_code == 405 and allowed in response.headers["allow"], (path, response.headers)
+
+
+def test_openapi_json_describes_the_request_bodies(serve_url: str) -> None:
+    document = httpx.get(f"{serve_url}/openapi.json", timeout=60).json()
+    schemas = document["components"]["schemas"]
+    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/audio/speech", "SpeechRequest")):
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert schemas[model]["properties"], model
+    assert schemas["SpeechRequest"]["properties"]["stream_format"]["enum"] == ["audio", "sse"]
+    # the routes still read the body themselves: a body FastAPI would refuse is ours to answer
+    response = httpx.post(f"{serve_url}/v1/audio/speech", content=b"[]", timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
 
 
 def test_service_keeps_serving_after_bad_requests(serve_url: str) -> None:
@@ -203,12 +235,13 @@ def test_a_server_error_is_logged_with_its_traceback_and_a_client_error_is_not(c
 
     class Replica:  # what `_guard` reads of the ingress replica
         metrics = ServiceMetrics()
+        limits = oai.ServiceLimits()
 
     class Request:
         headers: dict[str, str] = {}
 
-        async def body(self) -> bytes:
-            return b"{}"
+        async def stream(self) -> Any:
+            yield b"{}"
 
     async def broken(raw: bytes) -> Any:
         raise KeyError("a bug of ours")

@@ -197,8 +197,9 @@ class OmniIngress:
             yield error_tail(exc)
 
     # ---- chat ----------------------------------------------------------------------------------------------
-    def _prepare_chat(self, raw: bytes) -> tuple[oai.ChatCompletionRequest, dict[str, Any], list[dict[str, Any]], Prompt]:
-        """Everything a chat request needs before any stage sees it; blocking work, run on the parsing pool."""
+    def _prepare_chat(self, raw: bytes) -> tuple[bool, dict[str, Any], list[dict[str, Any]], Prompt]:
+        """Everything a chat request needs before any stage sees it (whether it streams, generate's arguments, the
+        messages and their prompt); blocking work, run on the parsing pool."""
         request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)  # max_prompt_chars checked here
         self._check_model(request.model)
         request = resolve_audio_urls_blocking(request, self.limits)
@@ -206,17 +207,17 @@ class OmniIngress:
         messages = request.to_pipeline_messages()
         prompt = self.orchestrator.prompts.build(messages)  # input audio decoded, the prompt tokenized
         oai.check_prompt_tokens(len(prompt.ids), self.limits)
-        return request, kwargs, messages, prompt
+        return request.stream, kwargs, messages, prompt
 
     async def chat(self, raw: bytes) -> Response:
-        request, kwargs, messages, prompt = await self.parsing.run(self._prepare_chat, raw)
+        stream, kwargs, messages, prompt = await self.parsing.run(self._prepare_chat, raw)
         audio_format = kwargs.pop("audio_format")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         first, events = await self._start(
             self.orchestrator.generate(messages, request_id=rid, prompt=prompt, **kwargs)
         )
-        if request.stream:
+        if stream:
             body = self._chat_stream(rid, created, first, events, kwargs["audio"])
             return StreamingResponse(self._counted("chat", body, _sse_error), media_type="text/event-stream")
         return await self._chat_whole(rid, created, first, events, audio_format)

@@ -69,10 +69,17 @@ volumes:
 {{- define "omni-ray.mounts" -}}
 {{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
 {{- $cache := include "omni-ray.compileCache" . -}}
-{{- if $cache }}
+{{- $relaySecret := .root.Values.relaySecret.name -}}
+{{- if or $cache $relaySecret }}
 env:
+{{- if $relaySecret }}
+  - name: OMNI_RAY_RELAY_SECRET
+    valueFrom: {secretKeyRef: {name: {{ $relaySecret | quote }}, key: {{ .root.Values.relaySecret.key | quote }}}}
+{{- end }}
+{{- if $cache }}
   - {name: TORCHINDUCTOR_CACHE_DIR, value: {{ printf "%s/inductor" .root.Values.compileCache.mountPath | quote }}}
   - {name: TRITON_CACHE_DIR, value: {{ printf "%s/triton" .root.Values.compileCache.mountPath | quote }}}
+{{- end }}
 {{- end }}
 {{- if or $model $cache }}
 volumeMounts:

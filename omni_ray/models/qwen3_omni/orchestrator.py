@@ -13,6 +13,9 @@ from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
+from omni_ray.models.qwen3_omni.speech_budget import (
+    MIN_SPEECH_FRAMES, context_room, frame_budget, talker_prompt_length,
+)
 from omni_ray.models.qwen3_omni.stages import TalkerRequest, ThinkerRequest
 from omni_ray.relay import RelayLinks, RelayPeer
 from omni_ray.stages.client import StageClient
@@ -47,9 +50,12 @@ class Orchestrator:
         return sorted(self.model_config.talker_config.speaker_id)
 
     def check_request(
-        self, prompt_len: int, max_tokens: int, audio: bool, speaker: str | None, max_audio_frames: int | None
+        self, prompt_len: int, max_tokens: int, audio: bool, speaker: str | None, max_audio_frames: int | None,
+        talker_prompt_len: int | None = None,
     ) -> str:
-        """Client errors are caught here, before any stage sees the request. Returns the voice."""
+        """Client errors are caught here, before any stage sees the request. Returns the voice. With
+        `talker_prompt_len` (the Talker's prompt positions, `talker_prompt_length`), a spoken reply whose prompt
+        leaves the Talker's context too little room for speech is refused too (`check_talker_room`)."""
         if max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1")
         if self.max_prompt_tokens is not None and prompt_len > self.max_prompt_tokens:
@@ -64,7 +70,25 @@ class Orchestrator:
             raise InvalidRequestError(f"unknown voice '{speaker}'; available: {', '.join(self.voices)}")
         if max_audio_frames is not None and max_audio_frames < 1:
             raise InvalidRequestError("max_audio_frames must be at least 1")
+        if audio and talker_prompt_len is not None:
+            self.check_talker_room(talker_prompt_len, max_tokens, max_audio_frames)
         return voice
+
+    def check_talker_room(self, talker_prompt_len: int, max_tokens: int, max_audio_frames: int | None) -> None:
+        """Refuse (400) a spoken reply whose Talker prompt leaves its context room for fewer frames than the least
+        worth speaking (`MIN_SPEECH_FRAMES`, or the request's whole frame budget when that is smaller). A request
+        with more room than that but less than its budget is admitted: its speech may stop early, and the reply's
+        `audio_finish_reason` then says `length`."""
+        talker = self.config.stages.talker.engine
+        budget = frame_budget(talker, max_audio_frames, max_tokens)
+        room = context_room(talker, talker_prompt_len)
+        needed = min(budget, MIN_SPEECH_FRAMES)
+        if room < needed:
+            raise InvalidRequestError(
+                f"the prompt takes {talker_prompt_len} of the Talker's {talker.max_seq_len} positions, leaving room "
+                f"for {max(room, 0)} frames of speech; at least {needed} are needed: shorten the input, or ask for "
+                f"text only"
+            )
 
     async def generate(
         self,
@@ -87,7 +111,8 @@ class Orchestrator:
         messages' prompt built already (`self.prompts.build`; the ingress builds it off its event loop)."""
         submitted = time.time()
         prompt = prompt if prompt is not None else self.prompts.build(messages)
-        voice = self.check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames)
+        voice = self.check_request(len(prompt.ids), max_tokens, audio, speaker, max_audio_frames,
+                                   talker_prompt_length(prompt.ids, self.model_config) if audio else None)
         thinker = ThinkerRequest(
             request_id or uuid.uuid4().hex, prompt.ids, sampling or SamplingParams(), max_tokens,
             stop_token_ids or self.stop_ids, expects_audio=bool(prompt.clips), ignore_eos=ignore_eos,
@@ -113,7 +138,8 @@ class Orchestrator:
         if not text.strip():
             raise InvalidRequestError("input text must not be empty")
         prompt, forced = prepared if prepared is not None else self.speech_prompt(text, instructions)
-        voice = self.check_request(len(prompt.ids), len(forced), True, speaker, max_audio_frames)
+        voice = self.check_request(len(prompt.ids), len(forced), True, speaker, max_audio_frames,
+                                   talker_prompt_length(prompt.ids, self.model_config))
         thinker = ThinkerRequest(
             request_id or uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0), len(forced),
             self.stop_ids, forced_ids=forced,
@@ -145,13 +171,18 @@ class Orchestrator:
         streams: list[str] = []
 
         async def open_stream(name: str, method: str, *args: Any) -> Any:
-            """Start a stage stream; its first event names the replica's relay address."""
+            """Start a stage stream; its first event names the replica's relay address. A stage that refuses
+            raises StageError from its refusal (CapacityError, Serve's BackPressureError: a 503 at the ingress)."""
             iterator = self.stages[name].stream(method, *args).__aiter__()
             try:
                 first = await iterator.__anext__()
+            except asyncio.CancelledError:  # another stage refused first (or the caller left): close this stream
+                await iterator.aclose()  # type: ignore[attr-defined]
+                raise
             except Exception as exc:
                 raise StageError(f"{name} did not start: {exc}") from exc
             if first["type"] != "ready":
+                await iterator.aclose()  # type: ignore[attr-defined]
                 raise StageError(f"{name}: {first.get('message', 'did not start')}")
             tasks.append(asyncio.ensure_future(_pump(name, iterator, events)))
             streams.append(name)
@@ -168,7 +199,7 @@ class Orchestrator:
             if audio:
                 talker = TalkerRequest(
                     rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, max_audio_frames, thinker.ignore_eos,
-                    prompt_ids=None if prompt.clips else prompt.ids,
+                    prompt_ids=None if prompt.clips else prompt.ids, max_text_tokens=thinker.max_tokens,
                 )
                 opening["talker"] = asyncio.ensure_future(open_stream("talker", "speak", talker))
                 opening["vocoder"] = asyncio.ensure_future(open_stream("vocoder", "decode", rid, return_codes))
@@ -227,13 +258,23 @@ class Orchestrator:
 
 
 async def _all_open(opening: dict[str, asyncio.Future[Any]]) -> dict[str, Any]:
-    """Each stage's relay peer once every stream is open. If one fails, the others still finish opening first, so
-    that the caller's cleanup closes every stream that did open."""
-    results = await asyncio.gather(*opening.values(), return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return dict(zip(opening, results))
+    """Each stage's relay peer once every stream is open. The first failure (a stage that refuses the request) is
+    raised at once: the opens still pending are cancelled, each closing its stream (a stream queued at Serve's router
+    leaves the queue), and the caller's cleanup closes those that did open. A refusal thus reaches the client
+    without waiting for the other stages' queues."""
+    pending: set[asyncio.Future[Any]] = set(opening.values())
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [future for future in done if not future.cancelled() and future.exception() is not None]
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+    finally:
+        for future in pending:
+            future.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    return {name: future.result() for name, future in opening.items()}
 
 
 async def _pump(name: str, iterator: AsyncIterator[dict[str, Any]], events: asyncio.Queue[tuple[str, Any]]) -> None:

@@ -27,11 +27,13 @@ from omni_ray.engine.loop import EngineLoop, lower_gil_switch_interval
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.layers import small_batch
 from omni_ray.models.qwen3_omni.model_files import resolve_model
+from omni_ray.models.qwen3_omni.speech_budget import frame_budget
 from omni_ray.models.qwen3_omni.codecs import encode_audio_features, load_audio_encoder, load_code2wav
 from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, TalkerStepOutput
 from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
+from omni_ray.stages.admission import refuse_if_queue_too_long
 from omni_ray.stages.base import FINAL_TYPES, StageBase
 from omni_ray.vocoder import ChunkSchedule, StatefulStreamingDecoder, StreamingDecoder, decode_window_lengths, step_shapes
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
@@ -61,7 +63,7 @@ class TalkerRequest:
     max_frames: int | None = None
     ignore_eos: bool = False
     prompt_ids: list[int] | None = None  # a text-only prompt's ids: the Talker can prefill before the first token
-
+    max_text_tokens: int | None = None  # the reply's token cap: sizes the frame budget that admission counts
 
 
 
@@ -158,12 +160,15 @@ class ThinkerStage(StageBase):
         self.engine = EngineLoop(runner, self._on_outputs, self._on_failure, engine.max_batch, "thinker",
                                  launch_ahead=engine.launches_ahead(res.device),
                                  gil_switch_interval_s=engine.gil_switch_interval_ms / 1000,
-                                 admission=engine.admission_window(), stall_timeout_s=engine.stall_timeout_s)
+                                 admission=engine.admission_window(), stall_timeout_s=engine.stall_timeout_s,
+                                 work_of=lambda seq: seq.max_tokens)
+        self.max_queue_wait_s = engine.max_queue_wait_s
         self.engine.start()
         self.startup_done(stage.resources)
 
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
+        refuse_if_queue_too_long(self.stage_name, self.engine, self.max_queue_wait_s)  # before the ready event
         self.open_stream(rid)
         if request.speaks:
             self.expect_consumer(rid)  # the Talker is opened after this replica starts
@@ -275,7 +280,9 @@ class TalkerStage(StageBase):
             name = "talker" if engine.lanes == 1 else f"talker{lane}"
             loops.append(EngineLoop(runner, self._on_outputs, self._on_failure, per_lane, name, stream,
                                     engine.launches_ahead(res.device), engine.gil_switch_interval_ms / 1000,
-                                    engine.admission_window(), engine.stall_timeout_s))
+                                    engine.admission_window(), engine.stall_timeout_s,
+                                    lambda seq: self._budgets.get(seq.request_id, seq.max_frames)))
+        self._budgets: dict[str, int] = {}  # each request's frame budget, the work admission counts
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}
@@ -287,6 +294,7 @@ class TalkerStage(StageBase):
         speaker_id = self.config.talker_config.speaker_id.get(request.speaker.lower())
         if speaker_id is None:
             raise ValueError(f"unknown voice '{request.speaker}'")
+        refuse_if_queue_too_long(self.stage_name, self.engine, self.settings.max_queue_wait_s)
         self.open_stream(rid)
         self.expect_consumer(rid)  # the caller names this request's vocoder replica once its stream is open too
         cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
@@ -301,6 +309,7 @@ class TalkerStage(StageBase):
             except ValueError:  # not a prompt the Talker can read: the Thinker reports it
                 pass
         self._sequences[rid] = seq
+        self._budgets[rid] = frame_budget(self.settings, request.max_frames, request.max_text_tokens)
         self.endpoint.claim(rid, lambda item: self._on_thinker_item(seq, item))
         self.engine.add(seq)
         finished = False
@@ -312,6 +321,7 @@ class TalkerStage(StageBase):
         finally:
             self.endpoint.release(rid)
             self._sequences.pop(rid, None)
+            self._budgets.pop(rid, None)
             self._frame_times.pop(rid, None)
             if not finished or seq.finish_reason is None:
                 self.engine.abort(rid)

@@ -209,3 +209,19 @@ def _refs(value: Any) -> list[str]:
     if isinstance(value, list):
         return [r for v in value for r in _refs(v)]
     return []
+
+
+@pytest.mark.parametrize("text", ["plain ascii " * 200_000, "é, ü: " * 200_000, "\\u00e9 " * 300_000])
+def test_big_bodies_decode_as_json_loads_does(text: str) -> None:
+    """A big plain-ASCII body takes pydantic's decoder, others json.loads: the same request either way, and the
+    same refusals (a lone surrogate, broken JSON)."""
+    from omni_ray.serve.json_body import decode_json_object
+
+    limits = ServiceLimits(max_prompt_chars=10_000_000, max_json_items=10_000_000)
+    raw = json.dumps(chat(messages=[{"role": "user", "content": text}], metadata={"n": "1"})).encode()
+    assert len(raw) > 1 << 20
+    assert decode_json_object(raw) == json.loads(raw)
+    assert parse_request(raw, ChatCompletionRequest, limits).messages[0].content == text
+    lone = raw.replace(b'"n": "1"', b'"n": "\\ud800"')
+    assert refusal(lone, ChatCompletionRequest, limits).code == "invalid_json"
+    assert refusal(raw[:-1], ChatCompletionRequest, limits).code == "invalid_json"

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from typing import Annotated, Any, Callable, Literal, TypeVar, Union
 
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator,
 )
-from pydantic_core import from_json
 
 from omni_ray.audio import AudioTooLongError
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
+from omni_ray.serve.json_body import JSONBodyError, count_json_items, decode_json_object
 
 MiB = 1 << 20
 SPEECH_CONTENT_TYPES: dict[str, str] = {
@@ -410,31 +408,6 @@ def talker_sampling(temperature: float | None, seed: int | None) -> SamplingPara
 RequestT = TypeVar("RequestT", ChatCompletionRequest, SpeechRequest)
 
 
-# Work on a big body goes in slices this long: the event loop's thread gets the GIL back between them.
-SCAN_SLICE = 1 << 20
-
-
-def count_json_items(raw: bytes) -> int:
-    """Commas and colons in `raw`: a bound on the values it decodes into (json.loads holds the GIL throughout, and
-    takes about 40 ms per 1M values), so that a body of many tiny values is refused before it is decoded."""
-    return _count(raw, b",") + _count(raw, b":")
-
-
-def _count(raw: bytes, sub: bytes) -> int:
-    return sum(raw.count(sub, start, start + SCAN_SLICE) for start in range(0, len(raw), SCAN_SLICE))
-
-
-def _decode_json(raw: bytes) -> Any:
-    """json.loads; a plain-ASCII body (base64 audio, English text: not many `\\u` escapes) goes through pydantic's
-    Rust decoder first, which holds the GIL a fifth as long on a big body. Its refusals are json.loads' to word."""
-    if len(raw) >= SCAN_SLICE and raw.isascii() and 64 * _count(raw, b"\\u") < len(raw):
-        try:
-            return from_json(raw)
-        except ValueError:
-            pass
-    return json.loads(raw)
-
-
 def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
     if len(raw) > limits.max_request_bytes:
         raise too_large(f"request body is {len(raw)} bytes, over the limit of {limits.max_request_bytes}")
@@ -443,43 +416,9 @@ def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:
         msg = f"request body holds {items} commas and colons, over the limit of {limits.max_json_items}"
         raise bad_request(msg, code="too_many_json_items")
     try:
-        body = _decode_json(raw)
-    except ValueError as exc:  # includes UnicodeDecodeError and JSONDecodeError
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    except RecursionError:
-        raise bad_request("request body is nested too deeply", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    if _holds_lone_surrogate(body):
-        raise bad_request("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair): not text",
-                          code="invalid_json")
-    return body
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _holds_lone_surrogate(value: Any) -> bool:
-    """Does a decoded JSON value hold a string with a lone surrogate? JSON's escapes (and Python's decoder, on raw
-    bytes) let them through, and no text encoder takes them. Escaped pairs are decoded into one character already.
-    (A walk with its own stack: as deep as the decoder went.)"""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii() and _has_surrogate(item):  # (isascii reads a flag: base64 audio is free)
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
-def _has_surrogate(text: str) -> bool:
-    """A lone surrogate in `text`, searched a slice at a time (see SCAN_SLICE)."""
-    return any(_SURROGATE.search(text, start, start + SCAN_SLICE) is not None for start in range(0, len(text), SCAN_SLICE))
+        return decode_json_object(raw)
+    except JSONBodyError as exc:
+        raise bad_request(str(exc), code="invalid_json") from exc.__cause__
 
 
 def parse_request(raw: bytes | dict[str, Any], cls: type[RequestT], limits: ServiceLimits) -> RequestT:

@@ -66,6 +66,8 @@ def test_control_messages_round_trip_with_tuples_peers_and_nested_headers() -> N
     refs = got.control["header"].items[0].meta["_tensor_refs"]
     assert refs == header.items[0].meta["_tensor_refs"] and isinstance(refs["x"], TensorRef)
     assert refs["x"].dtype is torch.float32 and refs["x"].shape == (3, 5)
+    keyed = RelayMessage("p", [], control={"op": "x", "by": {1: "a", "b": 2}})
+    assert decode_message(_frame(keyed)).control["by"] == {1: "a", "b": 2}  # what encodes decodes
     times = RelayMessage("p", [RelayItem("r", meta={"relay_times": (1.0, 2.0, 3.0)})])
     assert decode_message(_frame(times)).items[0].meta["relay_times"] == (1.0, 2.0, 3.0)
 

@@ -186,7 +186,7 @@ class _Decoder:
         if self.depth > MAX_NESTING:
             raise RelayWireError("relay frame nests too deep")
         try:
-            return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=True)
+            return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False)  # keys as encoded
         finally:
             self.depth -= 1
 

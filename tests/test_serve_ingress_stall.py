@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -20,7 +23,7 @@ APP, PREFIX = "roomy", "/roomy"
 MODEL = "qwen3-omni"
 MiB = 1 << 20
 HEALTH_BUDGET_S = 0.1
-ATTEMPTS = 3  # a shared machine's noise: an attempt whose every sample holds is enough
+ATTEMPTS = 5  # a shared machine's noise: an attempt whose every sample holds is enough
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +37,46 @@ def roomy(serve_url: str) -> Iterator[str]:
         serve.delete(APP)
 
 
-def _big_chat(size: int) -> bytes:
-    """A chat body of `size` bytes whose one message is a long text: under the body limit, over the prompt's."""
+def _big_chat(size: int, folder: Path) -> Path:
+    """A file holding a chat body of `size` bytes whose one message is a long text: under the body limit, over the
+    prompt's."""
     head = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}]}).encode()
     filler = b"lorem ipsum " * (size // 12 + 1)
-    return head[:-4] + filler[: size - len(head)] + head[-4:]
+    path = folder / f"chat-{size}.json"
+    path.write_bytes(head[:-4] + filler[: size - len(head)] + head[-4:])
+    return path
 
 
-def _post_in_background(url: str, body: bytes, out: dict[str, Any]) -> threading.Thread:
+# The big request goes from a process of its own, so that its client's work never holds up the probes' (one GIL).
+SENDER = """
+import json, sys, time, httpx
+body = open(sys.argv[2], "rb").read()
+print("sending", flush=True)
+started = time.perf_counter()
+response = httpx.post(sys.argv[1], content=body, headers={"content-type": "application/json"}, timeout=120)
+print(json.dumps({"status": response.status_code, "body": response.json(), "seconds": time.perf_counter() - started}))
+"""
+
+
+def _post_in_background(url: str, body: Path, out: dict[str, Any]) -> threading.Thread:
+    """POSTs the file `body` from another process; returns once it starts sending. The thread ends with the request,
+    and `out` gets its status, body and seconds."""
+    sending = threading.Event()
+
     def send() -> None:
-        started = time.perf_counter()
-        try:
-            response = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=120)
-            out["status"], out["body"] = response.status_code, response.json()
-        except Exception as exc:  # asserted by the caller
-            out["error"] = repr(exc)
-        out["seconds"] = time.perf_counter() - started
+        process = subprocess.Popen([sys.executable, "-c", SENDER, url, str(body)], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("sending"):
+                sending.set()
+            elif line.strip():
+                out.update(json.loads(line))
+        process.wait()
+        sending.set()
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
+    assert sending.wait(60), "the sender never started"
     return thread
 
 
@@ -69,8 +93,8 @@ def _health_while(base: str, busy: Callable[[], bool]) -> list[float]:
 
 
 @pytest.mark.parametrize("megabytes", [20, 30])
-def test_health_answers_within_100ms_while_a_big_body_is_parsed(roomy: str, megabytes: int) -> None:
-    body = _big_chat(megabytes * 1_000_000)
+def test_health_answers_within_100ms_while_a_big_body_is_parsed(roomy: str, megabytes: int, tmp_path: Path) -> None:
+    body = _big_chat(megabytes * 1_000_000, tmp_path)
     worst: list[float] = []
     for _ in range(ATTEMPTS):
         calls = iter(range(10))
@@ -84,7 +108,7 @@ def test_health_answers_within_100ms_while_a_big_body_is_parsed(roomy: str, mega
               f"(idle: median {statistics.median(idle) * 1000:.1f} ms, max {max(idle) * 1000:.1f} ms)")
         assert out.get("status") == 400, out  # refused as a prompt over max_prompt_chars, not tokenized
         assert out["body"]["error"]["code"] == "context_length_exceeded", out["body"]
-        assert out["seconds"] < 10, out["seconds"]
+        assert out["seconds"] < 10, out["seconds"]  # (it took 35-49 s, tokenized, when the issue was found)
         worst.append(max(latencies))
         if len(latencies) >= 3 and max(latencies) < HEALTH_BUDGET_S:
             return
@@ -103,8 +127,8 @@ def _stream_gaps(base: str, stop: threading.Event, arrivals: list[float]) -> Non
                 return
 
 
-def test_a_stream_in_flight_keeps_flowing_while_a_30mb_body_is_parsed(roomy: str) -> None:
-    body = _big_chat(30_000_000)
+def test_a_stream_in_flight_keeps_flowing_while_a_30mb_body_is_parsed(roomy: str, tmp_path: Path) -> None:
+    body = _big_chat(30_000_000, tmp_path)
     excess: list[float] = []
     for _ in range(ATTEMPTS):
         stop, arrivals = threading.Event(), []
@@ -113,10 +137,10 @@ def test_a_stream_in_flight_keeps_flowing_while_a_30mb_body_is_parsed(roomy: str
         deadline = time.perf_counter() + 30
         while len(arrivals) < 10 and time.perf_counter() < deadline:  # past the first chunks' ramp
             time.sleep(0.01)
-        time.sleep(1.0)  # the stream's own gaps, before the big body
+        time.sleep(2.0)  # the stream's own gaps, before the big body
         out: dict[str, Any] = {}
-        began = time.perf_counter()
         thread = _post_in_background(f"{roomy}/v1/chat/completions", body, out)
+        began = time.perf_counter()
         thread.join()
         ended = time.perf_counter()
         time.sleep(0.3)

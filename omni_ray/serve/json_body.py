@@ -6,6 +6,7 @@ import json
 import re
 from typing import Any
 
+import numpy as np
 from pydantic_core import from_json
 
 
@@ -20,17 +21,24 @@ SCAN_SLICE = 1 << 20
 def count_json_items(raw: bytes) -> int:
     """Commas and colons in `raw`: a bound on the values it decodes into (json.loads holds the GIL throughout, and
     takes about 40 ms per 1M values), so that a body of many tiny values is refused before it is decoded."""
-    return _count(raw, b",") + _count(raw, b":")
+    return _count(raw, b",:")
 
 
-def _count(raw: bytes, sub: bytes) -> int:
-    return sum(raw.count(sub, start, start + SCAN_SLICE) for start in range(0, len(raw), SCAN_SLICE))
+def _count(raw: bytes, chars: bytes) -> int:
+    """How many bytes of `raw` are one of `chars`: numpy's comparisons, a slice at a time, release the GIL (and take
+    half the time of bytes.count)."""
+    data = np.frombuffer(raw, np.uint8)
+    total = 0
+    for start in range(0, len(data), 4 * SCAN_SLICE):
+        piece = data[start:start + 4 * SCAN_SLICE]
+        total += sum(int(np.count_nonzero(piece == char)) for char in chars)
+    return total
 
 
 def _decode_json(raw: bytes) -> Any:
-    """json.loads; a plain-ASCII body (base64 audio, English text: not many `\\u` escapes) goes through pydantic's
-    Rust decoder first, which holds the GIL a fifth as long on a big body. Its refusals are json.loads' to word."""
-    if len(raw) >= SCAN_SLICE and raw.isascii() and 64 * _count(raw, b"\\u") < len(raw):
+    """json.loads; a plain-ASCII body with few escapes (base64 audio, English text) goes through pydantic's Rust
+    decoder first, which holds the GIL a third as long on a big body. Its refusals are json.loads' to word."""
+    if len(raw) >= SCAN_SLICE and raw.isascii() and 64 * _count(raw, b"\\") < len(raw):
         try:
             return from_json(raw)
         except ValueError:

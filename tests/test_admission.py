@@ -17,6 +17,11 @@ from omni_ray.stages.admission import refuse_if_queue_too_long
 STEP_S = 0.01
 
 
+class Stage:
+    def __init__(self, name: str) -> None:
+        self.stage_name, self.refused = name, 0
+
+
 class SlowRunner(FakeRunner):
     """A fake runner whose every step takes STEP_S."""
 
@@ -40,7 +45,7 @@ def test_nothing_is_refused_before_the_first_step_is_timed(loop: EngineLoop[Fake
     for i in range(10):  # not started: everything waits, nothing measured
         loop.add(FakeSeq(f"r{i}", steps_needed=1000))
     assert loop.queued_work() == 10_000 and loop.rate() == 0 and loop.expected_wait_s() == 0
-    refuse_if_queue_too_long("thinker", loop, max_queue_wait_s=0.001)
+    refuse_if_queue_too_long(Stage("thinker"), loop, max_queue_wait_s=0.001)
 
 
 def test_expected_wait_is_the_queued_work_over_the_full_batch_rate(
@@ -69,15 +74,17 @@ def test_expected_wait_is_the_queued_work_over_the_full_batch_rate(
 def test_a_stage_refuses_once_the_expected_wait_passes_its_bound(loop: EngineLoop[FakeSeq, tuple[str, int]]) -> None:
     loop.step_s = 0.01  # as measured: 2 slots, 200 rows a second
     loop.add(FakeSeq("waiting", steps_needed=400))  # 2 s of queued work (the loop is not started: it stays queued)
-    refuse_if_queue_too_long("talker", loop, max_queue_wait_s=2.5)  # under the bound: admitted
-    refuse_if_queue_too_long("talker", loop, max_queue_wait_s=0)  # 0: no bound
+    talker = Stage("talker")
+    refuse_if_queue_too_long(talker, loop, max_queue_wait_s=2.5)  # under the bound: admitted
+    refuse_if_queue_too_long(talker, loop, max_queue_wait_s=0)  # 0: no bound
+    assert talker.refused == 0
     with pytest.raises(CapacityError, match=r"talker is at capacity: .* about 2.0 s") as refused:
-        refuse_if_queue_too_long("talker", loop, max_queue_wait_s=0.5)
+        refuse_if_queue_too_long(talker, loop, max_queue_wait_s=0.5)
     assert refused.value.retry_after_s == 2  # the excess (1.5 s), rounded up to whole seconds
     loop.add(FakeSeq("more", steps_needed=2000))  # 12 s in all
     with pytest.raises(CapacityError) as refused:
-        refuse_if_queue_too_long("talker", loop, max_queue_wait_s=2)
-    assert refused.value.retry_after_s == 10
+        refuse_if_queue_too_long(talker, loop, max_queue_wait_s=2)
+    assert refused.value.retry_after_s == 10 and talker.refused == 2
 
 
 def test_lanes_estimate_the_wait_of_the_lane_a_request_would_join() -> None:

@@ -15,6 +15,7 @@ from omni_ray.errors import CapacityError, StageError
 from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
 from omni_ray.models.qwen3_omni.prompt import Prompt
 from omni_ray.models.qwen3_omni.stages import ThinkerRequest
+from omni_ray.stages.admission import refusal_event
 
 REFUSE_AFTER_S = 0.05
 
@@ -37,7 +38,10 @@ class FakeStage:
             if self.refusal is not None:
                 await asyncio.sleep(REFUSE_AFTER_S)
                 self.refused_at = time.perf_counter()
-                raise self.refusal
+                if isinstance(self.refusal, CapacityError):  # as a stage's own admission refuses: an event
+                    yield refusal_event(self.refusal)
+                    return
+                raise self.refusal  # as Serve's router, or the vocoder's state slots
             if self.ready_after_s is None:
                 await asyncio.Event().wait()  # queued for good
             await asyncio.sleep(self.ready_after_s or 0)
@@ -70,10 +74,12 @@ def test_the_first_refusal_is_raised_at_once_and_every_other_stream_is_closed(re
     stages = {"thinker": FakeStage(ready_after_s=None), "talker": FakeStage(refusal=refusal),
               "vocoder": FakeStage(ready_after_s=0.0)}
     started = time.perf_counter()
-    with pytest.raises(StageError, match="talker did not start") as raised:
+    with pytest.raises(StageError, match="talker") as raised:
         asyncio.run(_run(_orchestrator(stages)))
     heard = time.perf_counter()
-    assert raised.value.__cause__ is refusal  # the ingress finds it in the cause chain: 503 with Retry-After
+    cause = raised.value.__cause__  # the ingress finds it in the cause chain: 503 with Retry-After
+    assert type(cause) is type(refusal) and str(cause) == str(refusal)
+    assert getattr(cause, "retry_after_s", None) == getattr(refusal, "retry_after_s", None)
     refused_at = stages["talker"].refused_at
     assert refused_at is not None and heard - refused_at < 0.1, f"{(heard - refused_at) * 1000:.0f} ms"
     assert heard - started < 1.0
@@ -85,7 +91,7 @@ def test_the_first_refusal_is_raised_at_once_and_every_other_stream_is_closed(re
 
 def test_a_stream_that_opens_before_another_refuses_is_closed_too() -> None:
     stages = {"thinker": FakeStage(ready_after_s=0.0), "talker": FakeStage(ready_after_s=0.5),
-              "vocoder": FakeStage(refusal=CapacityError("the vocoder holds 256 streams already"))}
+              "vocoder": FakeStage(refusal=BackPressureError("the vocoder's queue is full"))}
     with pytest.raises(StageError, match="vocoder did not start"):
         asyncio.run(_run(_orchestrator(stages)))
     assert all(stage.closed_at is not None for stage in stages.values())

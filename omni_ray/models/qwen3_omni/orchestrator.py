@@ -18,6 +18,7 @@ from omni_ray.models.qwen3_omni.speech_budget import (
 )
 from omni_ray.models.qwen3_omni.stages import TalkerRequest, ThinkerRequest
 from omni_ray.relay import RelayLinks, RelayPeer
+from omni_ray.stages.admission import refusal_error
 from omni_ray.stages.client import StageClient
 
 # Talker defaults of the released model (transformers' generate()).
@@ -183,7 +184,8 @@ class Orchestrator:
                 raise StageError(f"{name} did not start: {exc}") from exc
             if first["type"] != "ready":
                 await iterator.aclose()  # type: ignore[attr-defined]
-                raise StageError(f"{name}: {first.get('message', 'did not start')}")
+                refused = refusal_error(first) if first["type"] == "refused" else None
+                raise StageError(f"{name}: {first.get('message', 'did not start')}") from refused
             tasks.append(asyncio.ensure_future(_pump(name, iterator, events)))
             streams.append(name)
             return first["peer"]

@@ -33,7 +33,8 @@ from omni_ray.models.qwen3_omni.talker import TalkerRunner, TalkerSequence, Talk
 from omni_ray.models.qwen3_omni.talker_model import load_talker
 from omni_ray.models.qwen3_omni.thinker import ThinkerRunner, ThinkerSequence, ThinkerStepOutput, load_thinker
 from omni_ray.relay import RelayItem, RelayPeer
-from omni_ray.stages.admission import refuse_if_queue_too_long
+from omni_ray.errors import CapacityError
+from omni_ray.stages.admission import refusal_event, refuse_if_queue_too_long
 from omni_ray.stages.base import FINAL_TYPES, StageBase
 from omni_ray.vocoder import ChunkSchedule, StatefulStreamingDecoder, StreamingDecoder, decode_window_lengths, step_shapes
 from omni_ray.vocoder.batching import BatchingCodec, BatchingStatefulCodec
@@ -76,6 +77,7 @@ def _engine_stats(stage: StageBase, engine: EngineLoop[Any, Any] | EngineLanes[A
     stats["prefilled_sequences"] = sum(runner.prefills.sequences for runner in runners)
     stats["graph_pool_kept_blocks"] = sum(len(runner.graphs.kept_in_pool) for runner in runners)
     stats["load"] = stats["running"] + stats["waiting"]
+    stats["refused"] = stage.refused  # type: ignore[attr-defined]
     return stats
 
 
@@ -163,12 +165,17 @@ class ThinkerStage(StageBase):
                                  admission=engine.admission_window(), stall_timeout_s=engine.stall_timeout_s,
                                  work_of=lambda seq: seq.max_tokens)
         self.max_queue_wait_s = engine.max_queue_wait_s
+        self.refused = 0  # requests refused by expected queue wait
         self.engine.start()
         self.startup_done(stage.resources)
 
     async def generate(self, request: ThinkerRequest) -> AsyncIterator[list[dict[str, Any]]]:
         rid = request.request_id
-        refuse_if_queue_too_long(self.stage_name, self.engine, self.max_queue_wait_s)  # before the ready event
+        try:  # before the ready event: the caller hears it at once
+            refuse_if_queue_too_long(self, self.engine, self.max_queue_wait_s)
+        except CapacityError as refused:
+            yield [refusal_event(refused)]
+            return
         self.open_stream(rid)
         if request.speaks:
             self.expect_consumer(rid)  # the Talker is opened after this replica starts
@@ -283,6 +290,7 @@ class TalkerStage(StageBase):
                                     engine.admission_window(), engine.stall_timeout_s,
                                     lambda seq: self._budgets.get(seq.request_id, seq.max_frames)))
         self._budgets: dict[str, int] = {}  # each request's frame budget, the work admission counts
+        self.refused = 0  # requests refused by expected queue wait
         self.engine = EngineLanes(loops)
         self.engine.start()
         self._sequences: dict[str, TalkerSequence] = {}
@@ -294,7 +302,11 @@ class TalkerStage(StageBase):
         speaker_id = self.config.talker_config.speaker_id.get(request.speaker.lower())
         if speaker_id is None:
             raise ValueError(f"unknown voice '{request.speaker}'")
-        refuse_if_queue_too_long(self.stage_name, self.engine, self.settings.max_queue_wait_s)
+        try:
+            refuse_if_queue_too_long(self, self.engine, self.settings.max_queue_wait_s)
+        except CapacityError as refused:
+            yield [refusal_event(refused)]
+            return
         self.open_stream(rid)
         self.expect_consumer(rid)  # the caller names this request's vocoder replica once its stream is open too
         cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)

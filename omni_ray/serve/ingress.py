@@ -51,7 +51,7 @@ def _as_openai_error(exc: Exception) -> oai.OpenAIError:
     cause: BaseException | None = exc
     while cause is not None:  # a stage at capacity arrives wrapped (StageError ← Ray's task error ← CapacityError)
         if isinstance(cause, CapacityError) or type(cause).__name__ == "BackPressureError":
-            return oai.overloaded(1.0)
+            return oai.overloaded(getattr(cause, "retry_after_s", None) or 1.0)  # the stage's estimate
         cause = cause.__cause__
     return oai.internal_error(str(exc) if isinstance(exc, StageError) else "internal error")
 

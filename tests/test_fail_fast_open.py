@@ -96,3 +96,17 @@ def test_a_stream_that_opens_before_another_refuses_is_closed_too() -> None:
         asyncio.run(_run(_orchestrator(stages)))
     assert all(stage.closed_at is not None for stage in stages.values())
     assert stages["talker"].closed_at - stages["vocoder"].refused_at < 0.1  # cancelled, not awaited
+
+
+def test_the_503_carries_the_stages_retry_after() -> None:
+    from omni_ray.serve.ingress import _as_openai_error
+
+    def raised(cause: Exception) -> StageError:
+        try:
+            raise StageError("talker: at capacity") from cause
+        except StageError as exc:
+            return exc
+
+    assert _as_openai_error(raised(CapacityError("busy", retry_after_s=4.0))).headers["Retry-After"] == "4"
+    assert _as_openai_error(raised(CapacityError("busy"))).headers["Retry-After"] == "1"  # no estimate: 1 s
+    assert _as_openai_error(raised(BackPressureError("full"))).headers["Retry-After"] == "1"

@@ -27,6 +27,8 @@ INGRESS_CUT_WITHIN_S = 5.0  # a killed ingress: the client sees its body end, no
 # Long replies (runs to its token cap, speech to its frame budget) so each stage is still busy with every stream at
 # the kill; short ones for the requests that probe recovery.
 LONG = chat_body("Keep talking for a while.", stream=True, audio=True, max_tokens=160, ignore_eos=True)
+# Two Talkers: the survivors' streams run to their end, so shorter (still mid-reply at the kill).
+MEDIUM = chat_body("Keep talking for a while.", stream=True, audio=True, max_tokens=60, ignore_eos=True)
 SHORT = chat_body("Say hello.", stream=True, audio=True, max_tokens=8, ignore_eos=True)
 AUDIO_IN = wav_b64(1.0)
 
@@ -154,7 +156,7 @@ def test_with_two_talkers_a_kill_fails_only_its_requests(chaos_url: str, serve_u
     assert wait_until(lambda: len(replica_pids(APP, "talker")) == 2 and len(stage_streams(chaos_url, "talker")) == 2, 180), \
         "the second Talker never reported"
     _healthy(chaos_url)
-    records, threads = _busy_streams(chaos_url, [LONG] * 6)
+    records, threads = _busy_streams(chaos_url, [MEDIUM] * 6)
     time.sleep(0.6)  # replicas post their gauges every 0.25 s
     load = stage_streams(chaos_url, "talker")
     assert sorted(load.values()) != [0.0, 6.0] and sum(load.values()) == 6, f"the streams did not spread: {load}"

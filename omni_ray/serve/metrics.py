@@ -15,6 +15,9 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 STAGE_GAUGES = {
     "running": "sequences in the engine's running batch",
     "waiting": "sequences waiting for admission (queue depth)",
+    "expected_wait_s": "how long a request added now would wait for admission: the waiting requests' token or frame "
+                       "budgets over the engine's full-batch rate (s)",
+    "refused": "requests the stage refused because their expected wait was over max_queue_wait_s (cumulative)",
     "streams": "requests with an open stream on the replica",
     "kv_used": "KV cache slots in use",
     "step_ms_p50": "median engine step time over the last 256 steps (ms)",

@@ -116,10 +116,12 @@ def test_health_answers_within_100ms_while_a_big_body_is_parsed(roomy: str, mega
 
 
 def _stream_gaps(base: str, stop: threading.Event, arrivals: list[float]) -> None:
-    """A long streamed speech reply; the arrival time of each chunk, until `stop` or the end."""
-    body = {"model": MODEL, "voice": "ethan", "response_format": "pcm", "stream": True,
-            "input": "The quick brown fox jumps over the lazy dog. " * 40}
-    with httpx.stream("POST", f"{base}/v1/audio/speech", json=body, timeout=120) as response:
+    """A long streamed spoken chat reply (run to its token and frame caps, so that it cannot end early); the arrival
+    time of each piece of its body, until `stop` or the end."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Keep talking."}],
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "stream": True,
+            "max_completion_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         for _ in response.iter_raw():
             arrivals.append(time.perf_counter())
@@ -150,12 +152,15 @@ def test_a_stream_in_flight_keeps_flowing_while_a_30mb_body_is_parsed(roomy: str
         gaps = [(b - a, b) for a, b in zip(arrivals, arrivals[1:])]
         before = [g for g, t in gaps if t < began]
         during = [g for g, t in gaps if began <= t <= ended + 0.3]
-        assert len(before) >= 5 and during, (len(before), len(during))
+        if len(before) < 5 or not during:  # the stream was not flowing on both sides of the big body: measure again
+            print(f"\nstream gaps: {len(before)} before the big body, {len(during)} while it was parsed")
+            continue
         print(f"\nstream gaps: before the big body max {max(before) * 1000:.0f} ms, while it was parsed "
               f"({(ended - began) * 1000:.0f} ms) max {max(during) * 1000:.0f} ms")
         excess.append(max(during) - max(before))
         if excess[-1] <= HEALTH_BUDGET_S:
             return
+    assert excess, "the stream never flowed both before and while the big body was parsed"
     pytest.fail(f"a stream in flight stopped up to {[round(e * 1000) for e in excess]} ms longer than its own gaps")
 
 

@@ -10,7 +10,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import httpx
 import numpy as np
@@ -197,3 +198,22 @@ class Tally:
     def add(self, key: str) -> None:
         with self.lock:
             self.counts[key] = self.counts.get(key, 0) + 1
+
+
+@contextmanager
+def own_app(serve_url: str, name: str, prefix: str, args: dict[str, Any]) -> Iterator[str]:
+    """An application of its own beside the session's service (built from `args`), routed and ready: its URL; it is
+    deleted afterwards."""
+    from ray import serve
+
+    from _scaling import wait_for_route
+    from omni_ray.serve.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=prefix)
+    try:
+        wait_for_route(serve_url, prefix)
+        url = f"{serve_url}{prefix}"
+        assert wait_until(lambda: ready_status(url) == 200, 120), f"the {name} app never became ready"
+        yield url
+    finally:
+        serve.delete(name)

@@ -13,10 +13,9 @@ import pytest
 from ray import serve
 
 from omni_ray.serve.app import build_app
-from _scaling import wait_for_route
 from _service import (
-    MODEL, StreamRecord, chat_body, record, ready_status, replica_pids, stage_streams, start_streams, stream_chat,
-    summary, wait_until, wav_b64,
+    MODEL, StreamRecord, chat_body, own_app, record, ready_status, replica_pids, stage_streams, start_streams,
+    stream_chat, summary, wait_until, wav_b64,
 )
 
 APP, PREFIX = "chaos", "/chaos"
@@ -36,14 +35,8 @@ AUDIO_IN = wav_b64(1.0)
 @pytest.fixture(scope="module")
 def chaos_url(serve_url: str) -> Iterator[str]:
     """A separate application: the kills never touch the session's shared service."""
-    serve.run(build_app({"model_name": MODEL}), name=APP, route_prefix=PREFIX)
-    try:
-        wait_for_route(serve_url, PREFIX)
-        url = f"{serve_url}{PREFIX}"
-        assert wait_until(lambda: ready_status(url) == 200, 120), "the chaos app never became ready"
+    with own_app(serve_url, APP, PREFIX, {"model_name": MODEL}) as url:
         yield url
-    finally:
-        serve.delete(APP)
 
 
 def _one_request(url: str, audio_in: bool = False) -> StreamRecord:

@@ -10,11 +10,8 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from ray import serve
 
-from omni_ray.serve.app import build_app
-from _scaling import wait_for_route
-from _service import MODEL, ready_status, record, wait_until
+from _service import MODEL, own_app, record
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (hypothesis comes with schemathesis)
@@ -32,14 +29,8 @@ POSTS = ("/v1/chat/completions", "/v1/audio/speech")
 
 @pytest.fixture(scope="module")
 def fuzz_url(serve_url: str) -> Iterator[str]:
-    serve.run(build_app({"model_name": MODEL, "limits": LIMITS}), name=APP, route_prefix=PREFIX)
-    try:
-        wait_for_route(serve_url, PREFIX)
-        url = f"{serve_url}{PREFIX}"
-        assert wait_until(lambda: ready_status(url) == 200, 120), "the fuzz app never became ready"
+    with own_app(serve_url, APP, PREFIX, {"model_name": MODEL, "limits": LIMITS}) as url:
         yield url
-    finally:
-        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")

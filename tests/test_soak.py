@@ -11,12 +11,9 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from ray import serve
 
-from omni_ray.serve.app import STAGE_CLASSES, build_app
-from _scaling import wait_for_route
-from _service import MODEL, StreamRecord, Tally, app_pids, chat_body, ready_status, record, rss_kib, stream_chat, \
-    wait_until, wav_b64
+from omni_ray.serve.app import STAGE_CLASSES
+from _service import MODEL, StreamRecord, Tally, app_pids, chat_body, own_app, record, rss_kib, stream_chat, wav_b64
 
 APP, PREFIX = "soak", "/soak"
 SOAK_S = float(os.environ.get("OMNI_RAY_SOAK_S", "300"))
@@ -78,14 +75,8 @@ KINDS: dict[str, Callable[[str], str | None]] = {
 @pytest.fixture(scope="module")
 def soak_url(serve_url: str) -> Iterator[str]:
     """Its own application, one replica per deployment, so that the processes measured serve only the soak."""
-    serve.run(build_app({"model_name": MODEL}), name=APP, route_prefix=PREFIX)
-    try:
-        wait_for_route(serve_url, PREFIX)
-        url = f"{serve_url}{PREFIX}"
-        assert wait_until(lambda: ready_status(url) == 200, 120), "the soak app never became ready"
+    with own_app(serve_url, APP, PREFIX, {"model_name": MODEL}) as url:
         yield url
-    finally:
-        serve.delete(APP)
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -21,6 +21,7 @@ from omni_ray.config import (
     ThinkerStageConfig,
     VocoderStageConfig,
 )
+from omni_ray.engine.codec_talker import talker_options
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.lanes import EngineLanes
 from omni_ray.engine.loop import EngineLoop, lower_gil_switch_interval
@@ -271,17 +272,7 @@ class TalkerStage(StageBase):
             if stream is not None:  # this lane reads the Thinker's relayed tensors on its own stream
                 self.endpoint.reader_streams.append(stream)
             cache = _kv_cache(self.config.talker_config.text_config, lane_settings, res)
-            runner = TalkerRunner(assets, self.config, cache, per_lane, engine.cuda_graphs, engine.max_prefill_tokens,
-                                  engine.compile_layers, engine.sampling_kernel,
-                                  engine.code_predictor_kernels, engine.moe_kernels, engine.prefill_graph_tokens,
-                                  moe_layer_kernels=engine.moe_layer_kernels,
-                                  persistent_code_predictor=engine.persistent_code_predictor,
-                                  persistent_code_predictor_max_rows=engine.persistent_code_predictor_max_rows,
-                                  persistent_code_predictor_l2_keep_percent=(
-                                      engine.persistent_code_predictor_l2_keep_percent),
-                                  persistent_code_predictor_draws=engine.persistent_code_predictor_draws,
-                                  moe_layer_folds=engine.moe_layer_folds,
-                                  split_large_prefills=engine.split_large_prefills)
+            runner = TalkerRunner(assets, self.config, cache, per_lane, **talker_options(engine))
             with torch.cuda.stream(stream) if stream is not None else nullcontext(), self.startup_phase("warmup"):
                 runner.warmup(per_lane)
             name = "talker" if engine.lanes == 1 else f"talker{lane}"

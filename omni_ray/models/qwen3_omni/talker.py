@@ -1,270 +1,42 @@
-"""Qwen3-Omni Talker runner: batched backbone steps, then one frame pass (group 0 + the MTP loop) per step."""
+"""Qwen3-Omni's Talker runner: the shared codec Talker with the prompt the Thinker's states make."""
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 
-from omni_ray.config import DEFAULT_PERSISTENT_L2_KEEP_PERCENT
-from omni_ray.engine.codebook_pass import codebook_pass
-from omni_ray.engine.cuda_graphs import GraphCache, bucket_pow2
-from omni_ray.engine.fixed_shape import (
-    PrefillTally,
-    capture_prefills,
-    decode_forward,
-    decode_positions,
-    dummy_decode_positions,
-    last_positions,
-    prefill_forward,
-    run_decode,
-    run_prefill,
-    warmup_shapes,
-    within_prefill_budget,
-)
-from omni_ray.engine.host_inputs import Download, cat_on_device, stack_on_device, to_device, upload
-from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
-from omni_ray.engine.profiling import host_range
-from omni_ray.engine.sampler import (
-    CounterNoise, NoiseSource, SamplingBatch, draw_keys, fused_sample, mark_seen, sample, top_k_cap,
-)
-from omni_ray.engine.top_k_draw import KernelDraw
-from omni_ray.layers.attention import AttentionBatch
-from omni_ray.layers.persistent_pass import KernelBuildError
-from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
-from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
-from omni_ray.models.qwen3_omni.talker_sequence import (
+from omni_ray.engine.codec_sequence import (  # noqa: F401  (the Talker's records, used with its runner)
     MTP_SAMPLING, FrameSampling, MtpSubStep, PendingFrames, TalkerSequence, TalkerStepOutput,
 )
+from omni_ray.engine.codec_talker import CodecTalkerRunner, CodecTalkerSpec
+from omni_ray.engine.host_inputs import cat_on_device, stack_on_device, to_device
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
+from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
 
-log = logging.getLogger(__name__)
+
+def talker_spec(config: Any) -> CodecTalkerSpec:
+    """The codec ids and code-predictor geometry of a Qwen3-Omni config."""
+    tc = config.talker_config
+    cp = tc.code_predictor_config
+    return CodecTalkerSpec(
+        num_groups=int(tc.num_code_groups), vocab=int(tc.text_config.vocab_size), eos=int(tc.codec_eos_token_id),
+        bos=int(tc.codec_bos_id), predictor_layers=int(cp.num_hidden_layers),
+        predictor_kv_heads=int(cp.num_key_value_heads),
+        predictor_head_dim=int(getattr(cp, "head_dim", None) or cp.hidden_size // cp.num_attention_heads),
+        predictor_vocab=int(cp.vocab_size),
+    )
 
 
-class TalkerRunner:
-    """Batched Talker steps: prefill or decode the backbone, then one frame pass that samples group 0 and lets the
-    MTP complete groups 1..G-1. Every pass runs at bucketed fixed shapes, replayed from CUDA graphs on a GPU: the
-    backbone decode per (rows, key range), the whole frame (group 0 + 15 completions) per row count."""
+class TalkerRunner(CodecTalkerRunner):
+    """Qwen3-Omni's Talker steps (`CodecTalkerRunner`): its prompt is the projected user turn of the Thinker's
+    prompt, then nine assistant positions ending with the reply's first token."""
 
-    def __init__(
-        self,
-        assets: TalkerAssets,
-        config: Any,
-        cache: SlotKVCache,
-        max_batch: int,
-        cuda_graphs: bool = True,
-        max_prefill_tokens: int = 8192,
-        compile_layers: bool = False,
-        sampling_kernel: bool = True,
-        code_predictor_kernels: bool = True,
-        moe_kernels: bool = True,
-        prefill_graph_tokens: int | None = None,
-        moe_layer_kernels: bool = True,
-        persistent_code_predictor: bool = False,
-        persistent_code_predictor_max_rows: int = 32,
-        moe_layer_folds: bool = False,
-        persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
-        persistent_code_predictor_draws: bool = False,
-        split_large_prefills: bool = False,
-    ) -> None:
-        self.assets = assets
-        self.model = assets.model
+    def __init__(self, assets: TalkerAssets, config: Any, cache: SlotKVCache, max_batch: int, **options: Any) -> None:
+        super().__init__(assets, talker_spec(config), cache, max_batch, **options)
         self.config = config
-        self.cache = cache
-        self.device = self.assets.tts_pad.device
-        tc = config.talker_config
-        self.num_groups = int(tc.num_code_groups)
-        self.eos = int(tc.codec_eos_token_id)
-        self.vocab = int(tc.text_config.vocab_size)
-        # the top 1024 ids are control codes, never sampled as audio, except EOS
-        self.banned = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
-        self.banned[self.vocab - 1024 :] = True
-        self.banned[self.eos] = False
-        self.seen = torch.zeros(cache.rows, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
-        with torch.inference_mode():  # the codec input of a prompt's last position (early prefill decodes it)
-            self.codec_bos = self.model.model.codec_embedding(torch.tensor(int(tc.codec_bos_id), device=self.device))
-        # per slot, the summed codec embedding of its last frame: the codec input of its next decode step
-        self.feedback = torch.zeros(cache.rows, self.codec_bos.shape[-1], dtype=self.codec_bos.dtype, device=self.device)
-        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen, self.feedback))
-        cp = tc.code_predictor_config
-        self.mtp_vocab = int(cp.vocab_size)
-        self.mtp_cache = SlotKVCache(
-            cp.num_hidden_layers, bucket_pow2(max_batch), self.num_groups + 1, cp.num_key_value_heads,
-            getattr(cp, "head_dim", None) or cp.hidden_size // cp.num_attention_heads,
-            self.assets.tts_pad.dtype, self.device,
-        )
-        self.graphs = GraphCache(self.device, cuda_graphs)
-        self.max_prefill_tokens = max_prefill_tokens
-        self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
-        self.split_large_prefills = split_large_prefills  # ... or as graph-sized parts
-        # Steps that made frames: the clock the vocoder ends its aligned chunks on. It starts again at a step where
-        # no sequence holding a slot has spoken yet, so a request served alone is chunked, and its audio rounded,
-        # the same way every time.
-        self.frame_steps = 0
-        self._mtp_plans: dict[int, list[MtpSubStep]] = {}
-        self.early_prefills = 0  # sequences prefilled before their first reply token
-        self.prefills = PrefillTally()  # early ones included: each is a batch of its own
-        self._sample = sample
-        if moe_kernels and self.device.type == "cuda":
-            self.model.model.use_moe_kernels()
-            if moe_layer_kernels:
-                self.model.model.use_moe_layer_kernels(moe_layer_folds)
-        if compile_layers and self.device.type == "cuda":
-            self.model.model.compile_layers()
-            stack = self.model.code_predictor.model
-            stack.compile_layers()  # compiled on first use: with the kernels, only steps past them (over 64 rows)
-            if code_predictor_kernels:
-                stack.use_small_batch_kernels()
-                if persistent_code_predictor:
-                    self._use_persistent_pass(stack, persistent_code_predictor_max_rows,
-                                              persistent_code_predictor_l2_keep_percent,
-                                              persistent_code_predictor_draws and sampling_kernel)
-            # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
-            self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
-
-    def _use_persistent_pass(self, stack: Any, max_rows: int, l2_keep_percent: int, draws: bool) -> None:
-        """The code predictor's passes of up to `max_rows` rows as one persistent kernel each (`draws`: drawing the
-        codes in the same launch), or (logged) the Triton kernels where the kernel does not take the model or cannot
-        be built here (no NVRTC, too few multiprocessors, another process's passes on this GPU)."""
-        try:
-            if not stack.use_persistent_pass(self.mtp_vocab, max_rows, l2_keep_percent, draws):
-                log.warning("the persistent code-predictor pass does not take this model: Triton kernels it is")
-        except KernelBuildError as exc:
-            log.warning("the persistent code-predictor pass could not be built (%s): Triton kernels it is", exc)
-
-    @torch.inference_mode()
-    def warmup(self, max_batch: int) -> None:
-        """Capture every decode and frame graph bucket, and short prefills, before serving. Writes only to free
-        slots and the scratch slot. No-op without CUDA graphs."""
-        if not self.graphs.enabled:
-            return
-        decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens,
-                                        graph_tokens=self.prefill_graph_tokens)
-        dtype, width = self.assets.tts_pad.dtype, self.assets.tts_pad.shape[-1]
-        for rows, kv_len in decode:
-            positions = dummy_decode_positions(rows, self.cache, self.device)
-            embeds = torch.zeros(rows, 1, width, dtype=dtype, device=self.device)
-            run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
-        mtp_cap = top_k_cap([MTP_SAMPLING])  # the released sampling: top-k 50 for group 0 and the MTP alike
-        for rows in sorted({r for r, _ in decode}):
-            host = upload(self._frame_host_inputs([], rows), self.device)
-            inputs = self._frame_inputs(torch.zeros(0, width, dtype=dtype, device=self.device), rows, host)
-            for mode in (FrameSampling(False), FrameSampling(True), FrameSampling(True, mtp_cap, mtp_cap)):
-                self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
-        capture_prefills(self.graphs, self.cache, prefill, width, dtype, self._prefill_forward)
-
-    def describe_failure(self) -> str | None:
-        """What the persistent code-predictor pass said, if a launch of it stalled and trapped (the step failed)."""
-        kernel = getattr(self.model.code_predictor.model, "persistent", None)
-        return kernel.stall() if kernel is not None else None
-
-    def admit(self, seq: TalkerSequence) -> None:
-        self.slots.allocate(seq)
-        seq.noise = NoiseSource(seq.sampling)
-        seed = None if seq.sampling.seed is None else seq.sampling.seed + 1
-        seq.mtp_noise = NoiseSource(seq.mtp_sampling.model_copy(update={"seed": seed}))
-        self.seen[seq.slot] = False
-
-    def release(self, seq: TalkerSequence) -> None:
-        self.slots.release(seq)
-
-    def ready(self, seq: TalkerSequence) -> bool:
-        """Can this sequence take a step now, or is it waiting on Thinker text? (An early sequence prefills before the
-        first token; its prompt's last position then waits for it, as a decode step: `steps` is -1 until then.)"""
-        if seq.num_cached == 0:
-            return seq.prefix is not None and (bool(seq.text_embeds) or seq.thinker_done or seq.early)
-        return seq.steps + 1 < len(seq.text_embeds) or seq.thinker_done
-
-    def step(self, seqs: list[TalkerSequence]) -> list[TalkerStepOutput]:
-        """One step, read back at once."""
-        return self.collect(self.launch(seqs))
-
-    @torch.inference_mode()
-    def launch(self, seqs: list[TalkerSequence]) -> PendingFrames:
-        """Queue one step's work on the device and return without waiting for it. Everything the next step needs
-        from this one stays on the device (the codec feedback, the group-0 history), so the engine can launch the
-        next step before it `collect`s this one: the host builds step N+1 while the GPU runs step N. Only a codec
-        EOS is learnt late; a row stepped after its EOS is dropped when collected."""
-        pending = PendingFrames()
-        launched = time.time()
-        for seq in seqs:
-            if (seq.num_cached == 0 or seq.steps < 0) and not seq.text_embeds and seq.thinker_done:
-                seq.finish_reason = "stop"  # the Thinker finished after one token: nothing to speak
-                pending.outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
-        new = within_prefill_budget(
-            [s for s in seqs if s.num_cached == 0 and s.finish_reason is None], self._prompt_length, self.cache,
-            self.max_prefill_tokens,
-        )
-        # Decided once: the relay may append the first token while this step runs.
-        first_token = {s.request_id: bool(s.text_embeds) for s in new}
-        early = [s for s in new if not first_token[s.request_id]]  # all but the prompt's last position; no frame yet
-        prefilling = [s for s in new if first_token[s.request_id]]
-        decoding = [s for s in seqs if s.num_cached > 0 and s.finish_reason is None]
-        stepping = prefilling + decoding
-        if early:
-            self._prefill(early, early=True)
-        if not stepping:
-            return pending
-        # Every small input of the step (and the reply tokens' embeddings that came on the host path) goes to the
-        # device before the first graph launch, in one non-blocking copy: the host then runs ahead of the GPU until
-        # the frame's codes are read.
-        with host_range("talker: step inputs"):
-            host = self._frame_host_inputs(stepping, bucket_pow2(len(stepping)))
-            kv_len, texts = 0, []
-            if decoding:
-                host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
-                host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
-                host["text_rows"], texts = self._trailing_texts(decoding)
-                if texts and all(t.device.type == "cpu" for t in texts):  # all relayed on the host path: one upload
-                    host["texts"], texts = torch.stack(texts), []
-            inputs = upload(host, self.device)
-        hiddens = []
-        if prefilling:
-            hiddens.append(self._prefill(prefilling))
-        if decoding:
-            with host_range("talker: decode"):
-                hiddens.append(self._decode(decoding, inputs, kv_len, texts))
-        with host_range("talker: frames"):
-            codes = self._frames(stepping, torch.cat(hiddens), inputs)
-        if not any(seq.frames for seq in self.slots.sequences()):  # none has spoken yet: the clock starts again
-            self.frame_steps = 0
-        pending.codes, pending.step = Download(codes), self.frame_steps
-        self.frame_steps += 1
-        for seq in stepping:
-            if seq.frames == 0:
-                seq.first_frame_launched = launched
-            if seq.text_read_launched is None and seq.thinker_done and seq.steps >= len(seq.text_embeds):
-                seq.text_read_launched = launched  # this step's text input was tts_eos (`_trailing_texts`)
-            seq.frames += 1
-            pending.rows.append((seq, seq.frames))
-            if seq.frames >= seq.frame_limit() or seq.num_cached + 1 > self.cache.max_len:
-                seq.finish_reason = "length"
-        return pending
-
-    def collect(self, pending: PendingFrames) -> list[TalkerStepOutput]:
-        """Wait for a launched step's codes and say what it made: each row's frame, or its end. A row is dropped
-        when its request ended at an earlier frame (a codec EOS seen late) or was aborted since."""
-        outputs = pending.outputs
-        if pending.codes is None:
-            return outputs
-        for (seq, frame), codes in zip(pending.rows, pending.codes.result().tolist()):
-            if frame > seq.frames or (seq.slot < 0 and seq.finish_reason is None):
-                continue
-            if codes[0] == self.eos:
-                seq.frames, seq.finish_reason = frame - 1, "stop"
-                outputs.append(TalkerStepOutput(seq.request_id, None, "stop"))
-                continue
-            limit = seq.frame_limit()
-            if seq.finish_reason is None and frame >= limit:  # the Thinker's end came after this step's launch
-                seq.finish_reason, seq.frames = "length", frame
-                if frame > limit:  # past the limit: the previous frame was the last
-                    seq.frames = frame - 1
-                    outputs.append(TalkerStepOutput(seq.request_id, None, "length"))
-                    continue
-            last = seq.finish_reason is not None and frame == seq.frames
-            outputs.append(TalkerStepOutput(seq.request_id, codes, seq.finish_reason if last else None, pending.step))
-        return outputs
+        self.assets: TalkerAssets = assets
 
     def _prompt_length(self, seq: TalkerSequence) -> int:
         assert seq.prefix is not None
@@ -292,159 +64,3 @@ class TalkerRunner:
         users = user.split([int(p["user_states"].shape[0]) for p in prefixes])  # type: ignore[index]
         prompts = assemble_talker_prompts(list(users), assistant, first, a.tts_bos, a.tts_pad, codec)
         return [prompt[:-1] for prompt in prompts] if early else prompts
-
-    def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"hidden": prefill_forward(self.model.model, self.cache, embeds, slots)[0]}
-
-    def _prefill(self, seqs: list[TalkerSequence], early: bool = False) -> torch.Tensor:
-        """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
-        prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
-        first reply token), whose frame is the first."""
-        self.prefills.add(len(seqs))
-        with host_range("talker: prompts"):
-            prompts = self._prompts(seqs, early)
-        for prompt in prompts:
-            self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
-        with host_range("talker: prefill"):
-            out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
-                              self.prefill_graph_tokens, self.split_large_prefills)
-        for seq, prompt in zip(seqs, prompts):
-            seq.num_cached = prompt.shape[0]
-            if early:
-                seq.steps = -1
-                self.feedback[seq.slot] = self.codec_bos
-                self.early_prefills += 1
-        return last_positions(out["hidden"], list(range(len(seqs))), [p.shape[0] for p in prompts])
-
-    def _trailing_texts(self, seqs: list[TalkerSequence]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Text input of each row's decode step `steps`: reply token steps+2 (projected), then tts_eos once,
-        then tts_pad (an early sequence's step -1, its prompt's last position: the first reply token). As the reply
-        tokens' Thinker embeddings still to project (P of them) and, per row, where its input sits in those P
-        projected rows followed by tts_eos and tts_pad: one gather on the device, whatever the batch."""
-        texts: list[torch.Tensor] = []
-        rows: list[int] = []
-        for seq in seqs:
-            index = seq.steps + 1
-            if index < len(seq.text_embeds):
-                rows.append(len(texts))
-                texts.append(seq.text_embeds[index])
-            else:
-                rows.append(-2 if index == len(seq.text_embeds) else -1)  # counted from the end: tts_eos, tts_pad
-        return torch.tensor([r % (len(texts) + 2) for r in rows], dtype=torch.long), texts
-
-    def _decode_forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        return {"hidden": decode_forward(self.model.model, self.cache, embeds, positions, kv_len)}
-
-    def _decode(
-        self, seqs: list[TalkerSequence], inputs: dict[str, torch.Tensor], kv_len: int, texts: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Decode over the first slots of the cache (row r = slot r; `inputs`: the uploaded step inputs, with the slots
-        of `seqs` as `decode_rows`, `positions` and `kv_len` from `decode_positions`, and `text_rows` and the reply
-        tokens' embeddings from `_trailing_texts`: as `texts`, or uploaded as `inputs["texts"]` when all came on the
-        host path); returns the hidden states of `seqs` in order."""
-        positions, rows = inputs["positions"], inputs["decode_rows"]
-        a = self.assets
-        choices = [a.tts_eos[None], a.tts_pad[None]]
-        # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
-        raw = inputs.get("texts") if not texts else stack_on_device(texts, self.device)
-        if raw is not None:
-            choices.insert(0, self.model.text_projection(raw.to(dtype=a.tts_pad.dtype)))
-        embeds = torch.zeros(positions.shape[0], 1, a.tts_pad.shape[-1], dtype=a.tts_pad.dtype, device=self.device)
-        embeds[rows, 0] = self.feedback[rows] + torch.cat(choices)[inputs["text_rows"]]
-        out = run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
-        for s in seqs:
-            s.num_cached += 1
-            s.steps += 1
-        return out["hidden"][rows]
-
-    def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One frame per row, on the device: codes [B, G], and each row's summed codec embedding (which its next
-        decode step reads) put into `feedback` at its slot. The codes are the graph's buffer, which the next replay
-        overwrites: read them (a copy queued on this stream) before launching another frame. `host`:
-        `_frame_host_inputs(seqs, rows)`, uploaded."""
-        count, rows = len(seqs), bucket_pow2(len(seqs))
-        inputs = self._frame_inputs(hidden, rows, host)
-        mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
-        out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
-        # outside the graph: capture must not change what it reads
-        mark_seen(self.seen, inputs["slots"], out["codes"][:, 0])
-        self.feedback[inputs["slots"][:count]] = out["feedback"][:count]
-        return out["codes"][:count]
-
-    def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:
-        """What the frame graph reads that the host decides, for `seqs` padded to `rows` (padding rows: scratch
-        slot, greedy), as host tensors: slots, EOS allowed or not, noise keys (each row's draw count advances) and
-        sampling tables."""
-        count = len(seqs)
-        return {
-            "slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count), dtype=torch.long),
-            "no_eos": torch.tensor([s.ignore_eos for s in seqs] + [False] * (rows - count), dtype=torch.bool),
-            "noise_keys": draw_keys([s.noise for s in seqs], rows),  # type: ignore[misc]
-            "mtp_noise_keys": draw_keys([s.mtp_noise for s in seqs], rows),  # type: ignore[misc]
-            "group0_sampling": SamplingBatch.table([s.sampling for s in seqs], rows),
-            "mtp_sampling": SamplingBatch.table([s.mtp_sampling for s in seqs], rows),
-        }
-
-    def _frame_inputs(self, hidden: torch.Tensor, rows: int, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The frame graph's inputs: `hidden` padded to `rows`, the banned-token rows, and the uploaded host inputs."""
-        padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        padded[: hidden.shape[0]] = hidden
-        banned = self.banned.expand(rows, -1).clone()
-        banned[:, self.eos] |= host["no_eos"]
-        names = ("slots", "noise_keys", "mtp_noise_keys", "group0_sampling", "mtp_sampling")
-        return {"hidden": padded, "banned": banned, **{name: host[name] for name in names}}
-
-    def _frame_forward(
-        self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise_keys: torch.Tensor,
-        mtp_noise_keys: torch.Tensor, group0_sampling: torch.Tensor, mtp_sampling: torch.Tensor, mode: FrameSampling,
-    ) -> dict[str, torch.Tensor]:
-        """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
-        `mode` says which filtering the batch's rows need (a graph per mode); the noise is made here, from keys."""
-        logits = self.model.codec_head(hidden)
-        group0 = self._sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys),
-                              self.seen[slots], banned, mode.filtered, mode.group0_top_k_cap)
-        codes, feedback = self._complete_frames(hidden, group0, SamplingBatch.from_table(mtp_sampling), mtp_noise_keys, mode)
-        return {"codes": codes, "feedback": feedback}
-
-    def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise_keys: torch.Tensor,
-        mode: FrameSampling,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i), one codebook pass
-        per group. Returns codes [B, G] and the frame's summed code embedding [B, h] (the next step's codec input,
-        `TalkerModel.frame_embedding` of the codes, summed in the same order)."""
-        cp = self.model.code_predictor
-        group0_embedding = self.model.model.codec_embedding(group0)
-        embeds, feedback = torch.stack([hidden, group0_embedding], dim=1), group0_embedding  # [B, 2, h], [B, h]
-        codes = [group0]
-        for k, sub in enumerate(self._mtp_plan(hidden.shape[0])):
-            code, embeds, feedback = codebook_pass(
-                cp.model, embeds, self.mtp_cache.layers, sub.batch, sub.cos, sub.sin, cp.lm_head[k].weight,
-                cp.model.codec_embedding[k].weight, feedback, params, noise_keys, k * self.mtp_vocab, mode.filtered,
-                mode.mtp_top_k_cap, draw=self._sample,
-            )
-            codes.append(code)
-        return torch.stack(codes, dim=1), feedback
-
-    def _mtp_plan(self, rows: int) -> list[MtpSubStep]:
-        """The MTP's sub-steps for `rows` rows: the first reads [talker hidden, group-0 embedding] at positions 0-1,
-        sub-step k >= 1 one code embedding at position k + 1. Every sub-step reads the per-frame cache's whole key
-        range, its mask hiding the positions not yet written, so that all of them share shapes (compiled layers need
-        no graph per key length). Built on first use (a graph's eager warm-up run) and kept, so
-        replays read them instead of recomputing masks and rotary tables in every frame."""
-        plan = self._mtp_plans.get(rows)
-        if plan is None:
-            stack = self.model.code_predictor.model
-            slots = torch.arange(rows, device=self.device)
-            dtype = self.assets.tts_pad.dtype
-            plan, start, length = [], 0, 2
-            for _ in range(self.num_groups - 1):
-                batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, self.mtp_cache.max_len,
-                                                    rows_are_slots=True)
-                batch.grouped_mask(stack.spec.num_heads // stack.spec.num_kv_heads)
-                positions = (start + torch.arange(length, device=self.device))[None].expand(rows, -1)
-                cos, sin = stack.rotary(positions, dtype)
-                plan.append(MtpSubStep(batch, cos, sin))
-                start, length = start + length, 1
-            self._mtp_plans[rows] = plan
-        return plan

@@ -1,4 +1,4 @@
-"""The Talker engine's per-request state and step records: a sequence, a frame's sampling mode, a launched step."""
+"""A codec Talker's per-request state and step records: a sequence, a frame's sampling mode, a launched step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from omni_ray.engine.host_inputs import Download
 from omni_ray.engine.sampler import GREEDY, NoiseSource, SamplingParams, needs_filter, top_k_cap
 from omni_ray.layers.attention import AttentionBatch
 
-# The code predictor samples with these when the Talker samples (transformers' fixed choice).
+# The code predictor samples with these when the Talker samples and the request names nothing else (Qwen3-Omni's
+# fixed choice in transformers).
 MTP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
 
@@ -44,7 +45,9 @@ class MtpSubStep:
 
 @dataclass
 class TalkerSequence:
-    """One request inside the Talker engine, fed incrementally by the Thinker."""
+    """One request inside a codec Talker engine. Its text comes with it or incrementally (from a Thinker): each decode
+    step reads the next text embedding past the `text_offset` the prompt took, then the end-of-text embedding once,
+    then padding."""
 
     request_id: str
     sampling: SamplingParams
@@ -54,9 +57,12 @@ class TalkerSequence:
     frame_budget_base: int = 0
     ignore_eos: bool = False  # benchmark mode: codec EOS is never sampled; the frame cap ends the reply
     early: bool = False  # the prefix came with the request: prefill all but the last position before the first token
-    # filled by the relay as the Thinker streams
+    text_offset: int = 1  # how many of `text_embeds` the prompt holds: decode step s reads text_embeds[s + text_offset]
+    code_sampling: SamplingParams | None = None  # the code predictor's draws; None: greedy or MTP_SAMPLING as the Talker's
+    min_frames: int = 0  # codec EOS is not sampled for this many first frames
+    # filled with the request, or by the relay as a Thinker streams
     prefix: dict[str, torch.Tensor] | None = None
-    text_embeds: list[torch.Tensor] = field(default_factory=list)  # Thinker layer-0 embeddings of reply tokens
+    text_embeds: list[torch.Tensor] = field(default_factory=list)  # text embeddings, before the text projection
     thinker_done: bool = False
     # engine state
     slot: int = -1
@@ -78,6 +84,8 @@ class TalkerSequence:
 
     @property
     def mtp_sampling(self) -> SamplingParams:
+        if self.code_sampling is not None:
+            return self.code_sampling
         return GREEDY if self.sampling.greedy else MTP_SAMPLING
 
     def hear(self, outputs: list[Any], done: bool = True) -> None:

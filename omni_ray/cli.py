@@ -16,6 +16,15 @@ import numpy as np
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
+    if args.family == "qwen3_tts":
+        from omni_ray.models.qwen3_tts.checkpoint import make_tiny_checkpoint as make_tts
+
+        path = make_tts(Path(args.out), variant=args.variant or "custom_voice", seed=args.seed, size=args.size)
+        print(f"wrote tiny Qwen3-TTS {args.variant or 'custom_voice'} ({args.size}) checkpoint to {path}")
+        return 0
+    if args.variant is not None:
+        print("--variant applies to --family qwen3_tts only", file=sys.stderr)
+        return 2
     from omni_ray.models.qwen3_omni.checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(Path(args.out), seed=args.seed)
@@ -108,7 +117,12 @@ def _serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    tiny = sub.add_parser("make-tiny", help="write the deterministic tiny random-weight Qwen3-Omni checkpoint")
+    tiny = sub.add_parser("make-tiny", help="write a deterministic tiny random-weight checkpoint (official layout)")
+    tiny.add_argument("--family", choices=("qwen3_omni", "qwen3_tts"), default="qwen3_omni")
+    tiny.add_argument("--variant", choices=("base", "custom_voice", "voice_design"),
+                      help="Qwen3-TTS variant (default custom_voice)")
+    tiny.add_argument("--size", choices=("0b6", "1b7"), default="1b7",
+                      help="Qwen3-TTS size kind: 1b7 keeps instructions for CustomVoice and a narrower code predictor")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny)

@@ -1,0 +1,161 @@
+"""Tests for the tiny Qwen3-TTS checkpoints: official file layout, determinism, tokenizer, official-package load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from omni_ray.models.qwen3_tts import checkpoint as ck
+from omni_ray.models.qwen3_tts.checkpoint_layout import model_layout, speech_tokenizer_layout
+
+GOLDENS_DIR = Path(__file__).resolve().parent / "goldens" / "qwen3_tts"
+OFFICIAL_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
+    "tokenizer_config.json", "preprocessor_config.json", "speech_tokenizer/config.json",
+    "speech_tokenizer/model.safetensors", "speech_tokenizer/preprocessor_config.json",
+)
+
+
+def official_venv_python() -> Path | None:
+    """The official package's venv python: ``$QWEN_TTS_VENV`` or /work/venv-qwen-tts, when it exists."""
+    venv = Path(os.environ.get("QWEN_TTS_VENV", "/work/venv-qwen-tts"))
+    python = venv / "bin" / "python"
+    return python if python.is_file() else None
+
+
+needs_official = pytest.mark.skipif(
+    official_venv_python() is None,
+    reason="opt-in fidelity check: the official qwen-tts venv is absent (build it with "
+    "tests/goldens/qwen3_tts/make_venv.sh, or point QWEN_TTS_VENV at one)",
+)
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in OFFICIAL_FILES}
+
+
+def _keys_and_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(path), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_tts")
+    made = {v: ck.make_tiny_checkpoint(root / v, variant=v, seed=0) for v in ck.VARIANTS}
+    made["custom_voice_again"] = ck.make_tiny_checkpoint(root / "again", variant="custom_voice", seed=0)
+    made["custom_voice_seed1"] = ck.make_tiny_checkpoint(root / "seed1", variant="custom_voice", seed=1)
+    made["custom_voice_0b6"] = ck.make_tiny_checkpoint(root / "small", variant="custom_voice", seed=0, size="0b6")
+    return made
+
+
+def test_official_file_layout(ckpts: dict[str, Path]) -> None:
+    for variant in ck.VARIANTS:
+        missing = [name for name in OFFICIAL_FILES if not (ckpts[variant] / name).is_file()]
+        assert missing == [], f"{variant} lacks {missing}"
+        config = ck.read_config(ckpts[variant])
+        assert config["model_type"] == "qwen3_tts" and config["tts_model_type"] == variant
+        assert config["tokenizer_type"] == "qwen3_tts_tokenizer_12hz"
+
+
+def test_deterministic_per_seed_and_different_across_seeds(ckpts: dict[str, Path]) -> None:
+    assert _digest(ckpts["custom_voice"]) == _digest(ckpts["custom_voice_again"])
+    other = _digest(ckpts["custom_voice_seed1"])
+    same = _digest(ckpts["custom_voice"])
+    assert other["model.safetensors"] != same["model.safetensors"]
+    assert other["speech_tokenizer/model.safetensors"] != same["speech_tokenizer/model.safetensors"]
+    assert other["config.json"] == same["config.json"]  # the seed changes weights only
+
+
+def test_weights_match_the_layout_the_config_implies(ckpts: dict[str, Path]) -> None:
+    for name in (*ck.VARIANTS, "custom_voice_0b6"):
+        directory = ckpts[name]
+        config = ck.read_config(directory)
+        expected = {k: spec.shape for k, spec in model_layout(config).items()}
+        assert _keys_and_shapes(directory / "model.safetensors") == expected
+        speech = json.loads((directory / "speech_tokenizer/config.json").read_text())
+        expected_speech = {k: spec.shape for k, spec in speech_tokenizer_layout(speech).items()}
+        assert _keys_and_shapes(directory / "speech_tokenizer/model.safetensors") == expected_speech
+
+
+def test_variant_and_size_specific_weights(ckpts: dict[str, Path]) -> None:
+    keys = {name: set(_keys_and_shapes(ckpts[name] / "model.safetensors")) for name in ckpts}
+    assert any(k.startswith("speaker_encoder.") for k in keys["base"])
+    assert not any(k.startswith("speaker_encoder.") for k in keys["custom_voice"] | keys["voice_design"])
+    projection = "talker.code_predictor.small_to_mtp_projection.weight"
+    assert projection in keys["custom_voice"] and projection not in keys["custom_voice_0b6"]
+    assert ck.read_config(ckpts["custom_voice_0b6"])["tts_model_size"] == "0b6"
+
+
+def test_official_codec_ids_and_speakers(ckpts: dict[str, Path]) -> None:
+    talker = ck.read_config(ckpts["custom_voice"])["talker_config"]
+    assert (talker["vocab_size"], talker["num_code_groups"]) == (3072, 16)
+    assert talker["code_predictor_config"]["vocab_size"] == 2048
+    assert (talker["codec_bos_id"], talker["codec_eos_token_id"], talker["codec_pad_id"]) == (2149, 2150, 2148)
+    assert talker["codec_language_id"]["english"] == 2050 and talker["spk_id"]["ryan"] == 3061
+    assert talker["spk_is_dialect"]["eric"] == "sichuan_dialect"
+    assert ck.read_config(ckpts["base"])["talker_config"]["spk_id"] == {}
+    speaker_encoder = ck.read_config(ckpts["base"])["speaker_encoder_config"]
+    assert speaker_encoder["enc_dim"] == talker["hidden_size"]  # the x-vector enters the Talker's input
+
+
+def test_tokenizer_special_ids_and_prompt_slicing(ckpts: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    directory = ckpts["custom_voice"]
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    config = ck.read_config(directory)
+    for field, token in (("tts_pad_token_id", "<tts_pad>"), ("tts_bos_token_id", "<tts_text_bos>"),
+                         ("tts_eos_token_id", "<tts_text_eod>"), ("im_start_token_id", "<|im_start|>"),
+                         ("im_end_token_id", "<|im_end|>")):
+        assert tokenizer.convert_tokens_to_ids(token) == config[field]
+    ids = tokenizer.encode("<|im_start|>assistant\nHello there.<|im_end|>\n<|im_start|>assistant\n")
+    text = tokenizer.encode("Hello there.")
+    assert ids[:1] == [config["im_start_token_id"]] and ids[3:-5] == text  # role [:3], body [3:-5]
+    assert ids[-5:] == ids[-5:-3] + ids[:3] and ids[-5] == config["im_end_token_id"]
+    vocab = config["talker_config"]["text_vocab_size"]
+    assert len(tokenizer) <= vocab and vocab % 64 == 0
+
+
+def test_ensure_tiny_checkpoint_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_RAY_CACHE", str(tmp_path))
+    first = ck.ensure_tiny_checkpoint("voice_design", seed=3)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert ck.ensure_tiny_checkpoint("voice_design", seed=3) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.parent == tmp_path and "voice_design" in first.name and "seed3" in first.name
+
+
+def test_make_tiny_cli(tmp_path: Path) -> None:
+    from omni_ray.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["make-tiny", "--family", "qwen3_tts", "--variant", "base", "--seed", "2", "--out", str(tmp_path / "b")]
+    )
+    assert args.func(args) == 0
+    assert ck.read_config(tmp_path / "b")["tts_model_type"] == "base"
+    assert json.loads((tmp_path / "b" / ck.MARKER_FILE).read_text())["seed"] == 2
+
+
+@needs_official
+def test_official_package_loads_every_variant(ckpts: dict[str, Path]) -> None:
+    """No missing, unexpected or mismatched keys, and every loaded value is the file's (nothing re-initialised)."""
+    python = official_venv_python()
+    names = (*ck.VARIANTS, "custom_voice_0b6")
+    run = subprocess.run(
+        [str(python), str(GOLDENS_DIR / "check_official_load.py"), *(str(ckpts[n]) for n in names)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in names:
+        entry = report[str(ckpts[name])]
+        assert entry["model"] == {} and entry["speech_tokenizer"] == {}, (name, entry)
+        assert entry["model_values"] == [] and entry["speech_tokenizer_values"] == [], (name, entry)
+        assert entry["tts_model_type"] == ck.read_config(ckpts[name])["tts_model_type"]

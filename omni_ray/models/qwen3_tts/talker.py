@@ -1,0 +1,81 @@
+"""Qwen3-TTS's Talker runner: the shared codec Talker with prompts built from a speech request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_ray.engine.codec_sequence import TalkerSequence, TalkerStepOutput
+from omni_ray.engine.codec_talker import CodecTalkerRunner
+from omni_ray.engine.kv_cache import SlotKVCache
+from omni_ray.engine.sampler import SamplingParams
+from omni_ray.models.qwen3_tts.prompt import TalkerPrompt, prompt_embeddings
+from omni_ray.models.qwen3_tts.talker_model import TalkerAssets
+
+# The package's defaults: the Talker's draw, and the code predictor's (no repetition penalty there).
+DEFAULT_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+DEFAULT_CODE_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0)
+MIN_FRAMES = 2  # codec EOS is not sampled for the first two frames
+
+
+@dataclass
+class SpeechSequence(TalkerSequence):
+    """A Talker sequence whose prompt came whole with the request."""
+
+    prompt: TalkerPrompt | None = None
+
+
+def speech_sequence(
+    request_id: str, prompt: TalkerPrompt, talker: Any, max_frames: int, sampling: SamplingParams = DEFAULT_SAMPLING,
+    code_sampling: SamplingParams = DEFAULT_CODE_SAMPLING, ignore_eos: bool = False,
+) -> SpeechSequence:
+    """The Talker sequence of a built prompt: its trailing text as text embeddings (`talker`: the `TalkerModel`), its
+    text already whole."""
+    seq = SpeechSequence(request_id, sampling, -1, max_frames, ignore_eos=ignore_eos, prompt=prompt,
+                         text_offset=prompt.text_offset, code_sampling=code_sampling, min_frames=MIN_FRAMES)
+    if prompt.trailing_ids:
+        table = talker.model.text_embedding.weight
+        with torch.inference_mode():
+            rows = table[torch.tensor(prompt.trailing_ids, device=table.device)]
+        seq.text_embeds = list(rows.unbind(0))
+    seq.thinker_done = True
+    return seq
+
+
+class TTSTalkerRunner(CodecTalkerRunner):
+    """Qwen3-TTS's Talker steps (`CodecTalkerRunner`): each prompt is whole at admission."""
+
+    first_text_in_prompt = False
+
+    def __init__(self, assets: TalkerAssets, cache: SlotKVCache, max_batch: int, **options: Any) -> None:
+        super().__init__(assets, assets.config.spec(DEFAULT_CODE_SAMPLING), cache, max_batch, **options)
+        self.assets: TalkerAssets = assets
+
+    def _prompt_length(self, seq: TalkerSequence) -> int:
+        assert isinstance(seq, SpeechSequence) and seq.prompt is not None
+        return len(seq.prompt)
+
+    def _prompts(self, seqs: list[TalkerSequence], early: bool = False) -> list[torch.Tensor]:
+        prompts = [seq.prompt for seq in seqs if isinstance(seq, SpeechSequence) and seq.prompt is not None]
+        assert len(prompts) == len(seqs) and not early
+        dtype = self.assets.tts_pad.dtype
+        return [p.to(dtype) for p in prompt_embeddings(prompts, self.model, self.device)]
+
+
+def run_to_end(runner: TTSTalkerRunner, seqs: list[SpeechSequence], max_steps: int = 100_000) -> dict[str, list[list[int]]]:
+    """Step admitted sequences together until each has ended (in process: tests, goldens, the CLI's offline path);
+    returns each request's frames, every frame's G codes. Releases them."""
+    frames: dict[str, list[list[int]]] = {seq.request_id: [] for seq in seqs}
+    for _ in range(max_steps):
+        live = [seq for seq in seqs if seq.finish_reason is None]
+        if not live:
+            break
+        outputs: list[TalkerStepOutput] = runner.step(live)
+        for out in outputs:
+            if out.codes is not None:
+                frames[out.request_id].append(out.codes)
+    for seq in seqs:
+        runner.release(seq)
+    return frames

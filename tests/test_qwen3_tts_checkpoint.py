@@ -159,3 +159,77 @@ def test_official_package_loads_every_variant(ckpts: dict[str, Path]) -> None:
         assert entry["model"] == {} and entry["speech_tokenizer"] == {}, (name, entry)
         assert entry["model_values"] == [] and entry["speech_tokenizer_values"] == [], (name, entry)
         assert entry["tts_model_type"] == ck.read_config(ckpts[name])["tts_model_type"]
+
+
+def _golden(seed: int) -> dict:
+    return json.loads((GOLDENS_DIR / f"seed{seed}" / "cases.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_committed_goldens_are_well_formed(seed: int) -> None:
+    from safetensors.torch import load_file
+
+    document = _golden(seed)
+    waves = load_file(str(GOLDENS_DIR / f"seed{seed}" / "waveforms.safetensors"))
+    keys = [case["key"] for case in document["cases"]]
+    assert sorted(keys) == sorted(waves) and len(set(keys)) == len(keys)
+    forms = {(case["name"], case["non_streaming_mode"]) for case in document["cases"]}
+    assert forms == {(name, mode) for name, _ in forms for mode in (False, True)}  # every prompt form
+    for case in document["cases"]:
+        codes, wave = case["codes"], waves[case["key"]]
+        assert len(codes) >= 8 and all(len(frame) == 16 for frame in codes), case["key"]
+        assert all(0 <= code < 2048 for frame in codes for code in frame), case["key"]
+        assert len({frame[0] for frame in codes}) > len(codes) // 2, case["key"]  # codes vary frame to frame
+        assert wave.shape == (len(codes) * document["samples_per_frame"],), case["key"]
+        assert 0.01 < float(wave.pow(2).mean().sqrt()) and float(wave.abs().max()) < 0.99, case["key"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_our_tokenizer_and_ids_give_the_goldens_prompt_ids(seed: int, ckpts: dict[str, Path]) -> None:
+    """Our transformers reads the tiny tokenizer as the official package's did, and the prompts' special text ids
+    are the ones our config names."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpts["custom_voice"]))
+    config = ck.read_config(ckpts["custom_voice"])
+    for case in _golden(seed)["cases"]:
+        assert case["input_ids"] == tokenizer.encode(f"<|im_start|>assistant\n{case['text']}<|im_end|>\n"
+                                                     "<|im_start|>assistant\n")
+        if case.get("instruct"):
+            assert case["instruct_ids"] == tokenizer.encode(f"<|im_start|>user\n{case['instruct']}<|im_end|>\n")
+        if case.get("ref_ids"):
+            assert case["ref_ids"] == tokenizer.encode(f"<|im_start|>assistant\n{case['ref_text']}<|im_end|>\n")
+        texts = [p["text"] for p in case["prompt"] if "codec" in p or "x_vector" in p]
+        assert config["tts_pad_token_id"] in texts + case["trailing_text"]
+        if not case["non_streaming_mode"] and case["trailing_text"] != [config["tts_pad_token_id"]]:
+            assert case["trailing_text"][-1] == config["tts_eos_token_id"]
+
+
+@needs_official
+@pytest.mark.parametrize("seed", [0, 1])
+def test_goldens_script_reproduces_the_committed_goldens(seed: int, tmp_path: Path) -> None:
+    """Rerun the official package on freshly made tiny checkpoints: the same codes, ids, layouts and waveforms."""
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    run = subprocess.run(
+        [str(official_venv_python()), str(GOLDENS_DIR / "make_goldens.py"), "--seed", str(seed),
+         "--out", str(tmp_path), "--project-python", sys.executable],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    fresh = json.loads((tmp_path / "cases.json").read_text(encoding="utf-8"))
+    committed = _golden(seed)
+    assert [c["key"] for c in fresh["cases"]] == [c["key"] for c in committed["cases"]]
+    for new, old in zip(fresh["cases"], committed["cases"]):
+        for field in ("codes", "input_ids", "instruct_ids", "ref_ids", "prompt", "trailing_text", "ref_codes",
+                      "finish_reason", "ref_cut_samples"):
+            assert new.get(field) == old.get(field), (new["key"], field)
+        if old.get("x_vector") is not None:
+            assert torch.allclose(torch.tensor(new["x_vector"]), torch.tensor(old["x_vector"]), atol=1e-5)
+    new_waves = load_file(str(tmp_path / "waveforms.safetensors"))
+    old_waves = load_file(str(GOLDENS_DIR / f"seed{seed}" / "waveforms.safetensors"))
+    for key, wave in old_waves.items():
+        assert torch.allclose(new_waves[key], wave, atol=1e-5), key

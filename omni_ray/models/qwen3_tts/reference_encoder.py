@@ -1,0 +1,277 @@
+"""Qwen3-TTS reference encoding: validates reference audio, resamples it to 24 kHz, and turns it into the 12 Hz
+tokenizer's reference codes [T, 16] (Mimi encoder) and the Base model's x-vector (ECAPA speaker encoder)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import MimiConfig
+from transformers.models.mimi.modeling_mimi import (
+    MimiConv1d,
+    MimiEncoder,
+    MimiSplitResidualVectorQuantizer,
+    MimiTransformerModel,
+)
+
+from omni_ray.audio import resample
+from omni_ray.models.qwen3_tts.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig, load_speaker_encoder
+from omni_ray.weights import load_module, random_module, read_tensors
+
+REFERENCE_SAMPLE_RATE = 24000
+SPEECH_TOKENIZER_DIR = "speech_tokenizer"
+# transformers 4.57.3 (the official package's pin) gives Mimi's encoder transformer a plain causal mask and ignores
+# `sliding_window`; transformers 5 applies it. A window longer than any reference keeps the official behaviour.
+_UNBOUNDED_WINDOW = 1 << 30
+
+AudioArray = np.ndarray | torch.Tensor
+
+
+class ReferenceAudioError(ValueError):
+    """Reference audio the encoder refuses; `reason` is one of REASONS. The serving layer answers it with a 400."""
+
+    REASONS = ("empty", "bad_shape", "bad_sample_rate", "too_short", "too_long", "non_finite", "silent")
+
+    def __init__(self, reason: str, message: str) -> None:
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown reason {reason!r}")
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ReferenceLimits:
+    """What reference audio is accepted. Durations are of the audio as given, before resampling.
+
+    The official package sets no bounds; these are ours. The lower bound is well above what the networks can take
+    (the speaker encoder's reflect padding needs about 0.06 s) because a shorter clip clones no voice worth having;
+    the upper bound keeps a request's encoding (and its Talker prefix, 12.5 frames a second) bounded."""
+
+    min_seconds: float = 1.0
+    max_seconds: float = 30.0
+    silence_peak: float = 1e-3  # a clip whose loudest sample is at or below this (−60 dBFS) counts as silent
+    min_sample_rate: int = 8000
+    max_sample_rate: int = 192000
+
+
+@dataclass(frozen=True)
+class ReferenceEncoding:
+    """A reference's x-vector [enc_dim] (speaker encoder dtype) and, unless x-vector-only, its codes [T, 16] (int64).
+    Both are on the encoder's device."""
+
+    x_vector: torch.Tensor
+    codes: torch.Tensor | None
+    seconds: float
+
+
+def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: ReferenceLimits = ReferenceLimits()) -> np.ndarray:
+    """Validate one reference clip and return it mono, float32, at 24 kHz.
+
+    `audio` is [samples] or [samples, channels] (soundfile's layout; channels are averaged, as the official package
+    does). Integer PCM is scaled to [-1, 1). Raises ReferenceAudioError."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)):
+        raise ReferenceAudioError("bad_sample_rate", f"sample rate must be an integer, got {sample_rate!r}")
+    sample_rate = int(sample_rate)
+    if not limits.min_sample_rate <= sample_rate <= limits.max_sample_rate:
+        raise ReferenceAudioError(
+            "bad_sample_rate",
+            f"reference sample rate {sample_rate} Hz is outside {limits.min_sample_rate}-{limits.max_sample_rate} Hz",
+        )
+    samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=-1, dtype=np.float64 if samples.dtype == np.float64 else np.float32)
+    elif samples.ndim != 1:
+        raise ReferenceAudioError("bad_shape", f"reference audio must be [samples] or [samples, channels], got {samples.shape}")
+    if samples.size == 0:
+        raise ReferenceAudioError("empty", "reference audio has no samples")
+    if np.issubdtype(samples.dtype, np.integer):
+        samples = samples.astype(np.float64) / float(np.iinfo(samples.dtype).max + 1)
+    elif not np.issubdtype(samples.dtype, np.floating):
+        raise ReferenceAudioError("bad_shape", f"reference audio must be numeric, got {samples.dtype}")
+    samples = samples.astype(np.float32, copy=False)
+    seconds = samples.size / sample_rate
+    if seconds < limits.min_seconds:
+        raise ReferenceAudioError("too_short", f"reference audio is {seconds:.2f} s; at least {limits.min_seconds:g} s is needed")
+    if seconds > limits.max_seconds:
+        raise ReferenceAudioError("too_long", f"reference audio is {seconds:.2f} s; at most {limits.max_seconds:g} s is accepted")
+    if not np.isfinite(samples).all():
+        raise ReferenceAudioError("non_finite", "reference audio has NaN or infinite samples")
+    if float(np.abs(samples).max()) <= limits.silence_peak:
+        raise ReferenceAudioError("silent", "reference audio is silent")
+    return resample_to_reference_rate(samples, sample_rate)
+
+
+def resample_to_reference_rate(samples: np.ndarray, sample_rate: int) -> np.ndarray:
+    """float32 mono → 24 kHz, ceil(N × 24000 / rate) samples long.
+
+    The official package resamples with libsoxr's high-quality preset (librosa's default) and trims or zero-pads the
+    result to that length. We do the same when the `soxr` package is installed, and so match its codes exactly; without
+    it, scipy's polyphase filter stands in (same length, slightly different samples, so codes may differ)."""
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    if sample_rate == REFERENCE_SAMPLE_RATE:
+        return samples
+    target_length = int(np.ceil(samples.size * (float(REFERENCE_SAMPLE_RATE) / sample_rate)))
+    try:
+        import soxr
+    except ImportError:
+        converted = resample(samples, sample_rate, REFERENCE_SAMPLE_RATE)
+    else:
+        converted = soxr.resample(samples, sample_rate, REFERENCE_SAMPLE_RATE, quality="soxr_hq")
+    fitted = np.zeros(target_length, dtype=np.float32)
+    kept = min(target_length, converted.size)
+    fitted[:kept] = converted[:kept]
+    return fitted
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The 12 Hz tokenizer's encoder
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def speech_tokenizer_encoder_config(checkpoint: Path) -> tuple[MimiConfig, int, int]:
+    """(Mimi encoder config, quantizers kept, samples per frame) from `<checkpoint>/speech_tokenizer/config.json`."""
+    raw = json.loads((Path(checkpoint) / SPEECH_TOKENIZER_DIR / "config.json").read_text())
+    if raw.get("model_type", "qwen3_tts_tokenizer_12hz") != "qwen3_tts_tokenizer_12hz":
+        raise ValueError(f"{checkpoint}: speech tokenizer {raw.get('model_type')!r} is not the 12 Hz one")
+    if int(raw.get("input_sample_rate", REFERENCE_SAMPLE_RATE)) != REFERENCE_SAMPLE_RATE:
+        raise ValueError(f"{checkpoint}: speech tokenizer input rate {raw['input_sample_rate']} is not {REFERENCE_SAMPLE_RATE}")
+    encoder = {k: v for k, v in raw.get("encoder_config", {}).items() if k not in ("transformers_version", "architectures")}
+    return MimiConfig(**encoder), int(raw.get("encoder_valid_num_quantizers", 16)), int(raw.get("encode_downsample_rate", 1920))
+
+
+class SpeechTokenizerEncoder(nn.Module):
+    """Mimi's encoder path (SEANet → causal transformer → stride-2 downsample → split RVQ), reusing transformers'
+    Mimi modules. Attribute names follow the checkpoint's `encoder.*` keys with that prefix removed."""
+
+    def __init__(self, config: MimiConfig, valid_quantizers: int = 16, samples_per_frame: int = 1920) -> None:
+        super().__init__()
+        config = copy.deepcopy(config)
+        config.sliding_window = _UNBOUNDED_WINDOW
+        config._attn_implementation = "sdpa"
+        if config.frame_rate == config.encodec_frame_rate:
+            raise ValueError("the 12 Hz tokenizer's encoder downsamples: frame_rate must differ from the SEANet rate")
+        if not config.num_semantic_quantizers <= valid_quantizers <= config.num_quantizers:
+            raise ValueError(f"cannot keep {valid_quantizers} of {config.num_quantizers} quantizers")
+        self.config = config
+        self.valid_quantizers = valid_quantizers
+        self.samples_per_frame = samples_per_frame
+        self.encoder = MimiEncoder(config)
+        self.encoder_transformer = MimiTransformerModel(config)
+        self.downsample = MimiConv1d(
+            config, config.hidden_size, config.hidden_size,
+            kernel_size=2 * int(config.encodec_frame_rate / config.frame_rate), stride=2, bias=False, pad_mode="replicate",
+        )
+        self.quantizer = MimiSplitResidualVectorQuantizer(config)
+
+    def frames_for(self, num_samples: int) -> int:
+        return math.ceil(num_samples / self.samples_per_frame)
+
+    def forward(self, waves: torch.Tensor) -> torch.Tensor:
+        """waves [B, N] → codes [B, ceil(N / 1920), valid_quantizers]."""
+        hidden = self.encoder(waves.unsqueeze(1))
+        hidden = self.encoder_transformer(hidden.transpose(1, 2), return_dict=True).last_hidden_state
+        hidden = self.downsample(hidden.transpose(1, 2))
+        return self.quantizer.encode(hidden, self.valid_quantizers).permute(1, 2, 0)
+
+    @torch.inference_mode()
+    def encode(self, waves_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """24 kHz clips → their codes, each [ceil(len / 1920), valid_quantizers] int64.
+
+        Clips of equal length share a pass; others run alone. Padding would change a shorter clip's last frame: the
+        convolutions pad each layer's activations past the end with zeros (the downsample replicates its last
+        frame), which a zero-padded waveform does not reproduce. So a clip's codes never depend on its batch."""
+        param = next(self.parameters())
+        codes: list[torch.Tensor | None] = [None] * len(waves_24k)
+        by_length: dict[int, list[int]] = {}
+        for index, wave in enumerate(waves_24k):
+            by_length.setdefault(int(wave.shape[-1]), []).append(index)
+        for length, indices in by_length.items():
+            batch = torch.stack([waves_24k[i].to(device=param.device, dtype=param.dtype) for i in indices])
+            for index, clip_codes in zip(indices, self(batch).long()):
+                codes[index] = clip_codes[: self.frames_for(length)]
+        return codes  # type: ignore[return-value]
+
+
+def load_speech_tokenizer_encoder(checkpoint: Path | None, device: str | torch.device, dtype: torch.dtype,
+                                  config: MimiConfig | None = None, valid_quantizers: int = 16,
+                                  samples_per_frame: int = 1920) -> SpeechTokenizerEncoder:
+    """The encoder half of `speech_tokenizer/model.safetensors` (`encoder.*` only); random weights without one."""
+    if checkpoint is not None:
+        config, valid_quantizers, samples_per_frame = speech_tokenizer_encoder_config(checkpoint)
+    if config is None:
+        raise ValueError("a config or a checkpoint is needed")
+    factory = lambda: SpeechTokenizerEncoder(config, valid_quantizers, samples_per_frame)  # noqa: E731
+    if checkpoint is None:
+        return random_module(factory, str(device), dtype)  # type: ignore[return-value]
+    module = factory()
+    load_module(module, read_tensors(Path(checkpoint) / SPEECH_TOKENIZER_DIR, "encoder."))
+    return module.to(device=device, dtype=dtype).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Both together
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ReferenceEncoder:
+    """Reference audio → x-vector and (unless x-vector-only) reference codes, as the official
+    `create_voice_clone_prompt` computes them for one reference. A batch gives each clip what it would get alone:
+    codes share a pass only between clips of equal length, x-vectors are per clip (the speaker encoder's pooling
+    has no padding mask)."""
+
+    def __init__(self, speaker_encoder: SpeakerEncoder, codec_encoder: SpeechTokenizerEncoder | None,
+                 limits: ReferenceLimits = ReferenceLimits()) -> None:
+        self.speaker_encoder = speaker_encoder
+        self.codec_encoder = codec_encoder
+        self.limits = limits
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        limits: ReferenceLimits = ReferenceLimits(), with_codes: bool = True) -> "ReferenceEncoder":
+        """A Base checkpoint's speaker encoder and, with `with_codes`, its speech tokenizer's encoder."""
+        speaker = load_speaker_encoder(Path(checkpoint), SpeakerEncoderConfig.from_checkpoint(checkpoint), device, dtype)
+        codec = load_speech_tokenizer_encoder(Path(checkpoint), device, dtype) if with_codes else None
+        return cls(speaker, codec, limits)
+
+    @property
+    def x_vector_dim(self) -> int:
+        return self.speaker_encoder.config.enc_dim
+
+    def prepare(self, audio: AudioArray, sample_rate: int) -> np.ndarray:
+        """Validate and resample one clip (raises ReferenceAudioError)."""
+        return prepare_reference_audio(audio, sample_rate, self.limits)
+
+    def x_vector(self, wave_24k: np.ndarray) -> torch.Tensor:
+        return self.speaker_encoder.embed(torch.from_numpy(wave_24k))
+
+    def reference_codes(self, waves_24k: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        if self.codec_encoder is None:
+            raise RuntimeError("this reference encoder was built without the speech tokenizer's encoder")
+        return self.codec_encoder.encode([torch.from_numpy(w) for w in waves_24k])
+
+    def encode(self, audio: AudioArray, sample_rate: int, x_vector_only: bool = False) -> ReferenceEncoding:
+        """One clip: validated, resampled to 24 kHz, encoded. Raises ReferenceAudioError for unusable audio."""
+        return self.encode_batch([(audio, sample_rate)], x_vector_only)[0]
+
+    def encode_batch(self, clips: Sequence[tuple[AudioArray, int]],
+                     x_vector_only: bool | Sequence[bool] = False) -> list[ReferenceEncoding]:
+        """Several clips at once (any sample rates). Every clip is validated before any is encoded."""
+        flags = [x_vector_only] * len(clips) if isinstance(x_vector_only, bool) else list(x_vector_only)
+        if len(flags) != len(clips):
+            raise ValueError(f"{len(clips)} clips but {len(flags)} x_vector_only flags")
+        waves = [self.prepare(audio, rate) for audio, rate in clips]
+        wanted = [i for i, only in enumerate(flags) if not only]
+        codes: dict[int, torch.Tensor] = {}
+        if wanted:
+            codes = dict(zip(wanted, self.reference_codes([waves[i] for i in wanted])))
+        return [
+            ReferenceEncoding(self.x_vector(wave), codes.get(i), wave.size / REFERENCE_SAMPLE_RATE)
+            for i, wave in enumerate(waves)
+        ]

@@ -21,9 +21,11 @@ class Code2WavCodec:
     Decoding runs on the module's device and dtype, on its own high-priority CUDA stream, replayed from a CUDA graph
     per (batch bucket, window length) when `cuda_graphs` (the chunk schedule makes the set of lengths finite).
     Output is float32 on CPU. ``trim`` (555 samples for the released geometry) is measured once, not hard-coded.
+    Another codec of Code2Wav's geometry (Qwen3-TTS's 12 Hz decoder) comes with its own `stateful_class`.
     """
 
-    def __init__(self, module: nn.Module, sample_rate: int = 24000, cuda_graphs: bool = True, max_streams: int = 0) -> None:
+    def __init__(self, module: nn.Module, sample_rate: int = 24000, cuda_graphs: bool = True, max_streams: int = 0,
+                 stateful_class: type[StatefulCode2Wav] = StatefulCode2Wav) -> None:
         self.module = module
         self.num_quantizers: int = int(module.config.num_quantizers)
         self.samples_per_frame: int = int(module.total_upsample)
@@ -31,7 +33,7 @@ class Code2WavCodec:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.trim: int = measure_trim(self)
-        self.stateful = StatefulCode2Wav(module)
+        self.stateful = stateful_class(module)
         self.states = self._state_store(max_streams) if max_streams > 0 else None  # for the stateful path
 
     @property

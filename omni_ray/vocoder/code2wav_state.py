@@ -102,8 +102,8 @@ class StatefulCode2Wav:
         """codes [B, Q, n] → (samples [B, n*spf - (trim on a first call)], the state to carry)."""
         module, walk = self.module, _StateWalk(state)
         first = state is None
-        hidden = module.code_embedding(codes + module.code_offset).mean(1)  # [B, n, H]
-        hidden = self._transformer(hidden, positions, walk)
+        hidden = self._embed(codes, walk)  # [B, n, H]
+        hidden = self._leave_transformer(self._transformer(hidden, positions, walk))
         x = hidden.transpose(1, 2)  # [B, H, n], channels last
         if not CHANNELS_LAST:  # (not `contiguous()`: at n = 1 it keeps these strides, which read as channels last)
             x = x.clone(memory_format=torch.contiguous_format)
@@ -111,6 +111,15 @@ class StatefulCode2Wav:
             x = self._conv_next(convnext, self._trans_conv(upsample, x, walk, first).tensor(), walk)
         wav = self._run(list(module.decoder), _Sum(x), walk, first).tensor()
         return wav.clamp(min=-1, max=1).flatten(1), walk.outgoing
+
+    # ---- the codec's own ends of the transformer (a subclass's codec may embed and project otherwise) ----------
+    def _embed(self, codes: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+        """codes [B, Q, n] → the transformer's input [B, n, H]: Code2Wav's codebooks' embeddings, averaged."""
+        return self.module.code_embedding(codes + self.module.code_offset).mean(1)
+
+    def _leave_transformer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The transformer's normed output [B, n, H] → the upsampler's input [B, n, C] (Code2Wav: as it is)."""
+        return hidden
 
     # ---- the pre-transformer: sliding-window attention with a key/value cache --------------------------------
     def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: _StateWalk) -> torch.Tensor:

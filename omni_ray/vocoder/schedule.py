@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ChunkSchedule", "decode_window_lengths", "split_into_calls", "step_shapes"]
+__all__ = ["ChunkSchedule", "decode_window_lengths", "reference_call_sizes", "split_into_calls", "step_shapes"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,23 @@ def decode_window_lengths(schedule: ChunkSchedule, reference_frames: int = 0) ->
     return sorted(lengths)
 
 
-def step_shapes(schedule: ChunkSchedule) -> list[tuple[int, bool]]:
+def step_shapes(schedule: ChunkSchedule, reference: bool = False) -> list[tuple[int, bool]]:
     """Every (new frames, first call) a ``StatefulStreamingDecoder`` on this schedule passes to ``step`` (its last,
-    partial chunk is padded to the scheduled size)."""
-    return [(schedule.chunk_size(0), True), *sorted((size, False) for size in schedule.later_sizes())]
+    partial chunk is padded to the scheduled size); with `reference`, those of streams opened with reference codes
+    too (their reference decoded in `reference_call_sizes` calls, the first of them a first call, then the first
+    chunk a later one)."""
+    shapes = {(schedule.chunk_size(0), True), *((size, False) for size in schedule.later_sizes())}
+    if reference:
+        sizes = reference_call_sizes(schedule)
+        shapes.update((size, first) for size in sizes for first in (True, False))
+        shapes.add((schedule.chunk_size(0), False))
+    return sorted(shapes, key=lambda shape: (not shape[1], shape[0]))
+
+
+def reference_call_sizes(schedule: ChunkSchedule) -> list[int]:
+    """The call sizes a stateful stream decodes its reference frames in, largest first: the later calls' sizes and
+    1, so that any count splits into them (`split_into_calls`)."""
+    return sorted({*schedule.later_sizes(), 1}, reverse=True)
 
 
 def split_into_calls(size: int, sizes: list[int]) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Generator, Protocol, TypeVar, runtime_checkabl
 
 import torch
 
-from omni_ray.vocoder.schedule import ChunkSchedule, split_into_calls
+from omni_ray.vocoder.schedule import ChunkSchedule, reference_call_sizes, split_into_calls
 
 Result = TypeVar("Result")
 
@@ -113,6 +113,8 @@ class _ScheduledDecoder:
         self._chunk_index = 0
         self._finished = False
         self._clock: int | None = None  # the producer's step at the last frame pushed (aligned schedules)
+        self.reference_frames = 0  # frames decoded ahead of the first new one as its left context (a cloned voice)
+        self._reference_audio = torch.zeros(0)  # the reference's last decoded samples (one frame's at most)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -130,6 +132,20 @@ class _ScheduledDecoder:
     def pending_frames(self) -> int:
         """Frames pushed but not yet decoded (waiting for the schedule's next chunk)."""
         return self._received - self._decoded
+
+    def reference_tail(self, count: int) -> torch.Tensor:
+        """The last `count` samples (at most one frame's) of the reference frames' audio, decoded with them as the
+        first chunk's left context, from the first chunk on: a clone whose cut keeps some of the reference's audio
+        prepends them (the stream itself starts at the first new frame)."""
+        if not 0 <= count <= self._reference_audio.numel():
+            raise ValueError(f"{count} reference samples asked for, {self._reference_audio.numel()} kept "
+                             f"(reference frames: {self.reference_frames}; kept once the first chunk is decoded)")
+        return self._reference_audio[self._reference_audio.numel() - count :].clone()
+
+    def _keep_reference_audio(self, samples: torch.Tensor) -> None:
+        """Samples just before the first new frame's (in order): the last frame's worth are kept."""
+        joined = torch.cat([self._reference_audio, samples.reshape(-1).to(torch.float32)])
+        self._reference_audio = joined[max(joined.numel() - self._spf, 0) :].clone()
 
     def push(self, frames: torch.Tensor, clock: int | None = None) -> list[torch.Tensor]:
         """Add ``[num_quantizers, n]`` frames (n >= 0); return every chunk the schedule now allows.
@@ -299,6 +315,8 @@ class StreamingDecoder(_ScheduledDecoder):
             )
         final_end = end * self._spf - self._trim  # samples before this are final
         offset = window_start * self._spf  # sample position of wav[0]
+        if start == 0 and offset < 0:  # the reference frames' audio, decoded as this first window's context
+            self._keep_reference_audio(wav[: -offset])
         chunk = None
         if final_end > self._emitted:
             chunk = wav[self._emitted - offset : final_end - offset].to(torch.float32, copy=True)
@@ -335,12 +353,21 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
     ``N * spf - trim``, a one-shot decode of the N frames. The last partial chunk is padded with zero frames to
     its scheduled size (one decode shape per schedule step) and its output cut: the codec is causal, so frames
     after the real ones change nothing before them. The stream holds a codec state slot until ``close()`` (which
-    ``finish()`` calls); closed while a step is in flight, it frees the slot once the step has run."""
+    ``finish()`` calls); closed while a step is in flight, it frees the slot once the step has run.
 
-    def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None) -> None:
+    `reference_codes` (a cloned voice's): decoded into the stream's state ahead of its first chunk, in calls of the
+    sizes `reference_call_sizes` gives, their audio dropped (its last frame's kept for `reference_tail`); the
+    chunks are then a one-shot decode of [reference + new frames] from the first new frame on."""
+
+    def __init__(self, codec: StatefulCodec, schedule: ChunkSchedule | None = None,
+                 reference_codes: torch.Tensor | None = None) -> None:
         super().__init__(codec, schedule)
         self.stateful_codec = codec
         self._pending = torch.zeros(self._q, 0, dtype=torch.long)
+        self._reference = (self._check_codes(reference_codes, "reference_codes") if reference_codes is not None
+                           else torch.zeros(self._q, 0, dtype=torch.long))  # not yet in the state
+        self.reference_frames = int(self._reference.shape[1])
+        self._position = 0  # frames through the codec state so far (reference frames included)
         self._slot: int | None = codec.open_stream()
         self._guard = threading.Lock()  # the slot against a close() from another thread
         self._in_flight = False  # a step on the slot has been asked for and not yet returned (or failed)
@@ -375,6 +402,8 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
         return self.stateful_codec.step(*call)
 
     def _decode_next(self, size: int) -> Calls[torch.Tensor | None]:
+        if self._reference.shape[1]:
+            yield from self._prime()
         first = self._decoded == 0
         if self._finished or first:  # one call of the scheduled size (the last, partial chunk padded)
             calls = [max(size, self.schedule.chunk_size(self._chunk_index))]
@@ -385,25 +414,51 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
             chunks.append((yield from self._step(min(call, self.pending_frames), call)))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
+    def _prime(self) -> Calls[None]:
+        """Decode the reference frames into the state (their audio's last frame kept, the rest dropped)."""
+        reference, self._reference = self._reference, self._reference[:, :0]
+        done = 0
+        for frames in split_into_calls(int(reference.shape[1]), reference_call_sizes(self.schedule)):
+            start = self._output_start()
+            wav = yield from self._call(reference[:, done : done + frames])
+            self._keep_reference_audio(wav[: max(-start, 0)])
+            done += frames
+            self._position += frames
+
     def _step(self, size: int, frames: int) -> Calls[torch.Tensor]:
         """One codec call of `frames` new frames, the first `size` of them pending ones (the rest zero padding)."""
+        codes = self._pending[:, :size]
+        if size < frames:
+            codes = torch.cat([codes, codes.new_zeros(self._q, frames - size)], dim=1)
+        start = self._output_start()
+        wav = yield from self._call(codes)
+        if start < 0:  # the first call after the reference's: its head is the reference audio's last `trim` samples
+            self._keep_reference_audio(wav[: -start])
+        final_end = (self._decoded + size) * self._spf - self._trim
+        chunk = wav[self._emitted - start : final_end - start].to(torch.float32)
+        self._pending = self._pending[:, size:]
+        self._decoded += size
+        self._position += size
+        self._emitted += int(chunk.numel())
+        return chunk
+
+    def _output_start(self) -> int:
+        """The stream sample (0: the first new frame's first) at which the next call's output starts: a stream's
+        first call yields every sample from its first frame on, a later one from `trim` samples before its first."""
+        start = (self._position - self.reference_frames) * self._spf
+        return start if self._position == 0 else start - self._trim
+
+    def _call(self, codes: torch.Tensor) -> Calls[torch.Tensor]:
+        """One codec call on the stream's slot, at its position: the samples it yields, flat."""
         with self._guard:
             if self._slot is None or self._close_asked:
                 raise RuntimeError("the stream is closed")
             self._in_flight = True
-        codes = self._pending[:, :size]
-        if size < frames:
-            codes = torch.cat([codes, codes.new_zeros(self._q, frames - size)], dim=1)
-        first = self._decoded == 0
         try:
-            wav = yield (codes, self._decoded, self._slot, first)
+            wav = yield (codes, self._position, self._slot, self._position == 0)
         finally:
             with self._guard:
                 self._in_flight = False
                 if self._close_asked:
                     self._release()
-        chunk = wav.reshape(-1)[: max(size * self._spf - (self._trim if first else 0), 0)].to(torch.float32)
-        self._pending = self._pending[:, size:]
-        self._decoded += size
-        self._emitted += int(chunk.numel())
-        return chunk
+        return wav.reshape(-1)

@@ -355,21 +355,43 @@ class VocoderStageConfig(StageConfig):
 
 
 class StagesConfig(_Strict):
+    """Every stage a family may have; a family runs its own (`FAMILY_STAGES`) and the others may not be set."""
+
     encoder: StageConfig = StageConfig()
     thinker: ThinkerStageConfig = ThinkerStageConfig()
+    reference: StageConfig = StageConfig()
     talker: TalkerStageConfig = TalkerStageConfig()
     vocoder: VocoderStageConfig = VocoderStageConfig()
+
+
+Family = Literal["qwen3_omni", "qwen3_tts"]
+# Each family's stages, in the order a request passes them.
+FAMILY_STAGES: dict[str, tuple[str, ...]] = {
+    "qwen3_omni": ("encoder", "thinker", "talker", "vocoder"),
+    "qwen3_tts": ("reference", "talker", "vocoder"),
+}
+TTSVariant = Literal["base", "custom_voice", "voice_design"]
 
 
 class ModelSource(_Strict):
     """A local checkpoint directory, the embedded tiny model (generated into the cache on first use), or
     full-size random weights for speed work (shapes from `config`, tokenizer from the tiny model)."""
 
-    family: Literal["qwen3_omni"] = "qwen3_omni"
+    family: Family = Field(default="qwen3_omni", description="the model family: qwen3_omni or qwen3_tts")
     path: Path | None = None
     tiny_seed: int = 0
+    variant: TTSVariant | None = Field(
+        default=None,
+        description="Qwen3-TTS only: which tiny checkpoint to make (base: voice cloning, custom_voice: named "
+        "speakers, voice_design: voices from instructions; default custom_voice). A checkpoint's own config names its "
+        "variant, and a random-weights config file its own",
+    )
     random_weights: bool = False
-    config: Path | None = Field(default=None, description="model config.json for random weights; default: the 30B-A3B one")
+    config: Path | None = Field(
+        default=None,
+        description="model config.json for random weights; default: Qwen3-Omni-30B-A3B's, or Qwen3-TTS 1.7B "
+        "CustomVoice's",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
@@ -377,14 +399,32 @@ class ModelSource(_Strict):
             raise ValueError("random_weights and path are exclusive: random weights load no checkpoint")
         if self.config is not None and not self.random_weights:
             raise ValueError("config is only read with random_weights (a checkpoint brings its own)")
+        if self.variant is not None and (self.family != "qwen3_tts" or self.path is not None or self.random_weights):
+            raise ValueError("variant picks a tiny Qwen3-TTS checkpoint: a checkpoint or a config names its own")
         return self
 
 
 class PipelineConfig(_Strict):
     model: ModelSource = ModelSource()
     stages: StagesConfig = StagesConfig()
-    default_speaker: str = "ethan"
+    default_speaker: str | None = Field(
+        default=None, description="the voice when a request names none; unset: the family's default (ethan for "
+        "Qwen3-Omni, vivian for Qwen3-TTS CustomVoice)",
+    )
     max_audio_seconds: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _only_the_familys_stages(self) -> "PipelineConfig":
+        own = FAMILY_STAGES[self.model.family]
+        foreign = sorted(name for name in self.stages.model_fields_set if name not in own)
+        if foreign:
+            raise ValueError(f"stages {', '.join(foreign)} are not {self.model.family}'s: its stages are "
+                             f"{', '.join(own)}")
+        return self
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return FAMILY_STAGES[self.model.family]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PipelineConfig":

@@ -10,12 +10,10 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import CapacityError, StageError
-from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
-from omni_ray.models.qwen3_omni.prompt import Prompt
-from omni_ray.models.qwen3_omni.stages import ThinkerRequest
+from omni_ray.relay import RelayLinks
 from omni_ray.stages.admission import refusal_event
+from omni_ray.stages.streams import RequestStreams
 
 REFUSE_AFTER_S = 0.05
 
@@ -51,21 +49,13 @@ class FakeStage:
             self.closed_at = time.perf_counter()
 
 
-def _orchestrator(stages: dict[str, FakeStage]) -> Orchestrator:
-    orchestrator = Orchestrator.__new__(Orchestrator)  # no tokenizer or model: the opens never get that far
-    orchestrator.stages = stages  # type: ignore[assignment]
-    orchestrator.tokenizer = None
-    return orchestrator
-
-
-async def _run(orchestrator: Orchestrator) -> None:
-    request = ThinkerRequest("r1", [1, 2, 3], SamplingParams(), 8, [0])
-
-    async def consume() -> None:
-        async for _ in orchestrator._run(Prompt([1, 2, 3], [], 0), request, True, "ethan", None, None, False, 0.0):
-            pass
-
-    await asyncio.wait_for(consume(), timeout=5)  # waiting for the queued stream would never end
+async def _open(stages: dict[str, FakeStage]) -> None:
+    """Open a request's three streams as a caller does, closing whatever opened when that fails."""
+    streams = RequestStreams(stages, RelayLinks())  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(streams.open({name: ("stream", ()) for name in stages}), timeout=5)
+    finally:
+        await streams.close()
 
 
 @pytest.mark.parametrize("refusal", [BackPressureError("talker's queue is full"),
@@ -75,7 +65,7 @@ def test_the_first_refusal_is_raised_at_once_and_every_other_stream_is_closed(re
               "vocoder": FakeStage(ready_after_s=0.0)}
     started = time.perf_counter()
     with pytest.raises(StageError, match="talker") as raised:
-        asyncio.run(_run(_orchestrator(stages)))
+        asyncio.run(_open(stages))
     heard = time.perf_counter()
     cause = raised.value.__cause__  # the ingress finds it in the cause chain: 503 with Retry-After
     assert type(cause) is type(refusal) and str(cause) == str(refusal)
@@ -93,7 +83,7 @@ def test_a_stream_that_opens_before_another_refuses_is_closed_too() -> None:
     stages = {"thinker": FakeStage(ready_after_s=0.0), "talker": FakeStage(ready_after_s=0.5),
               "vocoder": FakeStage(refusal=BackPressureError("the vocoder's queue is full"))}
     with pytest.raises(StageError, match="vocoder did not start"):
-        asyncio.run(_run(_orchestrator(stages)))
+        asyncio.run(_open(stages))
     assert all(stage.closed_at is not None for stage in stages.values())
     assert stages["talker"].closed_at - stages["vocoder"].refused_at < 0.1  # cancelled, not awaited
 

@@ -12,22 +12,37 @@ from omni_ray.detokenizer import IncrementalDetokenizer
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
+from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
 from omni_ray.models.qwen3_omni.speech_budget import (
     MIN_SPEECH_FRAMES, context_room, frame_budget, talker_prompt_length,
 )
 from omni_ray.models.qwen3_omni.stages import TalkerRequest, ThinkerRequest
-from omni_ray.relay import RelayLinks, RelayPeer
-from omni_ray.stages.admission import refusal_error
+from omni_ray.relay import RelayLinks
 from omni_ray.stages.client import StageClient
+from omni_ray.stages.streams import RequestStreams
 
 # Talker defaults of the released model (transformers' generate()).
 DEFAULT_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05)
 SPEECH_INSTRUCTION = "Read the following text aloud."
+DEFAULT_SPEAKER = "ethan"  # the voice a request gets when it and the config name none
+
+
+def make_orchestrator(stages: dict[str, StageClient], config: PipelineConfig,
+                      max_prompt_tokens: int | None = None) -> "Orchestrator":
+    """The orchestrator of a Qwen3-Omni pipeline config over its stage clients (its prompts from the model's files)."""
+    files = resolve_model(config.model)
+    prompts = PromptBuilder(str(files.tokenizer_dir), files.config.thinker_config.audio_token_id,
+                            config.max_audio_seconds)
+    orchestrator = Orchestrator(stages, prompts, config, files.config, max_prompt_tokens)
+    orchestrator.checkpoint = str(files.tokenizer_dir)
+    return orchestrator
 
 
 class Orchestrator:
     """Runs requests over stage clients (Ray actors or Serve deployments); knows nothing of HTTP."""
+
+    checkpoint = ""  # the tokenizer and processor configs' directory
 
     def __init__(
         self,
@@ -66,7 +81,7 @@ class Orchestrator:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens"
             )
-        voice = (speaker or self.config.default_speaker).lower()
+        voice = (speaker or self.config.default_speaker or DEFAULT_SPEAKER).lower()
         if audio and voice not in self.model_config.talker_config.speaker_id:
             raise InvalidRequestError(f"unknown voice '{speaker}'; available: {', '.join(self.voices)}")
         if max_audio_frames is not None and max_audio_frames < 1:
@@ -167,29 +182,7 @@ class Orchestrator:
     ) -> AsyncIterator[Event]:
         rid = thinker.request_id
         timing = {"submitted": submitted}
-        events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        tasks: list[asyncio.Task[None]] = []
-        streams: list[str] = []
-
-        async def open_stream(name: str, method: str, *args: Any) -> Any:
-            """Start a stage stream; its first event names the replica's relay address. A stage that refuses
-            raises StageError from its refusal (CapacityError, Serve's BackPressureError: a 503 at the ingress)."""
-            iterator = self.stages[name].stream(method, *args).__aiter__()
-            try:
-                first = await iterator.__anext__()
-            except asyncio.CancelledError:  # another stage refused first (or the caller left): close this stream
-                await iterator.aclose()  # type: ignore[attr-defined]
-                raise
-            except Exception as exc:
-                raise StageError(f"{name} did not start: {exc}") from exc
-            if first["type"] != "ready":
-                await iterator.aclose()  # type: ignore[attr-defined]
-                refused = refusal_error(first) if first["type"] == "refused" else None
-                raise StageError(f"{name}: {first.get('message', 'did not start')}") from refused
-            tasks.append(asyncio.ensure_future(_pump(name, iterator, events)))
-            streams.append(name)
-            return first["peer"]
-
+        streams = RequestStreams(self.stages, self.links)
         done: dict[str, dict[str, Any]] = {}
         token_ids: list[int] = []
         detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -197,23 +190,23 @@ class Orchestrator:
             # Every stream opens at once (the Talker can prefill while the Thinker does); then each producer is told
             # its consumer's replica. A producer holds what it makes for the request until then.
             thinker.speaks = audio
-            opening = {"thinker": asyncio.ensure_future(open_stream("thinker", "generate", thinker))}
+            opening: dict[str, tuple[str, tuple[Any, ...]]] = {"thinker": ("generate", (thinker,))}
             if audio:
                 talker = TalkerRequest(
                     rid, talker_sampling or DEFAULT_TALKER_SAMPLING, voice, max_audio_frames, thinker.ignore_eos,
                     prompt_ids=None if prompt.clips else prompt.ids, max_text_tokens=thinker.max_tokens,
                 )
-                opening["talker"] = asyncio.ensure_future(open_stream("talker", "speak", talker))
-                opening["vocoder"] = asyncio.ensure_future(open_stream("vocoder", "decode", rid, return_codes))
-            peers = await _all_open(opening)
+                opening["talker"] = ("speak", (talker,))
+                opening["vocoder"] = ("decode", (rid, return_codes))
+            peers = await streams.open(opening)
             if prompt.clips:
-                tasks.append(asyncio.ensure_future(_encode(self.stages["encoder"], rid, prompt, peers["thinker"], events)))
+                streams.run_beside("encoder", self.stages["encoder"].call("encode", rid, prompt.clips, peers["thinker"]))
             if audio:
-                await asyncio.gather(self._link(peers["thinker"], peers["talker"], rid),
-                                     self._link(peers["talker"], peers["vocoder"], rid))
+                await asyncio.gather(streams.link(peers["thinker"], peers["talker"], rid),
+                                     streams.link(peers["talker"], peers["vocoder"], rid))
             timing["streams_open"] = time.time()  # every stage holds the request
-            while len(done) < len(streams):
-                name, event = await events.get()
+            while len(done) < len(streams.names):
+                name, event = await streams.next_event()
                 kind = event["type"]
                 if kind == "error":
                     raise StageError(f"{name}: {event['message']}")
@@ -248,54 +241,4 @@ class Orchestrator:
                 detokenizer.text,  # the streamed deltas' concatenation: the whole reply's decode
             )
         finally:
-            for task in tasks:  # cancelling a pump closes its stage stream: that stage frees the request
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _link(self, producer: RelayPeer, consumer: RelayPeer, request_id: str) -> None:
-        try:
-            await self.links.connect(producer, consumer, request_id)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise StageError(f"could not reach relay peer {producer.replica_id}: {exc}") from exc
-
-
-async def _all_open(opening: dict[str, asyncio.Future[Any]]) -> dict[str, Any]:
-    """Each stage's relay peer once every stream is open. The first failure (a stage that refuses the request) is
-    raised at once: the opens still pending are cancelled, each closing its stream (a stream queued at Serve's router
-    leaves the queue), and the caller's cleanup closes those that did open. A refusal thus reaches the client
-    without waiting for the other stages' queues."""
-    pending: set[asyncio.Future[Any]] = set(opening.values())
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [future for future in done if not future.cancelled() and future.exception() is not None]
-            if failed:
-                raise failed[0].exception()  # type: ignore[misc]
-    finally:
-        for future in pending:
-            future.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    return {name: future.result() for name, future in opening.items()}
-
-
-async def _pump(name: str, iterator: AsyncIterator[dict[str, Any]], events: asyncio.Queue[tuple[str, Any]]) -> None:
-    try:
-        async for event in iterator:
-            events.put_nowait((name, event))
-    except asyncio.CancelledError:
-        await iterator.aclose()  # type: ignore[attr-defined]
-        raise
-    except Exception as exc:  # the stage raised: surface it as that stream's error
-        events.put_nowait((name, {"type": "error", "message": str(exc)}))
-
-
-async def _encode(
-    encoder: StageClient, rid: str, prompt: Prompt, thinker: Any, events: asyncio.Queue[tuple[str, Any]]
-) -> None:
-    try:
-        await encoder.call("encode", rid, prompt.clips, thinker)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        events.put_nowait(("encoder", {"type": "error", "message": str(exc)}))
+            await streams.close()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from omni_ray.engine.codec_sequence import (  # noqa: F401  (the Talker's records, used with its runner)
+from omni_ray.engine.codec_sequence import (
     MTP_SAMPLING, FrameSampling, MtpSubStep, PendingFrames, TalkerSequence, TalkerStepOutput,
 )
 from omni_ray.engine.codec_talker import CodecTalkerRunner, CodecTalkerSpec
@@ -14,6 +14,10 @@ from omni_ray.engine.host_inputs import cat_on_device, stack_on_device, to_devic
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.models.qwen3_omni.talker_inputs import assemble_talker_prompts, codec_prefix_ids
 from omni_ray.models.qwen3_omni.talker_model import TalkerAssets
+
+# the Talker's records, used with its runner
+__all__ = ["MTP_SAMPLING", "FrameSampling", "MtpSubStep", "PendingFrames", "TalkerRunner", "TalkerSequence",
+           "TalkerStepOutput", "talker_spec"]
 
 
 def talker_spec(config: Any) -> CodecTalkerSpec:

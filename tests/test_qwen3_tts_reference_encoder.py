@@ -118,6 +118,8 @@ def test_channels_are_averaged_and_integer_pcm_is_scaled() -> None:
     np.testing.assert_allclose(prepare_reference_audio(stereo, 24000), (left + right) / 2, atol=1e-7)
     pcm16 = np.round(left * 32767).astype(np.int16)
     np.testing.assert_allclose(prepare_reference_audio(pcm16, 24000), pcm16 / 32768.0, atol=1e-7)
+    pcm16_stereo = np.round(stereo * 32767).astype(np.int16)
+    np.testing.assert_allclose(prepare_reference_audio(pcm16_stereo, 24000), pcm16_stereo.mean(axis=1) / 32768.0, atol=1e-7)
     as_tensor = prepare_reference_audio(torch.from_numpy(left), 24000)
     np.testing.assert_array_equal(as_tensor, left)
 

@@ -85,9 +85,7 @@ def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: Referen
             f"reference sample rate {sample_rate} Hz is outside {limits.min_sample_rate}-{limits.max_sample_rate} Hz",
         )
     samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
-    if samples.ndim == 2:
-        samples = samples.mean(axis=-1, dtype=np.float64 if samples.dtype == np.float64 else np.float32)
-    elif samples.ndim != 1:
+    if samples.ndim not in (1, 2):
         raise ReferenceAudioError("bad_shape", f"reference audio must be [samples] or [samples, channels], got {samples.shape}")
     if samples.size == 0:
         raise ReferenceAudioError("empty", "reference audio has no samples")
@@ -96,6 +94,8 @@ def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: Referen
     elif not np.issubdtype(samples.dtype, np.floating):
         raise ReferenceAudioError("bad_shape", f"reference audio must be numeric, got {samples.dtype}")
     samples = samples.astype(np.float32, copy=False)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=-1)
     seconds = samples.size / sample_rate
     if seconds < limits.min_seconds:
         raise ReferenceAudioError("too_short", f"reference audio is {seconds:.2f} s; at least {limits.min_seconds:g} s is needed")

@@ -233,3 +233,42 @@ def test_goldens_script_reproduces_the_committed_goldens(seed: int, tmp_path: Pa
     old_waves = load_file(str(GOLDENS_DIR / f"seed{seed}" / "waveforms.safetensors"))
     for key, wave in old_waves.items():
         assert torch.allclose(new_waves[key], wave, atol=1e-5), key
+
+
+CONFIGS_DIR = Path(ck.__file__).resolve().parent / "configs"
+FULL_SIZE = {  # (file stem, millions of parameters the layout implies; the totals the official classes give)
+    "qwen3_tts_12hz_0b6_base": 914.6, "qwen3_tts_12hz_0b6_custom_voice": 905.8, "qwen3_tts_12hz_1b7_base": 1928.7,
+    "qwen3_tts_12hz_1b7_custom_voice": 1916.7, "qwen3_tts_12hz_1b7_voice_design": 1916.7,
+}
+
+
+def test_full_size_configs_are_consistent() -> None:
+    import math
+
+    for stem, millions in FULL_SIZE.items():
+        config = json.loads((CONFIGS_DIR / f"{stem}.json").read_text())
+        size, variant = config["tts_model_size"], config["tts_model_type"]
+        assert stem == f"qwen3_tts_12hz_{size}_{variant}"
+        talker = config["talker_config"]
+        assert (talker["hidden_size"], talker["intermediate_size"]) == ({"0b6": (1024, 3072), "1b7": (2048, 6144)}[size])
+        assert ("speaker_encoder_config" in config) == (variant == "base")
+        total = sum(math.prod(spec.shape) for spec in model_layout(config).values()) / 1e6
+        assert round(total, 1) == millions, stem
+    speech = json.loads((CONFIGS_DIR / "speech_tokenizer_12hz.json").read_text())
+    layout = speech_tokenizer_layout(speech)
+    encoder = sum(math.prod(s.shape) for k, s in layout.items() if k.startswith("encoder.")) / 1e6
+    decoder = sum(math.prod(s.shape) for k, s in layout.items() if k.startswith("decoder.")) / 1e6
+    assert (round(encoder, 1), round(decoder, 1)) == (56.2, 114.3)
+
+
+@needs_official
+def test_full_size_layouts_equal_the_official_state_dicts() -> None:
+    paths = sorted(str(p) for p in CONFIGS_DIR.glob("*.json"))
+    run = subprocess.run([str(official_venv_python()), str(GOLDENS_DIR / "official_keys.py"), *paths],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    official = json.loads(run.stdout.strip().splitlines()[-1])
+    for path, keys in official.items():
+        config = json.loads(Path(path).read_text())
+        layout = model_layout(config) if config["model_type"] == "qwen3_tts" else speech_tokenizer_layout(config)
+        assert {k: list(spec.shape) for k, spec in layout.items()} == keys, path

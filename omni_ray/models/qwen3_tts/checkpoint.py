@@ -25,7 +25,7 @@ VARIANTS: tuple[str, ...] = ("base", "custom_voice", "voice_design")
 SIZES: tuple[str, ...] = ("0b6", "1b7")
 DEFAULT_SIZE: str = "1b7"  # instructions apply to 1.7B CustomVoice only; VoiceDesign exists only at 1.7B
 # Bumped whenever the generator's output changes, so that a cached checkpoint of an older format is made anew.
-TINY_FORMAT: int = 1
+TINY_FORMAT: int = 2
 WEIGHTS_FILE: str = "model.safetensors"
 CONFIG_FILE: str = "config.json"
 GENERATION_CONFIG_FILE: str = "generation_config.json"
@@ -171,7 +171,9 @@ def tiny_config(variant: str, special_ids: dict[str, int], vocab_size: int, size
         "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False, "rope_theta": 1000000,
         "rope_scaling": rope, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
         "attention_dropout": 0.0, "num_code_groups": 16, "text_hidden_size": 48, "text_vocab_size": text_vocab,
-        **CODEC_IDS, "codec_language_id": dict(LANGUAGE_IDS),
+        **CODEC_IDS,
+        # the dialect tags exist in CustomVoice only (Base and VoiceDesign list the 10 languages)
+        "codec_language_id": {k: v for k, v in LANGUAGE_IDS.items() if variant == "custom_voice" or "dialect" not in k},
         "spk_id": dict(SPEAKER_IDS) if variant == "custom_voice" else {},
         "spk_is_dialect": dict(SPEAKER_DIALECTS) if variant == "custom_voice" else {},
         "model_type": "qwen3_tts_talker",

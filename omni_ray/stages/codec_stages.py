@@ -208,12 +208,13 @@ class StreamingVocoderStage(StageBase):
                 "decode_calls": worker.batches, "decode_windows": worker.windows,
                 "graph_pool_kept_blocks": len(self.graphs.kept_in_pool)}
 
-    def open_decoder(self, request_id: str, context: torch.Tensor | None = None) -> StreamingDecoder | StatefulStreamingDecoder:
-        """A stream's decoder; `context`: codes [G, T] decoded ahead of the stream's frames whose audio is cut (a
-        cloned voice's reference)."""
+    def open_decoder(self, context: torch.Tensor | None = None) -> StreamingDecoder | StatefulStreamingDecoder:
+        """A stream's decoder; `context`: codes [G, T] decoded ahead of the stream's frames, whose audio is not
+        streamed (a cloned voice's reference: the stream is then a decode of [reference + frames] from the first
+        frame on)."""
         if isinstance(self.codec, BatchingStatefulCodec):
-            return StatefulStreamingDecoder(self.codec, self.schedule, **({"context": context} if context is not None else {}))
-        return StreamingDecoder(self.codec, self.schedule, **({"context": context} if context is not None else {}))
+            return StatefulStreamingDecoder(self.codec, self.schedule, reference_codes=context)
+        return StreamingDecoder(self.codec, self.schedule, reference_codes=context)
 
     async def decode(self, request_id: str, return_codes: bool = False,
                      context: torch.Tensor | None = None) -> AsyncIterator[list[dict[str, Any]]]:
@@ -227,7 +228,7 @@ class StreamingVocoderStage(StageBase):
         decoder: StreamingDecoder | StatefulStreamingDecoder | None = None
         submit = self.codec.worker.submit_nowait  # the streams' calls of one Talker step batch together
         try:
-            decoder = self.open_decoder(request_id, context)
+            decoder = self.open_decoder(context)
             yield [await self.ready_event()]
             while True:
                 item = await inbox.get()

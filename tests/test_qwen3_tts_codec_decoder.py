@@ -315,3 +315,136 @@ def test_the_codebooks_are_usage_normalised_sums_projected_per_group(module: Qwe
     expected = group(quantizer.rvq_first, codes[:, :1]) + group(quantizer.rvq_rest, codes[:, 1:])
     with torch.no_grad():
         torch.testing.assert_close(quantizer.decode(codes), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the committed goldens (the official package's outputs on the tiny checkpoints) -----------------------------
+GOLDENS = Path(__file__).parent / "goldens" / "qwen3_tts"
+_DECODERS: dict[tuple[str, int], Qwen3TTSCodecDecoder] = {}
+
+
+def golden_cases(seed: int) -> list[dict[str, object]]:
+    import json
+
+    path = GOLDENS / f"seed{seed}" / "cases.json"
+    return json.loads(path.read_text(encoding="utf-8"))["cases"] if path.is_file() else []
+
+
+def tiny_decoder(variant: str, seed: int) -> Qwen3TTSCodecDecoder:
+    """The decoder of the tiny checkpoint the goldens were made on (``make-tiny``, cached)."""
+    from omni_ray.models.qwen3_tts.checkpoint import ensure_tiny_checkpoint
+
+    if (variant, seed) not in _DECODERS:
+        _DECODERS[variant, seed] = load_codec_decoder(ensure_tiny_checkpoint(variant, seed))
+    return _DECODERS[variant, seed]
+
+
+GOLDEN_CASES = [(seed, case["key"]) for seed in (0, 1) for case in golden_cases(seed)]
+
+
+@pytest.mark.skipif(not GOLDEN_CASES, reason="no goldens under tests/goldens/qwen3_tts/")
+@pytest.mark.parametrize(("seed", "key"), GOLDEN_CASES)
+def test_each_golden_cases_codes_decode_to_its_waveform_one_shot_and_streamed(seed: int, key: str) -> None:
+    """The golden's codes (after its reference codes, cut as the official clone cuts) decode to the golden waveform:
+    one-shot, streamed through the stateful decoder (with the clone lead-in), and at the default left context 16
+    through the window decoder above 45 dB."""
+    from safetensors.torch import load_file
+
+    case = next(c for c in golden_cases(seed) if c["key"] == key)
+    golden = load_file(str(GOLDENS / f"seed{seed}" / "waveforms.safetensors"))[key]
+    module = tiny_decoder(str(case["variant"]), seed)
+    codec = make_codec(module, max_streams=2)
+    generated = torch.tensor(case["codes"]).T
+    reference = torch.tensor(case["ref_codes"]).T if case.get("ref_codes") else None
+    joined = generated if reference is None else torch.cat([reference, generated], dim=1)
+    cut = 0 if reference is None else clone_cut_samples(reference.shape[1], joined.shape[1])
+    if reference is not None:
+        assert cut == case["ref_cut_samples"]
+    one = one_shot(module, joined)[cut:]
+    assert one.shape == golden.shape
+    assert (one - golden).abs().max() <= 1e-4
+
+    stream = StatefulStreamingDecoder(BatchingStatefulCodec(codec), ChunkSchedule(), reference_codes=reference)
+    audio = torch.cat(streamed(stream, generated, [1, 2]))
+    lead_in = clone_lead_in(stream, generated.shape[1]) if reference is not None else torch.zeros(0)
+    whole = torch.cat([lead_in, audio])
+    assert whole.shape == golden.shape
+    assert (whole - golden).abs().max() <= 1e-4
+
+    window = StreamingDecoder(codec, ChunkSchedule(left_context=16), reference_codes=reference)
+    windowed = torch.cat([lead_in, *streamed(window, generated, [1, 2])])
+    assert windowed.shape == golden.shape and snr_db(golden, windowed) >= 45.0
+
+
+# ---- against the official package (opt-in: its venv) ------------------------------------------------------------
+def official_python() -> Path | None:
+    import os
+
+    python = Path(os.environ.get("QWEN_TTS_VENV", "/work/venv-qwen-tts")) / "bin" / "python"
+    return python if python.is_file() else None
+
+
+# Run by the official venv's python: argv = checkpoint dir, input file, output file. The input holds `decode`
+# ([T, 16] code tensors) and `clone` ((reference [R, 16], generated [G, 16]) pairs); the output, the official
+# speech tokenizer's decode of each and `generate_voice_clone`'s waveform for each pair (its Talker replaced by
+# one that returns the given frames, so that the official decode-and-cut runs on them).
+OFFICIAL_SCRIPT = r"""
+import sys, torch
+from qwen_tts import Qwen3TTSModel, Qwen3TTSTokenizer
+torch.set_num_threads(1)
+checkpoint, source, target = sys.argv[1:4]
+inputs = torch.load(source)
+tokenizer = Qwen3TTSTokenizer.from_pretrained(checkpoint + "/speech_tokenizer")
+decoded = [torch.from_numpy(tokenizer.decode([{"audio_codes": codes}])[0][0]) for codes in inputs["decode"]]
+tts = Qwen3TTSModel.from_pretrained(checkpoint)
+cloned = []
+for reference, generated in inputs["clone"]:
+    tts.model.generate = lambda frames=generated, **_: ([frames], None)
+    wavs, rate = tts.generate_voice_clone(text="Hello there.", language="Auto",
+                                          voice_clone_prompt={"ref_code": [reference]})
+    assert rate == 24000
+    cloned.append(torch.from_numpy(wavs[0]))
+torch.save({"decode": decoded, "clone": cloned}, target)
+"""
+
+
+@pytest.mark.skipif(official_python() is None, reason="opt-in fidelity check: the official qwen-tts venv is absent "
+                    "(tests/goldens/qwen3_tts/make_venv.sh builds it; QWEN_TTS_VENV points at another)")
+@pytest.mark.parametrize("seed", [0, 3])
+def test_equal_to_the_official_decoder_and_clone_cut_on_a_tiny_checkpoint(seed: int, tmp_path: Path) -> None:
+    """On a tiny Base checkpoint (`seed`): the official speech tokenizer's decode of 100 frames (one pass) and of 330
+    (chunks of 300 after 25 frames of context) equals our one-shot decode, and the 100 our stateful stream; the
+    official voice clone output (decode of reference + generated, its float cut) equals our cloned stream with its
+    lead-in, for a length pair cut exactly and one cut a sample short."""
+    import subprocess
+
+    from omni_ray.models.qwen3_tts.checkpoint import ensure_tiny_checkpoint
+
+    checkpoint = ensure_tiny_checkpoint("base", seed)
+    module = load_codec_decoder(checkpoint)
+    decode = [codes_of(100, seed=seed + 1).T, codes_of(330, seed=seed + 2).T]
+    pairs = [(codes_of(r, seed=seed + 3).T, codes_of(g, seed=seed + 4).T) for r, g in _clone_lengths()]
+    (tmp_path / "script.py").write_text(OFFICIAL_SCRIPT)
+    torch.save({"decode": decode, "clone": pairs}, tmp_path / "in.pt")
+    run = subprocess.run([str(official_python()), str(tmp_path / "script.py"), str(checkpoint),
+                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    official = torch.load(tmp_path / "out.pt")
+
+    for codes, theirs in zip(decode, official["decode"]):
+        ours = module.decode(codes)
+        assert ours.shape == theirs.shape == (codes.shape[0] * SPF,)
+        assert (ours - theirs).abs().max() <= 1e-4 and theirs.std() > 0.01
+    codec = make_codec(module, max_streams=2)
+    stream = torch.cat(streamed(StatefulStreamingDecoder(BatchingStatefulCodec(codec), ChunkSchedule()),
+                                decode[0].T, [1, 2, 4, 8]))
+    assert stream.shape == official["decode"][0].shape
+    assert (stream - official["decode"][0]).abs().max() <= 1e-4
+
+    for (reference, generated), theirs in zip(pairs, official["clone"]):
+        decoder = StatefulStreamingDecoder(BatchingStatefulCodec(codec), ChunkSchedule(), reference_codes=reference.T)
+        audio = torch.cat(streamed(decoder, generated.T, [1, 2]))
+        ours = torch.cat([clone_lead_in(decoder, generated.shape[0]), audio])
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max() <= 1e-4
+    assert [t.numel() - g.shape[0] * SPF for (_, g), t in zip(pairs, official["clone"])] == [0, 1]

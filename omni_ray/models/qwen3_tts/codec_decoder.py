@@ -122,9 +122,9 @@ class _Codebook(nn.Module):
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
 
     def rows(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, T] → [B, T, dim]."""
-        table = self.embedding_sum / self.cluster_usage.clamp(min=self.epsilon)[:, None]
-        return F.embedding(codes, table)
+        """codes [B, T] → [B, T, dim]: only the rows used are divided (the same quotients as the whole table's)."""
+        usage = F.embedding(codes, self.cluster_usage[:, None]).clamp(min=self.epsilon)
+        return F.embedding(codes, self.embedding_sum) / usage
 
 
 class _Quantizer(nn.Module):

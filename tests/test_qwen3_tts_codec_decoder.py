@@ -207,12 +207,11 @@ def test_reference_codes_decode_in_the_shapes_the_schedule_declares(codec: Code2
     GPU codec captures every graph it needs at warm-up; without a reference the shapes are the plain ones."""
     schedule = ChunkSchedule()
     seen: list[tuple[int, bool]] = []
-    inner = BatchingStatefulCodec(codec)
 
     class Recording(BatchingStatefulCodec):
         def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor:
             seen.append((int(codes.shape[1]), first))
-            return inner.step(codes, position, slot, first)
+            return super().step(codes, position, slot, first)
 
     for reference_frames in (1, 7, 13):
         decoder = StatefulStreamingDecoder(Recording(codec), schedule, reference_codes=codes_of(reference_frames))
@@ -220,8 +219,11 @@ def test_reference_codes_decode_in_the_shapes_the_schedule_declares(codec: Code2
     assert set(seen) <= set(step_shapes(schedule, reference=True))
     assert seen[0][1] and (1, False) in seen
     assert set(step_shapes(schedule)) < set(step_shapes(schedule, reference=True))
+    unstarted = StatefulStreamingDecoder(BatchingStatefulCodec(codec), schedule, reference_codes=codes_of(2))
     with pytest.raises(ValueError, match="reference samples"):
-        StatefulStreamingDecoder(inner, schedule, reference_codes=codes_of(2)).reference_tail(1)  # none decoded yet
+        unstarted.reference_tail(1)  # nothing decoded yet
+    unstarted.close()
+    assert codec.states is not None and codec.states.in_use == 0
 
 
 # ---- batching across streams -------------------------------------------------------------------------------------

@@ -224,3 +224,34 @@ def test_a_stream_cancelled_with_a_call_in_flight_frees_its_slot_once_the_call_h
             decoder.push(_codes(2))
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("reference_frames", [1, 5, 13])
+def test_a_stream_opened_with_reference_codes_continues_their_decode(codec: Code2WavCodec, reference_frames: int) -> None:
+    """Reference codes (a cloned voice's) go into the stream's state ahead of its first chunk: the chunks are the
+    one-shot decode of [reference + new frames] from the first new frame on (Code2Wav's held-back 555 samples of
+    the reference come out of the first chunk's call and are dropped with the rest of the reference audio), and
+    `reference_tail` gives the reference audio's last samples. Every call is a shape `step_shapes` declares."""
+    reference, new = _codes(reference_frames, seed=11), _codes(19, seed=12)
+    joined = _one_shot(codec, torch.cat([reference, new], dim=1))
+    schedule = ChunkSchedule()
+    shapes: list[tuple[int, bool]] = []
+
+    class Recording(BatchingStatefulCodec):
+        def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor:
+            shapes.append((int(codes.shape[1]), first))
+            return super().step(codes, position, slot, first)
+
+    decoder = StatefulStreamingDecoder(Recording(codec), schedule, reference_codes=reference)
+    chunks = decoder.push(new[:, :12])  # chunks of 1, 2 and 4 frames; 5 left for finish()
+    last = decoder.finish()
+    assert last is not None
+    audio = torch.cat([*chunks, last])
+    assert decoder.reference_frames == reference_frames
+    assert audio.shape == (12 * SPF - TRIM,)
+    torch.testing.assert_close(audio, joined[reference_frames * SPF : reference_frames * SPF + 12 * SPF - TRIM],
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(decoder.reference_tail(SPF), joined[(reference_frames - 1) * SPF : reference_frames * SPF],
+                               rtol=0, atol=1e-5)
+    assert set(shapes) <= set(step_shapes(schedule, reference=True)) and shapes[0][1]
+    assert codec.states is not None and codec.states.in_use == 0

@@ -225,10 +225,16 @@ def test_a_different_voice_gives_a_different_x_vector(encoder: ReferenceEncoder)
     assert float(torch.nn.functional.cosine_similarity(low, other, dim=0)) < 0.999
 
 
-def test_dtype_follows_the_modules(base_checkpoint: Path) -> None:
+def test_dtype_follows_the_modules_but_rotary_frequencies_stay_float32(base_checkpoint: Path) -> None:
     half = ReferenceEncoder.from_checkpoint(base_checkpoint, dtype=torch.bfloat16)
     out = half.encode(speech_like(1.5, 24000), 24000)
     assert out.x_vector.dtype == torch.bfloat16 and out.codes is not None and out.codes.dtype == torch.int64
+    full = ReferenceEncoder.from_checkpoint(base_checkpoint)
+    assert half.codec_encoder is not None and full.codec_encoder is not None
+    half_rope = half.codec_encoder.encoder_transformer.rotary_emb.inv_freq
+    assert half_rope.dtype == torch.float32
+    assert torch.equal(half_rope, full.codec_encoder.encoder_transformer.rotary_emb.inv_freq)
+    assert half.codec_encoder.encoder.layers[0].conv.weight.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -252,23 +258,23 @@ def _max_relative(ours: np.ndarray, theirs: np.ndarray) -> float:
 
 @pytest.mark.skipif(official_venv_python() is None, reason="opt-in: the official qwen-tts venv is absent "
                     "(tests/goldens/qwen3_tts/make_venv.sh builds it, or point QWEN_TTS_VENV at one)")
-@pytest.mark.parametrize("seed", [0, 5])
-def test_equal_to_the_official_package(seed: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("seed", "dtype"), [(0, "float32"), (5, "float32"), (3, "bfloat16")])
+def test_equal_to_the_official_package(seed: int, dtype: str, tmp_path: Path) -> None:
     checkpoint = ck.make_tiny_checkpoint(tmp_path / "base", variant="base", seed=seed)
     clips = _parity_clips() if has_soxr() else [c for c in _parity_clips() if c[1] == REFERENCE_SAMPLE_RATE]
     inputs = {f"wave_{i}": a for i, (a, _) in enumerate(clips)} | {f"rate_{i}": r for i, (_, r) in enumerate(clips)}
     np.savez(tmp_path / "in.npz", batched=0, **inputs)
     run = subprocess.run(
         [str(official_venv_python()), str(OFFICIAL_SCRIPT), str(checkpoint), str(tmp_path / "in.npz"),
-         str(tmp_path / "out.npz")],
+         str(tmp_path / "out.npz"), dtype],
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     official = np.load(tmp_path / "out.npz")
-    ours = ReferenceEncoder.from_checkpoint(checkpoint).encode_batch(clips)
+    ours = ReferenceEncoder.from_checkpoint(checkpoint, dtype=getattr(torch, dtype)).encode_batch(clips)
     for i, encoding in enumerate(ours):
         np.testing.assert_array_equal(encoding.codes.numpy(), official[f"codes_{i}"], err_msg=f"clip {i} codes")
-        relative = _max_relative(encoding.x_vector.numpy(), official[f"x_vector_{i}"])
+        relative = _max_relative(encoding.x_vector.float().numpy(), official[f"x_vector_{i}"])
         assert relative <= X_VECTOR_RTOL, f"clip {i}: x-vector max relative difference {relative:.3g}"
 
 

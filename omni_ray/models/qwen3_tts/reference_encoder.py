@@ -17,6 +17,7 @@ from transformers import MimiConfig
 from transformers.models.mimi.modeling_mimi import (
     MimiConv1d,
     MimiEncoder,
+    MimiRotaryEmbedding,
     MimiSplitResidualVectorQuantizer,
     MimiTransformerModel,
 )
@@ -30,6 +31,15 @@ SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 # transformers 4.57.3 (the official package's pin) gives Mimi's encoder transformer a plain causal mask and ignores
 # `sliding_window`; transformers 5 applies it. A window longer than any reference keeps the official behaviour.
 _UNBOUNDED_WINDOW = 1 << 30
+
+
+def _causal_mask(hidden: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] boolean causal mask. transformers 4.57.3 hands SDPA this explicit mask where transformers 5 would
+    pass none and set is_causal; on a GPU the two pick different kernels (flash only without a mask), so we pass the
+    same mask and get the official kernel's rounding."""
+    batch, frames = hidden.shape[0], hidden.shape[1]
+    mask = torch.ones(frames, frames, dtype=torch.bool, device=hidden.device).tril()
+    return mask.expand(batch, 1, frames, frames)
 
 AudioArray = np.ndarray | torch.Tensor
 
@@ -170,13 +180,24 @@ class SpeechTokenizerEncoder(nn.Module):
         )
         self.quantizer = MimiSplitResidualVectorQuantizer(config)
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Casts keep the rotary frequencies in float32, as the official loader does (a bfloat16 copy shifts the
+        angles of late frames enough to change codes)."""
+        super()._apply(fn, recurse)
+        for rope in self.modules():
+            if isinstance(rope, MimiRotaryEmbedding) and rope.inv_freq.dtype != torch.float32:
+                device = rope.inv_freq.device
+                rope.inv_freq = rope.compute_default_rope_parameters(self.config)[0].to(device)
+                rope.original_inv_freq = rope.inv_freq.clone()
+        return self
+
     def frames_for(self, num_samples: int) -> int:
         return math.ceil(num_samples / self.samples_per_frame)
 
     def forward(self, waves: torch.Tensor) -> torch.Tensor:
         """waves [B, N] → codes [B, ceil(N / 1920), valid_quantizers]."""
-        hidden = self.encoder(waves.unsqueeze(1))
-        hidden = self.encoder_transformer(hidden.transpose(1, 2), return_dict=True).last_hidden_state
+        hidden = self.encoder(waves.unsqueeze(1)).transpose(1, 2)
+        hidden = self.encoder_transformer(hidden, attention_mask=_causal_mask(hidden), return_dict=True).last_hidden_state
         hidden = self.downsample(hidden.transpose(1, 2))
         return self.quantizer.encode(hidden, self.valid_quantizers).permute(1, 2, 0)
 

@@ -213,8 +213,9 @@ class AttentiveStatsPooling(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         frames = x.shape[-1]
-        uniform = torch.full((1, 1, frames), 1.0 / frames, dtype=x.dtype, device=x.device)
-        mean, std = _weighted_mean_std(x, uniform, self.eps)
+        present = torch.ones(1, 1, frames, dtype=x.dtype, device=x.device)
+        # The frame count is summed in the activations' dtype: in bfloat16 it rounds (281 → 280), as upstream.
+        mean, std = _weighted_mean_std(x, present / present.sum(dim=2, keepdim=True), self.eps)
         context = torch.cat([x, mean.unsqueeze(2).expand(-1, -1, frames), std.unsqueeze(2).expand(-1, -1, frames)], dim=1)
         attention = torch.softmax(self.conv(torch.tanh(self.tdnn(context))), dim=2)
         mean, std = _weighted_mean_std(x, attention, self.eps)

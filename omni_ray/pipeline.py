@@ -30,6 +30,7 @@ class Pipeline:
     def __init__(self, config: PipelineConfig | None = None) -> None:
         self.config = config or PipelineConfig()
         family = load_family(self.config.model.family)
+        family.resolve_model(self.config.model)  # the tiny default is made here once, not by every stage at once
         stages = self.config.stages
         self.actors = {
             name: _actor(cls, getattr(stages, name)).remote(self.config.model, getattr(stages, name), f"{name}-0")

@@ -58,6 +58,7 @@ class TalkerPrompt:
     reference_codes: torch.Tensor | None = None  # [R, G]
     trailing_ids: list[int] = field(default_factory=list)
     text_offset: int = 1
+    text_tokens: int = 0  # the input text's tokens: what the reply's frame cap is proportional to
 
     def __len__(self) -> int:
         return len(self.text_ids)
@@ -119,7 +120,8 @@ def build_prompt(request: SpeechRequest, tokenize: Any, config: TTSModelConfig) 
     speaker_position = len(codec_ids) + len(tags) if reference is not None else None
     text_ids += [tts_pad] * (len(prefix) - 1) + [tts_bos]
     codec_ids += prefix
-    prompt = TalkerPrompt(text_ids, codec_ids, speaker_position, None if reference is None else reference.x_vector)
+    prompt = TalkerPrompt(text_ids, codec_ids, speaker_position, None if reference is None else reference.x_vector,
+                          text_tokens=len(text))
     if reference is not None and reference.in_context:
         return _in_context(prompt, request, reference, tokenize, config, text)
     if request.streaming_text:

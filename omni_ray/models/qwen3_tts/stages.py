@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import numpy as np
-import torch
 
 from omni_ray.config import ModelSource, StageConfig, TalkerStageConfig, VocoderStageConfig
 from omni_ray.engine.codec_talker import talker_options
@@ -17,7 +16,7 @@ from omni_ray.models.qwen3_tts.codec_decoder import load_codec_decoder, make_cod
 from omni_ray.models.qwen3_tts.model_files import resolve_model
 from omni_ray.models.qwen3_tts.prompt import TalkerPrompt
 from omni_ray.models.qwen3_tts.reference_encoder import ReferenceEncoder
-from omni_ray.models.qwen3_tts.talker import TTSTalkerRunner, speech_sequence
+from omni_ray.models.qwen3_tts.talker import TTSTalkerRunner, frame_cap, speech_sequence
 from omni_ray.models.qwen3_tts.talker_model import load_talker
 from omni_ray.stages.base import StageBase
 from omni_ray.stages.codec_stages import DTYPES, CodecTalkerStage, StreamingVocoderStage
@@ -92,7 +91,7 @@ class TalkerStage(CodecTalkerStage):
         if refused is not None:
             yield [refused]
             return
-        cap = min(request.max_frames or self.settings.max_frames, self.settings.max_frames)
+        cap = frame_cap(self.settings, request.prompt, request.max_frames)
         seq = speech_sequence(request.request_id, request.prompt, self.assets.model, cap, request.sampling,
                               request.code_sampling, request.ignore_eos)
         async for batch in self.serve_sequence(seq, cap):
@@ -114,8 +113,3 @@ class VocoderStage(StreamingVocoderStage):
 
 
 STAGE_CLASSES: dict[str, type] = {"reference": ReferenceStage, "talker": TalkerStage, "vocoder": VocoderStage}
-
-
-def as_host_codes(codes: Any) -> torch.Tensor | None:
-    """Reference codes [T, G] as an int64 host tensor (or None)."""
-    return None if codes is None else torch.as_tensor(codes, dtype=torch.long).cpu()

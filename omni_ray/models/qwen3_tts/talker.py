@@ -20,6 +20,16 @@ DEFAULT_CODE_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0)
 MIN_FRAMES = 2  # codec EOS is not sampled for the first two frames
 
 
+def frame_cap(settings: Any, prompt: TalkerPrompt, max_frames: int | None) -> int:
+    """A reply's frame cap: the request's (`max_frames`), else proportional to its text (`frame_budget_base` plus
+    `frames_per_text_token` a token), within the stage's `max_frames`. It ends a reply that never samples codec EOS
+    with `finish_reason` length."""
+    cap = min(max_frames or settings.max_frames, settings.max_frames)
+    if max_frames is None and settings.frames_per_text_token > 0:
+        cap = min(cap, settings.frame_budget_base + int(settings.frames_per_text_token * prompt.text_tokens))
+    return max(cap, 1)
+
+
 @dataclass
 class SpeechSequence(TalkerSequence):
     """A Talker sequence whose prompt came whole with the request."""

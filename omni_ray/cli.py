@@ -47,6 +47,9 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
     from omni_ray.pipeline import AudioChunk, Finished, Pipeline, TextDelta
 
     config = PipelineConfig.from_yaml(args.config) if args.config else PipelineConfig()
+    if args.family or args.variant:
+        model = {**config.model.model_dump(), "family": args.family or config.model.family, "variant": args.variant}
+        config = config.model_copy(update={"model": type(config.model).model_validate(model)})
     if args.checkpoint:
         config.model.path = Path(args.checkpoint)
     content: list[dict[str, object]] = [{"type": "text", "text": args.text}]
@@ -62,15 +65,20 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
     sampling = SamplingParams(temperature=0.0) if args.greedy else SamplingParams(temperature=0.7, top_p=0.8, seed=args.seed)
     talker = SamplingParams(temperature=0.0, repetition_penalty=1.05) if args.greedy else None
 
+    if config.model.family == "qwen3_tts":  # a TTS model speaks the text itself
+        events = pipeline.speak(args.text, **_speech_kwargs(args, talker))
+    else:
+        events = pipeline.generate(
+            [{"role": "user", "content": content}], sampling=sampling, max_tokens=args.max_tokens,
+            audio=not args.no_audio, speaker=args.voice, talker_sampling=talker, max_audio_frames=args.max_audio_frames,
+        )
+
     async def run() -> tuple[list[np.ndarray], Finished | None]:
         pcm: list[np.ndarray] = []
         final: Finished | None = None
         start = time.time()
         first_audio: float | None = None
-        async for event in pipeline.generate(
-            [{"role": "user", "content": content}], sampling=sampling, max_tokens=args.max_tokens,
-            audio=not args.no_audio, speaker=args.voice, talker_sampling=talker, max_audio_frames=args.max_audio_frames,
-        ):
+        async for event in events:
             if isinstance(event, TextDelta):
                 reply_out.write(event.text)
                 reply_out.flush()
@@ -94,6 +102,23 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
         Path(args.out).write_bytes(encode_wav(samples, 24000))
         print(f"wrote {len(samples) / 24000:.2f} s of audio to {args.out}", file=sys.stderr)
     return 0
+
+
+def _speech_kwargs(args: argparse.Namespace, talker: object) -> dict[str, object]:
+    """A Qwen3-TTS `speak`'s arguments from the command line (a reference file's audio for a Base model)."""
+    import soundfile as sf
+
+    from omni_ray.engine.sampler import SamplingParams
+    from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+
+    kwargs: dict[str, object] = {"voice": args.voice, "language": args.language, "instructions": args.instructions,
+                                 "max_audio_frames": args.max_audio_frames}
+    if talker is not None:  # --greedy: the code predictor's draws too
+        kwargs.update(sampling=talker, code_sampling=SamplingParams(temperature=0.0))
+    if args.ref_audio:
+        samples, rate = sf.read(args.ref_audio, dtype="float32", always_2d=True)  # at its own rate: encoded at 24 kHz
+        kwargs["reference"] = ReferenceAudio(samples.mean(axis=1), int(rate), args.ref_text, x_vector_only=not args.ref_text)
+    return kwargs
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -129,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one reply (text to stdout, audio to --out)")
     gen.add_argument("--config", help="pipeline YAML (default: the embedded tiny model on CPU)")
     gen.add_argument("--checkpoint", help="local checkpoint directory (overrides the config's model path)")
+    gen.add_argument("--family", choices=("qwen3_omni", "qwen3_tts"), default=None,
+                     help="the model family (overrides the config's): qwen3_tts speaks --text itself")
+    gen.add_argument("--variant", choices=("base", "custom_voice", "voice_design"), default=None,
+                     help="Qwen3-TTS: which tiny checkpoint (default custom_voice)")
+    gen.add_argument("--language", default="auto", help="Qwen3-TTS: the language spoken, or auto")
+    gen.add_argument("--instructions", default=None, help="Qwen3-TTS: how to speak (VoiceDesign: the voice itself)")
+    gen.add_argument("--ref-audio", default=None, help="Qwen3-TTS Base: reference speech to clone the voice of")
+    gen.add_argument("--ref-text", default=None, help="Qwen3-TTS Base: the reference's transcript (in-context cloning)")
     gen.add_argument("--text", required=True)
     gen.add_argument("--audio", help="input audio file (wav/flac/mp3, any rate and channel count)")
     gen.add_argument("--out", default="reply.wav")

@@ -91,6 +91,16 @@ def test_unusable_reference_audio_is_refused_with_its_reason(audio: np.ndarray, 
     assert isinstance(refused.value, ValueError) and str(refused.value)
 
 
+def test_the_error_keeps_its_reason_through_pickling() -> None:
+    """Ray hands a replica's exception to its caller pickled: the reason and message must survive."""
+    import pickle
+
+    with pytest.raises(ReferenceAudioError) as refused:
+        prepare_reference_audio(speech_like(0.2, 24000), 24000)
+    copy = pickle.loads(pickle.dumps(refused.value))
+    assert type(copy) is ReferenceAudioError and copy.reason == "too_short" and str(copy) == str(refused.value)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_samples_are_refused(bad: float) -> None:
     audio = speech_like(2.0, 24000)

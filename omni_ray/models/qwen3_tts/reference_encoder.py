@@ -55,6 +55,9 @@ class ReferenceAudioError(ValueError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type["ReferenceAudioError"], tuple[str, str]]:
+        return type(self), (self.reason, str(self))  # survives pickling (a Ray actor's error reaches its caller so)
+
 
 @dataclass(frozen=True)
 class ReferenceLimits:

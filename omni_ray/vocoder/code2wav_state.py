@@ -59,7 +59,7 @@ class _Sum:
         return total
 
 
-class _StateWalk:
+class StateWalk:
     """Reads a call's incoming state tensors in forward order (zeros on a stream's first call) and collects the
     outgoing ones in the same order."""
 
@@ -100,7 +100,7 @@ class StatefulCode2Wav:
     @torch.inference_mode()
     def step(self, codes: torch.Tensor, positions: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         """codes [B, Q, n] → (samples [B, n*spf - (trim on a first call)], the state to carry)."""
-        module, walk = self.module, _StateWalk(state)
+        module, walk = self.module, StateWalk(state)
         first = state is None
         hidden = self._embed(codes, walk)  # [B, n, H]
         hidden = self._leave_transformer(self._transformer(hidden, positions, walk))
@@ -113,7 +113,7 @@ class StatefulCode2Wav:
         return wav.clamp(min=-1, max=1).flatten(1), walk.outgoing
 
     # ---- the codec's own ends of the transformer (a subclass's codec may embed and project otherwise) ----------
-    def _embed(self, codes: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+    def _embed(self, codes: torch.Tensor, walk: StateWalk) -> torch.Tensor:
         """codes [B, Q, n] → the transformer's input [B, n, H]: Code2Wav's codebooks' embeddings, averaged."""
         return self.module.code_embedding(codes + self.module.code_offset).mean(1)
 
@@ -122,7 +122,7 @@ class StatefulCode2Wav:
         return hidden
 
     # ---- the pre-transformer: sliding-window attention with a key/value cache --------------------------------
-    def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+    def _transformer(self, hidden: torch.Tensor, positions: torch.Tensor, walk: StateWalk) -> torch.Tensor:
         model = self.module.pre_transformer
         rows, new = hidden.shape[:2]
         query_pos = positions[:, None] + torch.arange(new, device=hidden.device)  # [B, n]
@@ -153,7 +153,7 @@ class StatefulCode2Wav:
 
     # ---- convolutions ----------------------------------------------------------------------------------------
     @staticmethod
-    def _causal_conv(op: Qwen3OmniMoeCausalConvNet, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+    def _causal_conv(op: Qwen3OmniMoeCausalConvNet, x: torch.Tensor, walk: StateWalk) -> torch.Tensor:
         """Stride-1 causal convolution: the carried input samples replace the one-shot's left zero padding. One to a
         single output channel (the decoder's last) runs as `single_output_conv1d`."""
         if op.stride != 1:
@@ -167,7 +167,7 @@ class StatefulCode2Wav:
         return conv1d(padded, op.conv)
 
     @staticmethod
-    def _snake_then_conv(snake: FusedSnake, x: _Sum, op: Qwen3OmniMoeCausalConvNet, walk: _StateWalk,
+    def _snake_then_conv(snake: FusedSnake, x: _Sum, op: Qwen3OmniMoeCausalConvNet, walk: StateWalk,
                          keep_sum: bool) -> tuple[_Sum, torch.Tensor | None]:
         """`op`(snake(x)) as a sum still to add its bias, and x added up if `keep_sum`. The snake is written straight
         after the convolution's carried input samples, in one buffer (no join), by the pass that adds x up."""
@@ -187,7 +187,7 @@ class StatefulCode2Wav:
         return _Sum(conv1d(activated, op.conv, bias=False), op.conv.bias), total
 
     @staticmethod
-    def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: _StateWalk, first: bool) -> _Sum:
+    def _trans_conv(op: Qwen3OmniMoeCausalTransConvNet, x: torch.Tensor, walk: StateWalk, first: bool) -> _Sum:
         """Transposed convolution: the previous call's overlap tail is added to this call's head; the new tail (the
         outputs that still need the next input) is carried. A stream's first call drops `left_pad` samples, as the
         one-shot decode trims them. Its bias is left for the next op's pass to add."""
@@ -202,18 +202,18 @@ class StatefulCode2Wav:
         out = full[..., op.left_pad if first else 0 : ready]
         return _Sum(out, op.conv.bias)
 
-    def _conv_next(self, block: Qwen3OmniMoeConvNeXtBlock, x: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+    def _conv_next(self, block: Qwen3OmniMoeConvNeXtBlock, x: torch.Tensor, walk: StateWalk) -> torch.Tensor:
         h = self._causal_conv(block.dwconv, x, walk).permute(0, 2, 1)
         h = block.gamma * block.pwconv2(block.act(block.pwconv1(block.norm(h))))
         return x + h.permute(0, 2, 1)
 
-    def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: _Sum, walk: _StateWalk) -> _Sum:
+    def _residual_unit(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit, x: _Sum, walk: StateWalk) -> _Sum:
         """x + conv2(act2(conv1(act1(x)))), x added up by the pass that runs act1, the result left as a sum."""
         h, total = self._snake_then_conv(self.snakes[id(unit.act1)], x, unit.conv1, walk, keep_sum=True)
         out, _ = self._snake_then_conv(self.snakes[id(unit.act2)], h, unit.conv2, walk, keep_sum=False)
         return _Sum(out.h, out.bias, total)
 
-    def _run(self, parts: list[nn.Module], x: _Sum, walk: _StateWalk, first: bool) -> _Sum:
+    def _run(self, parts: list[nn.Module], x: _Sum, walk: StateWalk, first: bool) -> _Sum:
         """The decoder's ops in order on a flowing sum; a SnakeBeta followed by a causal convolution runs with it
         (and with the adds before it), see `_snake_then_conv`."""
         index = 0
@@ -228,7 +228,7 @@ class StatefulCode2Wav:
                 index += 1
         return x
 
-    def _decoder_block(self, block: nn.Module, x: _Sum, walk: _StateWalk, first: bool) -> _Sum:
+    def _decoder_block(self, block: nn.Module, x: _Sum, walk: StateWalk, first: bool) -> _Sum:
         if isinstance(block, Qwen3OmniMoeCode2WavDecoderBlock):
             return self._run(list(block.block), x, walk, first)
         if isinstance(block, Qwen3OmniMoeCausalConvNet):
@@ -294,4 +294,4 @@ class StateStore:
         return self.buffer[0].numel() * self.buffer.element_size()
 
 
-__all__: list[Any] = ["State", "StateStore", "StatefulCode2Wav"]
+__all__: list[Any] = ["State", "StateStore", "StateWalk", "StatefulCode2Wav"]

@@ -33,7 +33,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_ray.vocoder.code2wav import Code2WavCodec
-from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, _StateWalk
+from omni_ray.vocoder.code2wav_state import StatefulCode2Wav, StateWalk
 from omni_ray.weights import load_module, random_module, read_tensors
 
 __all__ = [
@@ -262,7 +262,7 @@ class StatefulTTSCodecDecoder(StatefulCode2Wav):
     """`StatefulCode2Wav` over a `Qwen3TTSCodecDecoder`: the codebooks' sum, the pre-convolution (carrying its last
     two input frames), ``input_proj``, the shared sliding-window transformer and convolutions, then ``output_proj``."""
 
-    def _embed(self, codes: torch.Tensor, walk: _StateWalk) -> torch.Tensor:
+    def _embed(self, codes: torch.Tensor, walk: StateWalk) -> torch.Tensor:
         module = self.module
         latent = self._causal_conv(module.pre_conv, module.quantizer.decode(codes), walk)
         return module.pre_transformer.input_proj(latent.transpose(1, 2))

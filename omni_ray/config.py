@@ -412,6 +412,20 @@ class PipelineConfig(_Strict):
         "Qwen3-Omni, vivian for Qwen3-TTS CustomVoice)",
     )
     max_audio_seconds: float = Field(default=600.0, gt=0)
+    voices_dir: Path | None = Field(
+        default=None,
+        description="Qwen3-TTS Base: the directory of uploaded voices (one safetensors file each), shared by every "
+        "replica that serves the model; unset: `$OMNI_RAY_CACHE/voices/<model id>` (the cache defaults to "
+        "`~/.cache/omni-ray`; the id is the checkpoint directory's name and a hash of its config.json), so one "
+        "model's voices are never used with another",
+    )
+    max_voices: int = Field(default=1000, ge=1, description="Qwen3-TTS Base: the most uploaded voices stored")
+
+    @model_validator(mode="after")
+    def _voices_are_qwen3_tts(self) -> "PipelineConfig":
+        if self.voices_dir is not None and self.model.family != "qwen3_tts":
+            raise ValueError("voices_dir holds uploaded Qwen3-TTS voices: it needs model.family qwen3_tts")
+        return self
 
     @model_validator(mode="after")
     def _only_the_familys_stages(self) -> "PipelineConfig":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from omni_ray.models.qwen3_tts.prompt import (
 from omni_ray.models.qwen3_tts.reference_encoder import ReferenceAudioError, prepare_reference_audio
 from omni_ray.models.qwen3_tts.stages import SpeechTalkerRequest
 from omni_ray.models.qwen3_tts.talker import DEFAULT_CODE_SAMPLING, DEFAULT_SAMPLING
+from omni_ray.models.qwen3_tts.voices import VoiceStore, default_voices_dir
 from omni_ray.relay import RelayLinks
 from omni_ray.stages.client import StageClient
 from omni_ray.stages.streams import RequestStreams
@@ -57,6 +59,9 @@ class SpeechOrchestrator:
         self.config = config
         self.tokenizer = load_tokenizer(files.directory)
         self.links = RelayLinks()
+        self.voice_store: VoiceStore | None = None  # Base: uploaded voices, used by name
+        if self.variant == "base":
+            self.voice_store = VoiceStore(config.voices_dir or default_voices_dir(files.directory), config.max_voices)
 
     @property
     def variant(self) -> str:
@@ -64,7 +69,10 @@ class SpeechOrchestrator:
 
     @property
     def voices(self) -> list[str]:
-        """CustomVoice's named speakers (the other variants make their voice from instructions or a reference)."""
+        """CustomVoice's named speakers, or a Base model's stored voices (VoiceDesign makes its voice from
+        instructions)."""
+        if self.voice_store is not None:
+            return self.voice_store.names()
         return sorted(self.model_config.speakers) if self.variant == "custom_voice" else []
 
     @property
@@ -93,7 +101,7 @@ class SpeechOrchestrator:
             voice = None
         elif reference is None:
             raise InvalidRequestError("a Base model clones a voice: give ref_audio (and ref_text for in-context "
-                                      "cloning, or x_vector_only_mode)")
+                                      "cloning, or x_vector_only_mode), or name a stored voice")
         if reference is not None and self.variant != "base":
             raise InvalidRequestError(f"voice cloning (ref_audio) needs a Base model; this one is "
                                       f"{TASK_TYPES[self.variant]}")
@@ -127,6 +135,44 @@ class SpeechOrchestrator:
         encoded = await self.stages["reference"].call("encode", reference.samples, reference.sample_rate, x_vector_only)
         return VoiceReference(encoded["x_vector"], encoded["codes"], None if x_vector_only else reference.text)
 
+    def _store(self) -> VoiceStore:
+        if self.voice_store is None:
+            raise InvalidRequestError(f"stored voices are cloned voices: they need a Base model; this one is "
+                                      f"{TASK_TYPES[self.variant]}")
+        return self.voice_store
+
+    async def add_voice(self, name: str, reference: ReferenceAudio) -> dict[str, Any]:
+        """Encode `reference` once (reference stage) and store it as voice `name`: its codes, x-vector and
+        transcript (in context), or its x-vector alone (`x_vector_only`, or no transcript). Returns the voice's
+        `list_voices()` entry. Refusals are InvalidRequestError: bad audio or transcript, and the store's
+        InvalidVoiceNameError, VoiceExistsError, TooManyVoicesError (checked before encoding, and again on
+        writing)."""
+        store = self._store()
+        await asyncio.to_thread(store.check_can_add, name)
+        encoded = await self.encode_reference(reference)
+        seconds = np.asarray(reference.samples).shape[0] / int(reference.sample_rate)
+        return await asyncio.to_thread(store.save, name, encoded, seconds)
+
+    async def list_voices(self) -> list[dict[str, Any]]:
+        """The stored voices: {name, mode (in_context or x_vector_only), frames, seconds, created, text, digest}
+        each, by name (none for a model that is not Base)."""
+        return [] if self.voice_store is None else await asyncio.to_thread(self.voice_store.list)
+
+    async def delete_voice(self, name: str) -> None:
+        """Remove stored voice `name` (VoiceNotFoundError if none; InvalidVoiceNameError for a name no voice can
+        have)."""
+        await asyncio.to_thread(self._store().delete, name)
+
+    async def stored_voice(self, name: str) -> VoiceReference:
+        """Stored voice `name`, checked against this model (VoiceNotFoundError if none)."""
+        voice = await asyncio.to_thread(self._store().load, name)
+        x_vector_dim = self.model_config.speaker_encoder.get("enc_dim")
+        groups = self.model_config.num_groups
+        if (x_vector_dim is not None and tuple(voice.x_vector.shape) != (int(x_vector_dim),)) or (
+                voice.codes is not None and (voice.codes.ndim != 2 or voice.codes.shape[1] != groups)):
+            raise InvalidRequestError(f"voice {name!r} was made by another model: it does not fit this one")
+        return voice
+
     async def speak(
         self,
         text: str,
@@ -145,15 +191,21 @@ class SpeechOrchestrator:
         return_codes: bool = False,
     ) -> AsyncIterator[Event]:
         """Speech for `text` in a named voice (CustomVoice), a described one (VoiceDesign: `instructions`) or a
-        cloned one (Base: `reference`). `sampling` is the Talker's draw (default: the package's, temperature 0.9,
+        cloned one (Base: `reference`, or `voice` naming a stored voice: no reference encoding then; a `reference`
+        wins over `voice`). `sampling` is the Talker's draw (default: the package's, temperature 0.9,
         top-k 50, repetition penalty 1.05), `code_sampling` the code predictor's. `ignore_eos` (benchmarks): the
         speech runs to its frame cap."""
         submitted = time.time()
         if max_audio_frames is not None and max_audio_frames < 1:
             raise InvalidRequestError("max_audio_frames must be at least 1")
-        if self.variant == "base" and reference is None:
+        if reference is not None:
+            cloned: VoiceReference | None = await self.encode_reference(reference)
+        elif self.variant == "base" and voice:
+            cloned = await self.stored_voice(voice)
+        else:
+            cloned = None
+        if self.variant == "base" and cloned is None:
             self.speech_request(text, voice, language, instructions, None, streaming_text, task_type)  # says why
-        cloned = await self.encode_reference(reference) if reference is not None else None
         request = self.speech_request(text, voice, language, instructions, cloned, streaming_text, task_type)
         prompt = self.build_prompt(request)
         async for event in self._run(request_id or uuid.uuid4().hex, prompt, cloned, sampling, code_sampling,

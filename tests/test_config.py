@@ -145,3 +145,22 @@ def test_a_stages_mps_priority_reaches_its_replica_processes_environment() -> No
     assert thinker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     assert thinker["env_vars"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
     assert talker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+
+
+@pytest.mark.parametrize("layout", sorted(p.name for p in (ROOT / "deployments").glob("*.yaml")))
+def test_every_shipped_layout_deploys_exactly_its_familys_stages(layout: str) -> None:
+    raw = yaml.safe_load((ROOT / "deployments" / layout).read_text())
+    config = PipelineConfig.from_yaml(ROOT / "deployments" / layout)
+    named = {d["name"] for d in raw["applications"][0].get("deployments", [])}
+    assert named <= {"ingress", *config.stage_names}, named - {"ingress", *config.stage_names}
+
+
+def test_a_family_takes_only_its_own_stages() -> None:
+    with pytest.raises(ValidationError, match="thinker"):
+        PipelineConfig.model_validate({"model": {"family": "qwen3_tts"}, "stages": {"thinker": {}}})
+    with pytest.raises(ValidationError, match="reference"):
+        PipelineConfig.model_validate({"stages": {"reference": {}}})
+    with pytest.raises(ValidationError, match="variant"):
+        PipelineConfig.model_validate({"model": {"variant": "base"}})  # a Qwen3-Omni source has no variant
+    tts = PipelineConfig.model_validate({"model": {"family": "qwen3_tts", "variant": "base"}, "stages": {"reference": {}}})
+    assert tts.stage_names == ("reference", "talker", "vocoder")

@@ -22,6 +22,7 @@ MIRRORS = {
     "examples/tiny-cpu.yaml": "tiny_cpu.yaml",
     "examples/qwen3-omni-2gpu.yaml": "qwen3_omni_30b_2gpu.yaml",
     "examples/multinode-autoscaling.yaml": "qwen3_omni_30b_multinode.yaml",
+    "examples/qwen3-tts-1gpu.yaml": "qwen3_tts_1.7b_1gpu.yaml",
 }
 KUBERNETES_VERSION = "1.30.0"
 CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # CRDs: checked below by hand and by Serve's own schema

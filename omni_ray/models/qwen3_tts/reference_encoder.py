@@ -41,6 +41,7 @@ def _causal_mask(hidden: torch.Tensor) -> torch.Tensor:
     mask = torch.ones(frames, frames, dtype=torch.bool, device=hidden.device).tril()
     return mask.expand(batch, 1, frames, frames)
 
+
 AudioArray = np.ndarray | torch.Tensor
 
 

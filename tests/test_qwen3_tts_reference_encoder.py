@@ -19,6 +19,7 @@ from omni_ray.models.qwen3_tts.reference_encoder import (
     ReferenceAudioError,
     ReferenceEncoder,
     ReferenceLimits,
+    decode_reference_audio,
     prepare_reference_audio,
     resample_to_reference_rate,
 )
@@ -89,6 +90,37 @@ def test_unusable_reference_audio_is_refused_with_its_reason(audio: np.ndarray, 
         prepare_reference_audio(audio, rate)
     assert refused.value.reason == reason
     assert isinstance(refused.value, ValueError) and str(refused.value)
+
+
+def _file_bytes(samples: np.ndarray, rate: int, fmt: str = "WAV", subtype: str = "PCM_16") -> bytes:
+    import io
+
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, rate, format=fmt, subtype=subtype)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("fmt", "subtype"), [("WAV", "PCM_16"), ("WAV", "FLOAT"), ("FLAC", "PCM_16")])
+def test_audio_files_decode_at_their_own_rate(fmt: str, subtype: str) -> None:
+    stereo = np.stack([speech_like(1.5, 22050, 1), speech_like(1.5, 22050, 2)], axis=1)
+    samples, rate = decode_reference_audio(_file_bytes(stereo, 22050, fmt, subtype))
+    assert rate == 22050 and samples.shape == stereo.shape and samples.dtype == np.float32
+    np.testing.assert_allclose(samples, stereo, atol=1 / 32768 if subtype == "PCM_16" else 0)
+    assert prepare_reference_audio(samples, rate).size == math.ceil(stereo.shape[0] * (24000 / 22050))
+
+
+def test_undecodable_empty_and_overlong_files_are_refused() -> None:
+    with pytest.raises(ReferenceAudioError) as refused:
+        decode_reference_audio(b"RIFF0000WAVEnot really a wave file" * 8)
+    assert refused.value.reason == "undecodable"
+    with pytest.raises(ReferenceAudioError) as refused:
+        decode_reference_audio(b"")
+    assert refused.value.reason == "empty"
+    with pytest.raises(ReferenceAudioError) as refused:
+        decode_reference_audio(_file_bytes(speech_like(3.0, 8000), 8000), ReferenceLimits(max_seconds=2.0))
+    assert refused.value.reason == "too_long"
 
 
 def test_the_error_keeps_its_reason_through_pickling() -> None:

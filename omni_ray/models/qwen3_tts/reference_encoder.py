@@ -4,6 +4,7 @@ tokenizer's reference codes [T, 16] (Mimi encoder) and the Base model's x-vector
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import soundfile as sf
 import torch
 from torch import nn
 from transformers import MimiConfig
@@ -48,7 +50,7 @@ AudioArray = np.ndarray | torch.Tensor
 class ReferenceAudioError(ValueError):
     """Reference audio the encoder refuses; `reason` is one of REASONS. The serving layer answers it with a 400."""
 
-    REASONS = ("empty", "bad_shape", "bad_sample_rate", "too_short", "too_long", "non_finite", "silent")
+    REASONS = ("undecodable", "empty", "bad_shape", "bad_sample_rate", "too_short", "too_long", "non_finite", "silent")
 
     def __init__(self, reason: str, message: str) -> None:
         if reason not in self.REASONS:
@@ -83,6 +85,32 @@ class ReferenceEncoding:
     x_vector: torch.Tensor
     codes: torch.Tensor | None
     seconds: float
+
+
+def decode_reference_audio(data: bytes, limits: ReferenceLimits = ReferenceLimits()) -> tuple[np.ndarray, int]:
+    """Audio file bytes (wav, flac, ogg, mp3: what libsndfile reads) → (float32 [samples, channels], native rate).
+
+    No resampling here: `prepare_reference_audio` (or `ReferenceEncoder.encode`) takes the pair, as the official package
+    reads base64 and URL references with soundfile at their own rate. A file longer than the limit is refused from its
+    header, before decoding. Raises ReferenceAudioError ("undecodable", "empty", "too_long")."""
+    if not data:
+        raise ReferenceAudioError("empty", "reference audio is empty")
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as audio_file:
+            rate, frames = int(audio_file.samplerate), int(audio_file.frames)
+            if rate > 0 and frames / rate > limits.max_seconds:
+                raise ReferenceAudioError(
+                    "too_long", f"reference audio is {frames / rate:.2f} s; at most {limits.max_seconds:g} s is accepted"
+                )
+            samples = audio_file.read(dtype="float32", always_2d=True)
+    except ReferenceAudioError:
+        raise
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as error:
+        detail = getattr(error, "error_string", None) or error
+        raise ReferenceAudioError("undecodable", f"reference audio could not be decoded ({len(data)} bytes): {detail}") from error
+    if samples.shape[0] == 0:
+        raise ReferenceAudioError("empty", "reference audio has no samples")
+    return samples, rate
 
 
 def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: ReferenceLimits = ReferenceLimits()) -> np.ndarray:

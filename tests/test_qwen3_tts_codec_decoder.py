@@ -78,7 +78,8 @@ def one_shot(module: Qwen3TTSCodecDecoder, codes: torch.Tensor) -> torch.Tensor:
     return module.decode(codes.T)
 
 
-def streamed(decoder: StreamingDecoder | StatefulStreamingDecoder, codes: torch.Tensor, bursts: list[int]) -> list[torch.Tensor]:
+def streamed(decoder: StreamingDecoder | StatefulStreamingDecoder, codes: torch.Tensor,
+             bursts: list[int]) -> list[torch.Tensor]:
     """Push `codes` in bursts of the given sizes (then the rest), finish; every chunk emitted."""
     chunks, done = [], 0
     for size in bursts:
@@ -95,7 +96,8 @@ def snr_db(reference: torch.Tensor, estimate: torch.Tensor) -> float:
 
 
 # ---- the one-shot decode ------------------------------------------------------------------------------------------
-def test_each_frame_is_1920_final_samples_and_nothing_is_held_back(module: Qwen3TTSCodecDecoder, codec: Code2WavCodec) -> None:
+def test_each_frame_is_1920_final_samples_and_nothing_is_held_back(module: Qwen3TTSCodecDecoder,
+                                                                   codec: Code2WavCodec) -> None:
     """Strictly causal: a decode of T frames is T * 1920 samples, the first T * 1920 of any longer decode (so the
     shared vocoder's measured trim is 0, where Code2Wav's is 555)."""
     assert codec.trim == 0 and codec.samples_per_frame == SPF and codec.num_quantizers == Q
@@ -127,7 +129,8 @@ def test_the_offline_decode_takes_chunks_after_left_context_like_the_official(mo
 
 
 # ---- streaming ----------------------------------------------------------------------------------------------------
-def test_stateful_streaming_equals_the_one_shot_decode_past_the_attention_window(codec: Code2WavCodec, module: Qwen3TTSCodecDecoder) -> None:
+def test_stateful_streaming_equals_the_one_shot_decode_past_the_attention_window(
+        codec: Code2WavCodec, module: Qwen3TTSCodecDecoder) -> None:
     """The default decoder: 80 frames (past the 72-frame window) pushed unevenly, on the default ramp 1, 2, 4 then 8;
     the chunks add up to the one-shot decode, sample count included, and the slot is freed."""
     codes = codes_of(80, seed=7)
@@ -257,7 +260,8 @@ def test_concurrent_streams_decode_in_shared_batches_each_equal_to_its_own_one_s
     assert batching.worker.batches < batching.worker.windows  # some calls did run together
 
 
-def test_window_decodes_of_several_streams_batch_by_window_length(codec: Code2WavCodec, module: Qwen3TTSCodecDecoder) -> None:
+def test_window_decodes_of_several_streams_batch_by_window_length(codec: Code2WavCodec,
+                                                                  module: Qwen3TTSCodecDecoder) -> None:
     batching = BatchingCodec(codec, max_batch=4)
     windows = torch.stack([codes_of(6, seed=60), codes_of(6, seed=61)])
     both = codec.decode_batch(windows)
@@ -310,8 +314,9 @@ def test_the_codebooks_are_usage_normalised_sums_projected_per_group(module: Qwe
     quantizer = module.quantizer
 
     def group(part: torch.nn.Module, group_codes: torch.Tensor) -> torch.Tensor:
-        rows = sum(layer._codebook.embedding_sum[group_codes[:, i]] / layer._codebook.cluster_usage[group_codes[:, i], None]
-                   for i, layer in enumerate(part.vq.layers))
+        books = [layer._codebook for layer in part.vq.layers]
+        rows = sum(book.embedding_sum[group_codes[:, i]] / book.cluster_usage[group_codes[:, i], None]
+                   for i, book in enumerate(books))
         return torch.einsum("oi,bti->bot", part.output_proj.weight[..., 0], rows)
 
     expected = group(quantizer.rvq_first, codes[:, :1]) + group(quantizer.rvq_rest, codes[:, 1:])

@@ -227,7 +227,8 @@ def test_a_stream_cancelled_with_a_call_in_flight_frees_its_slot_once_the_call_h
 
 
 @pytest.mark.parametrize("reference_frames", [1, 5, 13])
-def test_a_stream_opened_with_reference_codes_continues_their_decode(codec: Code2WavCodec, reference_frames: int) -> None:
+def test_a_stream_opened_with_reference_codes_continues_their_decode(codec: Code2WavCodec,
+                                                                     reference_frames: int) -> None:
     """Reference codes (a cloned voice's) go into the stream's state ahead of its first chunk: the chunks are the
     one-shot decode of [reference + new frames] from the first new frame on (Code2Wav's held-back 555 samples of
     the reference come out of the first chunk's call and are dropped with the rest of the reference audio), and
@@ -251,7 +252,7 @@ def test_a_stream_opened_with_reference_codes_continues_their_decode(codec: Code
     assert audio.shape == (12 * SPF - TRIM,)
     torch.testing.assert_close(audio, joined[reference_frames * SPF : reference_frames * SPF + 12 * SPF - TRIM],
                                rtol=0, atol=1e-5)
-    torch.testing.assert_close(decoder.reference_tail(SPF), joined[(reference_frames - 1) * SPF : reference_frames * SPF],
-                               rtol=0, atol=1e-5)
+    last_reference_frame = joined[(reference_frames - 1) * SPF : reference_frames * SPF]
+    torch.testing.assert_close(decoder.reference_tail(SPF), last_reference_frame, rtol=0, atol=1e-5)
     assert set(shapes) <= set(step_shapes(schedule, reference=True)) and shapes[0][1]
     assert codec.states is not None and codec.states.in_use == 0

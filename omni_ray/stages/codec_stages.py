@@ -178,8 +178,9 @@ class StreamingVocoderStage(StageBase):
 
     stage_name = "vocoder"
 
-    def start_codec(self, codec: Any, stage: VocoderStageConfig) -> None:
-        """Warm up every decode shape the chunk schedule makes, then batch the streams' decode calls."""
+    def start_codec(self, codec: Any, stage: VocoderStageConfig, references: bool = False) -> None:
+        """Warm up every decode shape the chunk schedule makes (`references`: and those of streams that start with a
+        cloned voice's reference codes), then batch the streams' decode calls."""
         streaming = stage.streaming
         if streaming.cudnn_autotune and self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # before the first decode: warm-up times each shape once
@@ -191,7 +192,7 @@ class StreamingVocoderStage(StageBase):
         self.codec: BatchingCodec | BatchingStatefulCodec
         with self.startup_phase("warmup"):  # the graphs of every decode shape the chunk schedule makes
             if streaming.stateful:
-                codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule))
+                codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule, reference=references))
                 self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
             else:
                 codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))

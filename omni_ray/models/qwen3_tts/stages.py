@@ -108,7 +108,8 @@ class VocoderStage(StreamingVocoderStage):
         with self.startup_phase("load"):
             module = load_codec_decoder(files.directory, res.device, DTYPES[res.dtype])
         self.start_codec(make_codec(module, cuda_graphs=streaming.cuda_graphs,
-                                    max_streams=streaming.max_streams if streaming.stateful else 0), stage)
+                                    max_streams=streaming.max_streams if streaming.stateful else 0), stage,
+                         references=files.config.variant == "base")
         self.startup_done(stage.resources)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from omni_ray.config import ModelSource, StageConfig, TalkerStageConfig, VocoderStageConfig
 from omni_ray.engine.codec_talker import talker_options
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_tts.codec_decoder import load_codec_decoder, make_codec
+from omni_ray.models.qwen3_tts.codec_decoder import CodecDecoderConfig, load_codec_decoder, make_codec
 from omni_ray.models.qwen3_tts.model_files import resolve_model
 from omni_ray.models.qwen3_tts.prompt import TalkerPrompt
 from omni_ray.models.qwen3_tts.reference_encoder import ReferenceEncoder
@@ -106,7 +106,8 @@ class VocoderStage(StreamingVocoderStage):
         files = resolve_model(model)
         res, streaming = stage.resources, stage.streaming
         with self.startup_phase("load"):
-            module = load_codec_decoder(files.directory, res.device, DTYPES[res.dtype])
+            decoder_config = None if files.weights else CodecDecoderConfig.from_dict(files.speech_tokenizer["decoder_config"])
+            module = load_codec_decoder(files.weights, res.device, DTYPES[res.dtype], decoder_config)
         self.start_codec(make_codec(module, cuda_graphs=streaming.cuda_graphs,
                                     max_streams=streaming.max_streams if streaming.stateful else 0), stage,
                          references=files.config.variant == "base")

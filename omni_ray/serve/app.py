@@ -1,22 +1,23 @@
-"""Builds the Serve application: one deployment per stage plus the FastAPI ingress, from one config."""
+"""Builds the Serve application: one deployment per stage of each model it serves, plus the FastAPI ingress."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from ray import serve
 
-from omni_ray.config import PipelineConfig, StageConfig
-from omni_ray.models.qwen3_omni.stages import EncoderStage, TalkerStage, ThinkerStage, VocoderStage
+from omni_ray.config import PipelineConfig, StageConfig, StagesConfig
+from omni_ray.models import load_family
 from omni_ray.relay.auth import with_relay_env
 from omni_ray.serve.ingress import OmniIngress
 from omni_ray.serve.openai_protocol import ServiceLimits
 
-STAGE_CLASSES = {"encoder": EncoderStage, "thinker": ThinkerStage, "talker": TalkerStage, "vocoder": VocoderStage}
 LOAD_POLICY = "omni_ray.serve.autoscaling:stage_load_policy"
-DEFAULT_MODEL_NAME = "qwen3-omni"
+DEFAULT_MODEL_NAMES = {"qwen3_omni": "qwen3-omni", "qwen3_tts": "qwen3-tts"}
 
 
 # Serve's gRPC transport between replicas (the stage streams, `stages/client.py`) refuses messages over 4 MiB by
@@ -56,36 +57,87 @@ def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
     }
 
 
+def needed_stages(config: PipelineConfig) -> tuple[str, ...]:
+    """The family's stages this model uses: a Qwen3-TTS model that is not Base encodes no reference, so it gets no
+    reference stage (kept when the variant cannot be read here: a checkpoint on another machine)."""
+    stages = config.stage_names
+    if config.model.family != "qwen3_tts":
+        return stages
+    from omni_ray.models.qwen3_tts.model_files import DEFAULT_VARIANT, FULL_SIZE_CONFIG
+
+    source = config.model
+    model_config = Path(source.config or FULL_SIZE_CONFIG) if source.random_weights else None
+    if source.path is not None:
+        model_config = Path(source.path) / "config.json"
+    variant: str | None = source.variant or DEFAULT_VARIANT
+    if model_config is not None:
+        variant = json.loads(model_config.read_text()).get("tts_model_type") if model_config.is_file() else None
+    return stages if variant in (None, "base") else tuple(name for name in stages if name != "reference")
+
+
+def deployment_name(model_name: str, stage: str, several: bool) -> str:
+    """A stage's deployment: the stage's own name in a one-model application (`deployments:` entries name it so),
+    `<model>-<stage>` beside other models."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}-{stage}" if several else stage
+
+
+def model_specs(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """`args.models` ([{model_name, pipeline, stage_options}]), or the one-model form's `model_name` and `pipeline`."""
+    if "models" not in args:
+        return [{"model_name": args.get("model_name"), "pipeline": args.get("pipeline") or {}}]
+    if "pipeline" in args or "model_name" in args:
+        raise ValueError("give either models (several) or model_name and pipeline (one), not both")
+    specs = [dict(spec) for spec in args["models"] or []]
+    if not specs:
+        raise ValueError("models lists no model")
+    return specs
+
+
 def build_app(args: dict[str, Any] | None = None) -> Any:
-    """Serve application builder (`import_path: omni_ray.serve.app:build_app`). `args`:
-    `pipeline` (PipelineConfig), `limits` (ServiceLimits), `model_name` (the id served at /v1/models) and
-    `stage_options` ({stage: Serve deployment options}) for programmatic overrides. In YAML, prefer Serve's own
-    `deployments:` list, which Serve applies on top of these."""
+    """Serve application builder (`import_path: omni_ray.serve.app:build_app`). `args`: `pipeline` (PipelineConfig)
+    and `model_name` (the id requests name it by; default qwen3-omni or qwen3-tts by family), or `models`, a list of
+    {model_name, pipeline, stage_options} served side by side and routed by the request's `model`; `limits`
+    (ServiceLimits), and `stage_options` ({deployment: Serve deployment options}, `ingress` included) for
+    programmatic overrides. A model's stage deployments are named by stage in a one-model application, else
+    `<model_name>-<stage>`. In YAML, prefer Serve's own `deployments:` list, which Serve applies on top of these."""
     args = dict(args or {})
-    config = PipelineConfig.model_validate(args.get("pipeline") or {})
     limits = ServiceLimits.model_validate(args.get("limits") or {})
-    model_name = str(args.get("model_name") or DEFAULT_MODEL_NAME)
-    bound = {}
-    for name, cls in STAGE_CLASSES.items():
-        stage = getattr(config.stages, name)
-        override = (args.get("stage_options") or {}).get(name, {})
-        options = stage_deployment_options(name, stage)
-        if "autoscaling_config" in override:
-            options.pop("num_replicas")
-        options.update(override)
-        # every replica of the application shares one relay secret: the environment's, else a random one per build
-        options["ray_actor_options"] = with_relay_env(options.get("ray_actor_options") or {}, stage.relay_listen_host)
-        deployment = serve.deployment(cls).options(**options)
-        bound[name] = deployment.bind(config.model, stage)
+    overrides: dict[str, dict[str, Any]] = args.get("stage_options") or {}
+    specs = model_specs(args)
+    several = len(specs) > 1
+    models = []
+    for spec in specs:
+        config = PipelineConfig.model_validate(spec.get("pipeline") or {})
+        model_name = str(spec.get("model_name") or DEFAULT_MODEL_NAMES[config.model.family])
+        if any(model["model_name"] == model_name for model in models):
+            raise ValueError(f"two models are named {model_name!r}: each needs its own model_name")
+        classes = load_family(config.model.family).stage_classes
+        bound, deployments = {}, {}
+        for stage_name in needed_stages(config):
+            name = deployment_name(model_name, stage_name, several)
+            override = {**(spec.get("stage_options") or {}).get(stage_name, {}), **overrides.get(name, {})}
+            bound[stage_name] = bind_stage(classes[stage_name], name, config, getattr(config.stages, stage_name), override)
+            deployments[stage_name] = name
+        others = {name for name in StagesConfig.model_fields if name not in config.stage_names}
+        pipeline = config.model_dump(mode="json", exclude={"stages": others})  # a family's config names its stages only
+        models.append({"model_name": model_name, "pipeline": pipeline, "stages": bound,
+                       "deployments": deployments})
     ingress_options = {"name": "ingress", "ray_actor_options": with_serve_env({"num_cpus": 0.2}, INGRESS_ENV),
-                       "max_ongoing_requests": 256, "max_queued_requests": 512,
-                       **(args.get("stage_options") or {}).get("ingress", {})}
+                       "max_ongoing_requests": 256, "max_queued_requests": 512, **overrides.get("ingress", {})}
     ingress_options["ray_actor_options"] = with_relay_env(ingress_options.get("ray_actor_options") or {})
     ingress = serve.deployment(OmniIngress).options(**ingress_options)
-    return ingress.bind(
-        bound["encoder"], bound["thinker"], bound["talker"], bound["vocoder"],
-        config.model_dump(mode="json"), limits.model_dump(mode="json"), model_name,
-    )
+    return ingress.bind(models, limits.model_dump(mode="json"))
+
+
+def bind_stage(cls: type, name: str, config: PipelineConfig, stage: StageConfig, override: dict[str, Any]) -> Any:
+    """One stage's deployment bound to its model and settings: the defaults from the config, then `override`."""
+    options = stage_deployment_options(name, stage)
+    if "autoscaling_config" in override:
+        options.pop("num_replicas")
+    options.update(override)
+    # every replica of the application shares one relay secret: the environment's, else a random one per build
+    options["ray_actor_options"] = with_relay_env(options.get("ray_actor_options") or {}, stage.relay_listen_host)
+    return serve.deployment(cls).options(**options).bind(config.model, stage)
 
 
 def app_from_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:

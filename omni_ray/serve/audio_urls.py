@@ -1,10 +1,11 @@
-"""A chat request's audio_url parts fetched into audio (data:, http(s):, file:) within limits, its audio's length capped."""
+"""Audio a request names by URL (data:, http(s):, file:) fetched within limits: chat audio_url parts, speech ref_audio."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import io
 import os
 import stat
 import time
@@ -12,6 +13,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+import numpy as np
+import soundfile as sf
 
 from omni_ray.audio import AudioDecodeError, audio_duration_seconds
 from omni_ray.serve.openai_protocol import AudioUrlPart, ChatCompletionRequest, ServiceLimits, bad_request, too_large
@@ -96,6 +100,42 @@ def _resolve_one(url: str, limits: ServiceLimits, param: str) -> dict[str, Any]:
     if scheme == "file":
         return {"type": "audio", "audio": _read_local(url, limits, param)}
     raise bad_request(f"unsupported audio_url scheme {scheme!r}; use data:, http(s): or file:", param)
+
+
+def audio_bytes(value: str, limits: ServiceLimits, param: str) -> bytes:
+    """The bytes of audio given as a URL (data:, http(s): or file: as the limits allow) or as plain base64."""
+    if not urllib.parse.urlsplit(value).scheme:  # base64 holds no ':'
+        return _base64(value, param)
+    part = _resolve_one(value, limits, param)
+    if part["type"] == "input_audio":
+        return _base64(part["input_audio"]["data"], param)
+    return bytes(part["audio"])
+
+
+def _base64(data: str, param: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad_request(f"{param} is not valid base64: {exc}", param, "invalid_base64") from exc
+
+
+def read_reference_audio(value: str, limits: ServiceLimits, param: str = "ref_audio") -> tuple[np.ndarray, int]:
+    """Reference speech (`value` as `audio_bytes` takes it) decoded at its own rate: (samples [n] or [n, channels],
+    sample rate). 413 over max_audio_seconds (read from the header first), 400 when it does not decode. Blocking:
+    the ingress runs it on its parsing pool."""
+    data = audio_bytes(value, limits, param)
+    try:
+        seconds = audio_duration_seconds(data)
+    except AudioDecodeError as exc:
+        raise bad_request(f"{param}: {exc}", param, "invalid_audio") from exc
+    if seconds > limits.max_audio_seconds:
+        msg = f"{param} is {seconds:.1f}s, over the limit of {limits.max_audio_seconds:g}s"
+        raise too_large(msg, param, "audio_too_long")
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+        raise bad_request(f"{param}: could not decode the audio: {exc}", param, "invalid_audio") from exc
+    return np.ascontiguousarray(samples), int(rate)
 
 
 def check_audio_duration(messages: list[dict[str, Any]], limits: ServiceLimits) -> None:

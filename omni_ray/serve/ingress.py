@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front (FastAPI on Ray Serve): chat completions, speech, models, health, metrics.
+"""The OpenAI-compatible HTTP front (FastAPI on Ray Serve) of one or more models: chat, speech, models, health, metrics.
 
 No `from __future__ import annotations` here: FastAPI must see real annotations after Serve rebinds the routes.
 """
@@ -17,22 +17,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_ray.audio import encode_audio, wav_stream_header
-from omni_ray.config import PipelineConfig
 from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
-from omni_ray.models.qwen3_omni.model_files import resolve_model
-from omni_ray.serve.audio_urls import resolve_audio_urls_blocking
-from omni_ray.models.qwen3_omni.orchestrator import Orchestrator
-from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
+from omni_ray.models.qwen3_omni.prompt import Prompt
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.openapi_schema import REQUEST_BODIES, with_request_schemas
 from omni_ray.serve.request_work import ParsingPool, read_body
+from omni_ray.serve.served_model import ServedModel, prepare_chat, prepare_speech, served_model
 from omni_ray.serve.stats import READY_AFTER_S, StatsReporter, serve_replica_id, stats_board
-from omni_ray.stages.client import ServeClient
 
-STAGES = ("encoder", "thinker", "talker", "vocoder")
+FINISH_REASON_HEADER = "X-Finish-Reason"  # a whole speech body's end: stop (EOS) or length (a frame cap)
 logger = logging.getLogger(__name__)
 app = FastAPI(title="omni-ray", docs_url=None, redoc_url=None)
 with_request_schemas(app)
@@ -79,22 +75,21 @@ def _speech_sse_error(exc: Exception) -> bytes:
     return oai.sse(_as_openai_error(exc).body())
 
 
+def speech_finish_reason(final: Finished) -> str:
+    """Why a reply's speech ended: `stop` (the Talker's EOS) or `length` (a frame cap, or the Talker's context)."""
+    return final.audio_finish_reason or final.finish_reason
+
+
 @serve.ingress(app)
 class OmniIngress:
-    """Parses and validates requests, runs them through the orchestrator over the stage deployments."""
+    """Parses and validates requests, and runs each through its model's orchestrator over that model's stage
+    deployments. `models`: one spec per served model (`served_model`), routed by the request's `model`."""
 
-    def __init__(
-        self, encoder: Any, thinker: Any, talker: Any, vocoder: Any, pipeline: dict[str, Any],
-        limits: dict[str, Any], model_name: str,
-    ) -> None:
-        self.config = PipelineConfig.model_validate(pipeline)
+    def __init__(self, models: list[dict[str, Any]], limits: dict[str, Any]) -> None:
         self.limits = oai.ServiceLimits.model_validate(limits)
-        self.model_name = model_name
-        files = resolve_model(self.config.model)
-        model_config = files.config
-        prompts = PromptBuilder(str(files.tokenizer_dir), model_config.thinker_config.audio_token_id, self.limits.max_audio_seconds)
-        clients = {name: ServeClient(h) for name, h in zip(STAGES, (encoder, thinker, talker, vocoder))}
-        self.orchestrator = Orchestrator(clients, prompts, self.config, model_config, self.limits.max_prompt_tokens)
+        served = [served_model(spec, self.limits) for spec in models]
+        self.models: dict[str, ServedModel] = {model.name: model for model in served}
+        self.default_model = served[0]  # whose schema judges a body that names no model
         self.parsing = ParsingPool(self.limits)
         self.metrics = ServiceMetrics()
         self.board = stats_board()
@@ -116,7 +111,7 @@ class OmniIngress:
 
     @app.get("/v1/models")
     async def route_models(self) -> JSONResponse:
-        return JSONResponse(oai.models_list([self.model_name]))
+        return JSONResponse(oai.models_list(list(self.models)))
 
     @app.get("/health")
     async def route_health(self) -> JSONResponse:
@@ -131,9 +126,16 @@ class OmniIngress:
         return await self.metrics_text()
 
     # ---- helpers -------------------------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise oai.model_not_found(model)
+    def _route(self, raw: bytes) -> tuple[ServedModel, dict[str, Any]]:
+        """The model a body names, and the body decoded. An unknown id is a 404; a body that names none (or not as
+        a string) is judged by the first model's schema, which refuses it."""
+        body = oai.parse_json_body(raw, self.limits)
+        name = body.get("model")
+        if isinstance(name, str) and name in self.models:
+            return self.models[name], body
+        if isinstance(name, str) and name:
+            raise oai.model_not_found(name)
+        return self.default_model, body
 
     async def _start(self, events: AsyncIterator[Event]) -> tuple[Event | None, AsyncIterator[Event]]:
         """Run until the first event so that request errors become HTTP errors, not a broken stream."""
@@ -197,36 +199,29 @@ class OmniIngress:
             yield error_tail(exc)
 
     # ---- chat ----------------------------------------------------------------------------------------------
-    def _prepare_chat(self, raw: bytes) -> tuple[bool, dict[str, Any], list[dict[str, Any]], Prompt]:
-        """Everything a chat request needs before any stage sees it (whether it streams, generate's arguments, the
-        messages and their prompt); blocking work, run on the parsing pool."""
-        request = oai.parse_request(raw, oai.ChatCompletionRequest, self.limits)  # max_prompt_chars checked here
-        self._check_model(request.model)
-        request = resolve_audio_urls_blocking(request, self.limits)
-        kwargs = request.to_generate_kwargs(self.limits)
-        messages = request.to_pipeline_messages()
-        prompt = self.orchestrator.prompts.build(messages)  # input audio decoded, the prompt tokenized
-        oai.check_prompt_tokens(len(prompt.ids), self.limits)
-        return request.stream, kwargs, messages, prompt
+    def _prepare_chat(self, raw: bytes) -> tuple[ServedModel, tuple[bool, dict[str, Any], list[dict[str, Any]], Prompt]]:
+        """The model a chat request names, and what the request needs before any stage sees it; on the parsing pool."""
+        model, body = self._route(raw)
+        return model, prepare_chat(model, body, self.limits)
 
     async def chat(self, raw: bytes) -> Response:
-        stream, kwargs, messages, prompt = await self.parsing.run(self._prepare_chat, raw)
+        model, (stream, kwargs, messages, prompt) = await self.parsing.run(self._prepare_chat, raw)
         audio_format = kwargs.pop("audio_format")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         first, events = await self._start(
-            self.orchestrator.generate(messages, request_id=rid, prompt=prompt, **kwargs)
+            model.orchestrator.generate(messages, request_id=rid, prompt=prompt, **kwargs)
         )
         if stream:
-            body = self._chat_stream(rid, created, first, events, kwargs["audio"])
+            body = self._chat_stream(model.name, rid, created, first, events, kwargs["audio"])
             return StreamingResponse(self._counted("chat", body, _sse_error), media_type="text/event-stream")
-        return await self._chat_whole(rid, created, first, events, audio_format)
+        return await self._chat_whole(model.name, rid, created, first, events, audio_format)
 
     async def _chat_stream(
-        self, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio: bool
+        self, model_name: str, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio: bool
     ) -> AsyncIterator[bytes]:
         audio_id = f"audio_{rid}"
-        yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}))
+        yield oai.sse(oai.chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}))
         seconds = 0.0
         first_sent: float | None = None
         event = first
@@ -235,40 +230,42 @@ class OmniIngress:
                 delta: dict[str, Any] = {"content": event.text}
                 if audio:
                     delta.update(oai.audio_delta(audio_id, None, event.text))
-                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, delta))
+                yield oai.sse(oai.chat_chunk(rid, model_name, created, delta))
             elif isinstance(event, AudioChunk):
                 seconds += len(event.pcm) / event.sample_rate
                 first_sent = first_sent or time.time()
-                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, oai.audio_delta(audio_id, event.pcm)))
+                yield oai.sse(oai.chat_chunk(rid, model_name, created, oai.audio_delta(audio_id, event.pcm)))
             elif isinstance(event, Finished):
                 usage = oai.usage_dict(event.usage["prompt_tokens"], event.usage["completion_tokens"], event.usage.get("audio_frames"))
                 self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
-                yield oai.sse(oai.chat_chunk(rid, self.model_name, created, {}, event.finish_reason, usage,
+                yield oai.sse(oai.chat_chunk(rid, model_name, created, {}, event.finish_reason, usage,
                                              event.audio_finish_reason if audio else None))
             event = await anext(events, None)
         yield oai.SSE_DONE
 
     async def _chat_whole(
-        self, rid: str, created: int, first: Event | None, events: AsyncIterator[Event], audio_format: str | None
+        self, model_name: str, rid: str, created: int, first: Event | None, events: AsyncIterator[Event],
+        audio_format: str | None,
     ) -> Response:
         samples, final = await self._collect(first, events)
         audio = oai.audio_message(f"audio_{rid}", samples, audio_format, final.text, created) if audio_format else None
         usage = oai.usage_dict(final.usage["prompt_tokens"], final.usage["completion_tokens"], final.usage.get("audio_frames"))
-        body = oai.chat_completion(rid, self.model_name, created, final.text, final.finish_reason, usage, audio,
+        body = oai.chat_completion(rid, model_name, created, final.text, final.finish_reason, usage, audio,
                                    final.audio_finish_reason if audio_format else None)
         return JSONResponse(body)
 
     # ---- speech --------------------------------------------------------------------------------------------
-    def _prepare_speech(self, raw: bytes) -> tuple[oai.SpeechRequest, tuple[Prompt, list[int]]]:
-        """A speech request parsed, its prompt built and its input tokenized; run on the parsing pool."""
-        request = oai.parse_request(raw, oai.SpeechRequest, self.limits)
-        self._check_model(request.model)
-        return request, self.orchestrator.speech_prompt(request.input, request.instructions)
+    def _prepare_speech(self, raw: bytes) -> tuple[ServedModel, oai.SpeechRequest, dict[str, Any]]:
+        """The model a speech request names, the request parsed by that model's schema and its speak() arguments
+        (Qwen3-Omni: the prompt built and the input tokenized; Qwen3-TTS: ref_audio decoded); on the parsing pool."""
+        model, body = self._route(raw)
+        request, kwargs = prepare_speech(model, body, self.limits)
+        return model, request, kwargs
 
     async def speech(self, raw: bytes) -> Response:
-        request, prepared = await self.parsing.run(self._prepare_speech, raw)
-        first, events = await self._start(self.orchestrator.speak(
-            request.input, request_id=f"speech-{uuid.uuid4().hex}", prepared=prepared, **request.to_speak_kwargs()
+        model, request, kwargs = await self.parsing.run(self._prepare_speech, raw)
+        first, events = await self._start(model.orchestrator.speak(
+            request.input, request_id=f"speech-{uuid.uuid4().hex}", **kwargs
         ))
         if request.stream_format == "sse":
             body = self._speech_stream(first, events, request.response_format == "wav", events_out=True)
@@ -276,14 +273,15 @@ class OmniIngress:
         if request.stream:
             body = self._speech_stream(first, events, request.response_format == "wav")
             return StreamingResponse(self._counted("speech", body), media_type=request.content_type)
-        samples, _ = await self._collect(first, events)
-        return Response(encode_audio(samples, OUTPUT_SAMPLE_RATE, request.audio_format), media_type=request.content_type)
+        samples, final = await self._collect(first, events)
+        return Response(encode_audio(samples, OUTPUT_SAMPLE_RATE, request.audio_format), media_type=request.content_type,
+                        headers={FINISH_REASON_HEADER: speech_finish_reason(final)})
 
     async def _speech_stream(
         self, first: Event | None, events: AsyncIterator[Event], wav: bool, events_out: bool = False
     ) -> AsyncIterator[bytes]:
         """The audio's bytes as they are made (a WAV stream header first); with `events_out`, each piece as a
-        speech.audio.delta event and a last speech.audio.done with usage."""
+        speech.audio.delta event and a last speech.audio.done with usage and the speech's finish reason."""
         def piece(audio: bytes) -> bytes:
             return oai.sse(oai.speech_audio_delta(audio)) if events_out else audio
 
@@ -301,14 +299,15 @@ class OmniIngress:
                 self.metrics.observe_reply(_with_sent(event.timing, first_sent), seconds, event.t)
                 if events_out:  # the text read (the instruction turn and the input), the codec frames made
                     read = event.usage["prompt_tokens"] + event.usage["completion_tokens"]
-                    yield oai.sse(oai.speech_audio_done(read, int(event.usage.get("audio_frames", 0))))
+                    frames = int(event.usage.get("audio_frames", 0))
+                    yield oai.sse(oai.speech_audio_done(read, frames, speech_finish_reason(event)))
             event = await anext(events, None)
 
     # ---- service -------------------------------------------------------------------------------------------
     async def ready(self) -> Response:
         snapshot: dict[str, dict[str, Any]] = await self.board.snapshot.remote(READY_AFTER_S)
-        present = {str(s.get("stage")) for s in snapshot.values()}
-        missing = [stage for stage in STAGES if stage not in present]
+        present = {str(s.get("deployment") or s.get("stage")) for s in snapshot.values()}
+        missing = [name for model in self.models.values() for name in model.deployments if name not in present]
         if missing:
             return JSONResponse({"status": "not ready", "missing_stages": missing}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ready", "replicas": len(snapshot)})

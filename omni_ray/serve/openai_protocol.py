@@ -77,7 +77,11 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
 
 
 def invalid_request(exc: InvalidRequestError) -> OpenAIError:
-    """A pipeline client error → 400, or 413 when its cause chain holds AudioTooLongError."""
+    """A pipeline client error → 400, or 413 when its cause chain holds AudioTooLongError, or the status an error
+    class names (`status`, e.g. a voice store's 404)."""
+    status = getattr(exc, "status", 400)
+    if isinstance(status, int) and 400 <= status < 500 and status != 400:
+        return OpenAIError(status, str(exc), "not_found_error" if status == 404 else "invalid_request_error")
     cause: BaseException | None = exc
     seen: set[int] = set()
     while cause is not None and id(cause) not in seen:
@@ -343,6 +347,9 @@ class SpeechRequest(_Strict):
     instructions: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="extension: Talker temperature")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="extension: Talker sampling seed")
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="extension: the speech's frame cap (12.5 frames a second); speech it cuts "
+        "short ends with finish reason length")
 
     @field_validator("input")
     @classmethod
@@ -393,7 +400,7 @@ class SpeechRequest(_Strict):
         """Pipeline.speak(text, **kwargs) arguments: the text is `input`."""
         return {
             "speaker": self.speaker, "instructions": self.instructions or None,
-            "talker_sampling": talker_sampling(self.temperature, self.seed),
+            "talker_sampling": talker_sampling(self.temperature, self.seed), "max_audio_frames": self.max_new_tokens,
         }
 
 
@@ -405,7 +412,7 @@ def talker_sampling(temperature: float | None, seed: int | None) -> SamplingPara
     return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=seed)
 
 
-RequestT = TypeVar("RequestT", ChatCompletionRequest, SpeechRequest)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def parse_json_body(raw: bytes, limits: ServiceLimits) -> dict[str, Any]:

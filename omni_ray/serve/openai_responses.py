@@ -86,10 +86,14 @@ def speech_audio_delta(audio: bytes) -> dict[str, Any]:
     return {"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode()}
 
 
-def speech_audio_done(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """The last `stream_format: sse` speech event: usage (text tokens read, codec frames made)."""
+def speech_audio_done(input_tokens: int, output_tokens: int, finish_reason: str | None = None) -> dict[str, Any]:
+    """The last `stream_format: sse` speech event: usage (text tokens read, codec frames made) and, an extension,
+    why the speech ended (`stop`: the model's end of speech; `length`: a frame cap cut it short)."""
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
-    return {"type": "speech.audio.done", "usage": usage}
+    done: dict[str, Any] = {"type": "speech.audio.done", "usage": usage}
+    if finish_reason is not None:
+        done["finish_reason"] = finish_reason
+    return done
 
 
 def models_list(model_ids: list[str], created: int | None = None) -> dict[str, Any]:

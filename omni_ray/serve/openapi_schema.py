@@ -8,24 +8,27 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from omni_ray.serve.openai_protocol import ChatCompletionRequest, SpeechRequest
+from omni_ray.serve.speech_protocol import TTSSpeechRequest
 
 REF = "#/components/schemas/{model}"
-MODELS = {"chat": ChatCompletionRequest, "speech": SpeechRequest}
+# each route's bodies: a speech request is Qwen3-Omni's or Qwen3-TTS's, by the family of the model it names
+MODELS: dict[str, tuple[type, ...]] = {"chat": (ChatCompletionRequest,), "speech": (SpeechRequest, TTSSpeechRequest)}
 
 
-def _body(model: type) -> dict[str, Any]:
-    schema = {"$ref": REF.format(model=model.__name__)}
+def _body(models: tuple[type, ...]) -> dict[str, Any]:
+    refs = [{"$ref": REF.format(model=model.__name__)} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 # each POST route's `openapi_extra`
-REQUEST_BODIES: dict[str, dict[str, Any]] = {name: _body(model) for name, model in MODELS.items()}
+REQUEST_BODIES: dict[str, dict[str, Any]] = {name: _body(models) for name, models in MODELS.items()}
 
 
 def request_schemas() -> dict[str, Any]:
     """The request models' JSON schemas and every schema they refer to, keyed as components/schemas."""
     schemas: dict[str, Any] = {}
-    for model in MODELS.values():
+    for model in (model for models in MODELS.values() for model in models):
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

@@ -54,6 +54,16 @@ def serve_replica_id() -> str | None:
         return None
 
 
+def serve_deployment_name() -> str | None:
+    """This Serve replica's deployment (None outside Serve)."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().deployment)
+    except Exception:  # not a Serve replica
+        return None
+
+
 def stats_board(app_name: str | None = None) -> Any:
     """The board of one Serve application (each app sees only its own replicas), created on first use."""
     app = current_app_name() if app_name is None else app_name
@@ -63,11 +73,14 @@ def stats_board(app_name: str | None = None) -> Any:
 
 
 class StatsReporter:
-    """Background thread posting `collect()` to the board every REPORT_PERIOD_S."""
+    """Background thread posting `collect()` to the board every REPORT_PERIOD_S, with the replica's deployment (under
+    Serve): /ready tells one model's stages from another's by it."""
 
     def __init__(self, replica_id: str, collect: Callable[[], dict[str, Any]]) -> None:
         self.replica_id = replica_id
         self.collect = collect
+        deployment = serve_deployment_name()
+        self.identity = {} if deployment is None else {"deployment": deployment}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stats-reporter", daemon=True)
         self._thread.start()
@@ -77,7 +90,7 @@ class StatsReporter:
         while not self._stop.wait(REPORT_PERIOD_S):
             try:
                 board = board or stats_board()
-                board.report.remote(self.replica_id, self.collect())
+                board.report.remote(self.replica_id, {**self.collect(), **self.identity})
             except Exception:  # the board is best effort: serving never waits on it
                 board = None
 

@@ -1,0 +1,139 @@
+"""The models one ingress serves: each one's config, orchestrator and stage deployments, and its requests prepared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_ray.config import PipelineConfig
+from omni_ray.errors import InvalidRequestError
+from omni_ray.models import load_family
+from omni_ray.models.qwen3_omni.prompt import Prompt
+from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+from omni_ray.models.qwen3_tts.prompt import VoiceReference
+from omni_ray.models.qwen3_tts.reference_encoder import (
+    REFERENCE_SAMPLE_RATE, ReferenceAudioError, prepare_reference_audio,
+)
+from omni_ray.serve import openai_protocol as oai
+from omni_ray.serve.audio_urls import read_reference_audio, resolve_audio_urls_blocking
+from omni_ray.serve.speech_protocol import TTSSpeechRequest
+from omni_ray.stages.client import ServeClient
+
+# Stands for a reference not encoded yet: a request is checked against its model before its reference is encoded.
+PENDING_REFERENCE = VoiceReference(torch.zeros(0))
+
+
+@dataclass
+class ServedModel:
+    """One model of the application: the id requests name it by, its pipeline config, its family's orchestrator over
+    its stage deployments, and those deployments' names (for /ready)."""
+
+    name: str
+    config: PipelineConfig
+    orchestrator: Any
+    deployments: tuple[str, ...]
+
+    @property
+    def family(self) -> str:
+        return self.config.model.family
+
+    @property
+    def chats(self) -> bool:
+        """Qwen3-Omni chats; Qwen3-TTS only speaks text it is given."""
+        return hasattr(self.orchestrator, "generate")
+
+
+def served_model(spec: dict[str, Any], limits: oai.ServiceLimits) -> ServedModel:
+    """A model from `build_app`'s spec: {model_name, pipeline, stages: {stage: handle}, deployments: {stage: name}}.
+    Qwen3-Omni's prompt builder caps input audio at the service's `max_audio_seconds`."""
+    config = PipelineConfig.model_validate(spec["pipeline"])
+    if config.model.family == "qwen3_omni":
+        config = config.model_copy(update={"max_audio_seconds": limits.max_audio_seconds})
+    clients = {name: ServeClient(handle) for name, handle in spec["stages"].items()}
+    orchestrator = load_family(config.model.family).make_orchestrator(clients, config, limits.max_prompt_tokens)
+    return ServedModel(str(spec["model_name"]), config, orchestrator, tuple(spec["deployments"].values()))
+
+
+# ---- chat ------------------------------------------------------------------------------------------------------------
+
+def prepare_chat(model: ServedModel, body: dict[str, Any], limits: oai.ServiceLimits
+                 ) -> tuple[bool, dict[str, Any], list[dict[str, Any]], Prompt]:
+    """Everything a chat request needs before any stage sees it (whether it streams, generate's arguments, the
+    messages and their prompt); blocking work, run on the parsing pool."""
+    if not model.chats:
+        raise oai.bad_request(f"'{model.name}' is a text-to-speech model: it serves /v1/audio/speech, not chat",
+                              "model", "unsupported_model")
+    request = oai.parse_request(body, oai.ChatCompletionRequest, limits)  # max_prompt_chars checked here
+    request = resolve_audio_urls_blocking(request, limits)
+    kwargs = request.to_generate_kwargs(limits)
+    messages = request.to_pipeline_messages()
+    prompt = model.orchestrator.prompts.build(messages)  # input audio decoded, the prompt tokenized
+    oai.check_prompt_tokens(len(prompt.ids), limits)
+    return request.stream, kwargs, messages, prompt
+
+
+# ---- speech ----------------------------------------------------------------------------------------------------------
+
+def prepare_speech(model: ServedModel, body: dict[str, Any], limits: oai.ServiceLimits
+                   ) -> tuple[oai.SpeechRequest, dict[str, Any]]:
+    """A speech request parsed by its model's schema, and its orchestrator's `speak(request.input, **kwargs)`
+    arguments; blocking work (tokenizing, reference audio decoding), run on the parsing pool."""
+    if model.family == "qwen3_tts":
+        return _prepare_tts_speech(model, body, limits)
+    request = oai.parse_request(body, oai.SpeechRequest, limits)
+    kwargs = request.to_speak_kwargs()
+    kwargs["prepared"] = model.orchestrator.speech_prompt(request.input, request.instructions)
+    return request, kwargs
+
+
+def _prepare_tts_speech(model: ServedModel, body: dict[str, Any], limits: oai.ServiceLimits
+                        ) -> tuple[TTSSpeechRequest, dict[str, Any]]:
+    request = oai.parse_request(body, TTSSpeechRequest, limits)
+    kwargs = request.to_speak_kwargs()
+    check_tts_request(model.orchestrator, request.input, kwargs, cloning=request.ref_audio is not None)
+    if request.ref_audio is not None:
+        kwargs["reference"] = reference_audio(request, limits)
+    return request, kwargs
+
+
+def check_tts_request(orchestrator: Any, text: str, kwargs: dict[str, Any], cloning: bool) -> None:
+    """A Qwen3-TTS request's mistakes, each a 400 naming it, before any stage runs: an unsupported language, a
+    task_type or voice the model lacks, a feature its variant lacks (ref_audio but for Base, instructions to Base,
+    VoiceDesign without instructions). A Base request without ref_audio names a stored voice: the orchestrator
+    looks it up."""
+    language, voice, task_type = kwargs["language"], kwargs["voice"], kwargs["task_type"]
+    if language not in orchestrator.languages:
+        raise oai.bad_request(f"language {language!r} is not supported by this model: use one of "
+                              f"{', '.join(orchestrator.languages)}", "language", "unsupported_language")
+    own_task = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}[orchestrator.variant]
+    if task_type is not None and task_type != own_task:
+        raise oai.bad_request(f"task_type {task_type!r}: this model is a {own_task} model", "task_type",
+                              "unsupported_task_type")
+    if orchestrator.variant == "custom_voice" and voice is not None and voice not in orchestrator.voices:
+        raise oai.bad_request(f"unknown voice {voice!r}; this model's voices: {', '.join(orchestrator.voices)}",
+                              "voice", "invalid_voice")
+    if orchestrator.variant == "base" and not cloning and voice is not None:
+        return  # a stored voice, looked up (and the request checked) by the orchestrator before any stage runs
+    try:
+        orchestrator.speech_request(text, voice, language, kwargs["instructions"],
+                                    PENDING_REFERENCE if cloning else None, kwargs["streaming_text"], task_type)
+    except InvalidRequestError as exc:
+        raise oai.bad_request(str(exc), None, "unsupported_for_model") from exc
+
+
+def reference_audio(request: TTSSpeechRequest, limits: oai.ServiceLimits) -> ReferenceAudio:
+    """`ref_audio` fetched, decoded, checked (length, silence, finite samples) and resampled to the encoder's rate,
+    with its transcript; in-context cloning (no `x_vector_only_mode`) needs `ref_text`."""
+    x_vector_only = bool(request.x_vector_only_mode)
+    if not x_vector_only and not (request.ref_text or "").strip():
+        raise oai.bad_request("in-context voice cloning needs ref_text, the reference audio's transcript (or set "
+                              "x_vector_only_mode)", "ref_text", "missing_ref_text")
+    assert request.ref_audio is not None
+    samples, rate = read_reference_audio(request.ref_audio, limits)
+    try:
+        prepared = prepare_reference_audio(samples, rate)
+    except ReferenceAudioError as exc:
+        raise oai.bad_request(f"ref_audio: {exc}", "ref_audio", f"ref_audio_{exc.reason}") from exc
+    return ReferenceAudio(prepared, REFERENCE_SAMPLE_RATE, request.ref_text, x_vector_only)

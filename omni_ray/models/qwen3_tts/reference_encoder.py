@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import soundfile as sf
@@ -180,10 +180,15 @@ def resample_to_reference_rate(samples: np.ndarray, sample_rate: int) -> np.ndar
 def speech_tokenizer_encoder_config(checkpoint: Path) -> tuple[MimiConfig, int, int]:
     """(Mimi encoder config, quantizers kept, samples per frame) from `<checkpoint>/speech_tokenizer/config.json`."""
     raw = json.loads((Path(checkpoint) / SPEECH_TOKENIZER_DIR / "config.json").read_text())
+    return encoder_config_from(raw, str(checkpoint))
+
+
+def encoder_config_from(raw: dict[str, Any], where: str = "speech tokenizer") -> tuple[MimiConfig, int, int]:
+    """(Mimi encoder config, quantizers kept, samples per frame) from a speech tokenizer's config.json contents."""
     if raw.get("model_type", "qwen3_tts_tokenizer_12hz") != "qwen3_tts_tokenizer_12hz":
-        raise ValueError(f"{checkpoint}: speech tokenizer {raw.get('model_type')!r} is not the 12 Hz one")
+        raise ValueError(f"{where}: speech tokenizer {raw.get('model_type')!r} is not the 12 Hz one")
     if int(raw.get("input_sample_rate", REFERENCE_SAMPLE_RATE)) != REFERENCE_SAMPLE_RATE:
-        raise ValueError(f"{checkpoint}: speech tokenizer input rate {raw['input_sample_rate']} is not {REFERENCE_SAMPLE_RATE}")
+        raise ValueError(f"{where}: speech tokenizer input rate {raw['input_sample_rate']} is not {REFERENCE_SAMPLE_RATE}")
     encoder = {k: v for k, v in raw.get("encoder_config", {}).items() if k not in ("transformers_version", "architectures")}
     return MimiConfig(**encoder), int(raw.get("encoder_valid_num_quantizers", 16)), int(raw.get("encode_downsample_rate", 1920))
 
@@ -291,6 +296,16 @@ class ReferenceEncoder:
         """A Base checkpoint's speaker encoder and, with `with_codes`, its speech tokenizer's encoder."""
         speaker = load_speaker_encoder(Path(checkpoint), SpeakerEncoderConfig.from_checkpoint(checkpoint), device, dtype)
         codec = load_speech_tokenizer_encoder(Path(checkpoint), device, dtype) if with_codes else None
+        return cls(speaker, codec, limits)
+
+    @classmethod
+    def random(cls, speaker_config: dict[str, Any], speech_tokenizer: dict[str, Any], device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, limits: ReferenceLimits = ReferenceLimits()) -> "ReferenceEncoder":
+        """Full-size random weights (speed work): shapes from a model config's `speaker_encoder_config` and a speech
+        tokenizer's config.json."""
+        speaker = load_speaker_encoder(None, SpeakerEncoderConfig.from_dict(speaker_config), device, dtype)
+        config, quantizers, samples_per_frame = encoder_config_from(speech_tokenizer)
+        codec = load_speech_tokenizer_encoder(None, device, dtype, config, quantizers, samples_per_frame)
         return cls(speaker, codec, limits)
 
     @property

@@ -46,7 +46,10 @@ class ReferenceStage(StageBase):
         self.encoder: ReferenceEncoder | None = None
         if files.config.variant == "base":  # the other variants have no speaker encoder: this replica idles
             with self.startup_phase("load"):
-                self.encoder = ReferenceEncoder.from_checkpoint(files.directory, res.device, DTYPES[res.dtype])
+                self.encoder = (
+                    ReferenceEncoder.from_checkpoint(files.weights, res.device, DTYPES[res.dtype]) if files.weights
+                    else ReferenceEncoder.random(files.config.speaker_encoder, files.speech_tokenizer, res.device,
+                                                 DTYPES[res.dtype]))
         self._encoding = 0
         self.startup_done(stage.resources)
 

@@ -20,7 +20,8 @@ from omni_ray.models.qwen3_tts.checkpoint import ensure_tiny_checkpoint
 from omni_ray.models.qwen3_tts.codec_decoder import load_codec_decoder, make_codec
 from omni_ray.models.qwen3_tts.model_files import load_tokenizer
 from omni_ray.models.qwen3_tts.prompt import NO_CODEC, SpeechRequest, TalkerPrompt, VoiceReference, build_prompt
-from omni_ray.models.qwen3_tts.talker import TTSTalkerRunner, run_to_end, speech_sequence
+from omni_ray.engine.loop import run_to_end
+from omni_ray.models.qwen3_tts.talker import TTSTalkerRunner, speech_sequence
 from omni_ray.models.qwen3_tts.talker_model import TalkerAssets, TTSModelConfig, load_talker
 from omni_ray.vocoder import ChunkSchedule, StatefulStreamingDecoder
 from omni_ray.vocoder.batching import BatchingStatefulCodec
@@ -80,7 +81,8 @@ def speak(seed: int, keys: list[str]) -> dict[str, list[list[int]]]:
         seq = speech_sequence(case["key"], prompt_of(case, seed), assets.model, case["frames"], GREEDY_TALKER, GREEDY)
         run.admit(seq)
         seqs.append(seq)
-    return run_to_end(run, seqs)
+    outputs = run_to_end(run, seqs)
+    return {key: [out.codes for out in outs if out.codes is not None] for key, outs in outputs.items()}
 
 
 @pytest.mark.parametrize("seed,key", case_ids())

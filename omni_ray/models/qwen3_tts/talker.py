@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from omni_ray.engine.codec_sequence import TalkerSequence, TalkerStepOutput
+from omni_ray.engine.codec_sequence import TalkerSequence
 from omni_ray.engine.codec_talker import CodecTalkerRunner
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.engine.sampler import SamplingParams
@@ -72,20 +72,3 @@ class TTSTalkerRunner(CodecTalkerRunner):
         assert len(prompts) == len(seqs) and not early
         dtype = self.assets.tts_pad.dtype
         return [p.to(dtype) for p in prompt_embeddings(prompts, self.model, self.device)]
-
-
-def run_to_end(runner: TTSTalkerRunner, seqs: list[SpeechSequence], max_steps: int = 100_000) -> dict[str, list[list[int]]]:
-    """Step admitted sequences together until each has ended (in process: tests, goldens, the CLI's offline path);
-    returns each request's frames, every frame's G codes. Releases them."""
-    frames: dict[str, list[list[int]]] = {seq.request_id: [] for seq in seqs}
-    for _ in range(max_steps):
-        live = [seq for seq in seqs if seq.finish_reason is None]
-        if not live:
-            break
-        outputs: list[TalkerStepOutput] = runner.step(live)
-        for out in outputs:
-            if out.codes is not None:
-                frames[out.request_id].append(out.codes)
-    for seq in seqs:
-        runner.release(seq)
-    return frames

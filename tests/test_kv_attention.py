@@ -522,3 +522,14 @@ def test_rms_norm_equals_transformers_in_fp32_and_within_a_bf16_ulp_in_bf16() ->
         ours_bf16, ref_bf16 = ours.to(torch.bfloat16)(x.bfloat16()).float(), ref.to(torch.bfloat16)(x.bfloat16()).float()
     ulp = 2.0 ** (torch.floor(torch.log2(ref_bf16.abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 significant bits
     assert bool(((ours_bf16 - ref_bf16).abs() <= ulp).all())
+
+
+def test_rotary_frequencies_stay_float32_when_the_model_is_cast() -> None:
+    """A bfloat16 copy of the frequencies would shift the angles of late positions (transformers keeps them float32)."""
+    from omni_ray.layers.basic import RotaryEmbedding
+
+    exact = RotaryEmbedding(128, 1e6)
+    cast = RotaryEmbedding(128, 1e6).to(torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.float32 and torch.equal(cast.inv_freq, exact.inv_freq)
+    positions = torch.arange(4000, 4096)[None]
+    assert torch.equal(cast(positions, torch.float32)[0], exact(positions, torch.float32)[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,9 +75,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._frequencies(torch.device("cpu")), persistent=False)
         self.mrope_section = list(mrope_section) if mrope_section else None
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
+        """Moves keep the frequencies in float32 (a cast of the model to bfloat16 would round them, and the angles of
+        late positions with them), as transformers' models keep theirs."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._frequencies(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [..., N] (1-D rope) or [3, ..., N] (M-RoPE). Returns cos, sin of shape [..., N, head_dim]."""

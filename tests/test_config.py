@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import EngineSettings, PipelineConfig
-from omni_ray.serve.app import GRPC_MAX_MESSAGE_BYTES, STAGE_CLASSES, app_from_serve_config, stage_deployment_options
+from omni_ray.serve.app import GRPC_MAX_MESSAGE_BYTES, app_from_serve_config, stage_deployment_options
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -26,11 +26,12 @@ def test_layout_is_a_valid_serve_config_that_builds(path: Path) -> None:
     schema = ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` check
     app = schema.applications[0]
     assert app.import_path == "omni_ray.serve.app:build_app"
-    assert {d.name for d in app.deployments} == set(STAGE_CLASSES) | {"ingress"}
     pipeline = PipelineConfig.from_yaml(path)
+    assert {d.name for d in app.deployments} == set(pipeline.stage_names) | {"ingress"}
     built, spec = app_from_serve_config(path)
     assert built is not None and spec["name"] == app.name
-    for stage in STAGE_CLASSES:
+    assert set(built._bound_deployment.init_args[0][0]["deployments"].values()) == set(pipeline.stage_names)
+    for stage in pipeline.stage_names:
         resources = getattr(pipeline.stages, stage).resources
         assert resources.device == "cpu" or resources.num_gpus > 0
 
@@ -61,7 +62,7 @@ def test_gpu_layouts_place_stages_as_documented() -> None:
         assert two.talker.engine.persistent_code_predictor_l2_keep_percent == 10
     for layout in ("deployments/qwen3_omni_30b_1gpu.yaml", "benchmarks/serve_30b_random_1gpu.yaml"):
         one = PipelineConfig.from_yaml(ROOT / layout).stages
-        assert sum(getattr(one, s).resources.num_gpus for s in STAGE_CLASSES) <= 1.0
+        assert sum(getattr(one, s).resources.num_gpus for s in ("encoder", "thinker", "talker", "vocoder")) <= 1.0
         # on a GPU shared with the Thinker the persistent code-predictor pass takes one-stream passes only (its 128
         # blocks hold every SM), and every engine stage fails Serve's health check on a step stuck past its stall timeout
         assert one.talker.engine.persistent_code_predictor

@@ -149,7 +149,9 @@ def test_the_serve_app_hands_every_replica_one_secret(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("OMNI_RAY_RELAY_SECRET", "s3cret")
     app = build_app({"pipeline": {"stages": {"talker": {"relay_listen_host": "0.0.0.0"}}}})
-    deployments = [app._bound_deployment, *[a._bound_deployment for a in app._bound_deployment.init_args[:4]]]
+    [model] = app._bound_deployment.init_args[0]  # the ingress's models: one, with its stages' deployments
+    deployments = [app._bound_deployment, *[a._bound_deployment for a in model["stages"].values()]]
+    assert len(deployments) == 5
     for deployment in deployments:
         env = deployment.ray_actor_options["runtime_env"]["env_vars"]
         assert env["OMNI_RAY_RELAY_SECRET"] == "s3cret"

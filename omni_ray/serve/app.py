@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -57,24 +56,6 @@ def stage_deployment_options(name: str, stage: StageConfig) -> dict[str, Any]:
     }
 
 
-def needed_stages(config: PipelineConfig) -> tuple[str, ...]:
-    """The family's stages this model uses: a Qwen3-TTS model that is not Base encodes no reference, so it gets no
-    reference stage (kept when the variant cannot be read here: a checkpoint on another machine)."""
-    stages = config.stage_names
-    if config.model.family != "qwen3_tts":
-        return stages
-    from omni_ray.models.qwen3_tts.model_files import DEFAULT_VARIANT, FULL_SIZE_CONFIG
-
-    source = config.model
-    model_config = Path(source.config or FULL_SIZE_CONFIG) if source.random_weights else None
-    if source.path is not None:
-        model_config = Path(source.path) / "config.json"
-    variant: str | None = source.variant or DEFAULT_VARIANT
-    if model_config is not None:
-        variant = json.loads(model_config.read_text()).get("tts_model_type") if model_config.is_file() else None
-    return stages if variant in (None, "base") else tuple(name for name in stages if name != "reference")
-
-
 def deployment_name(model_name: str, stage: str, several: bool) -> str:
     """A stage's deployment: the stage's own name in a one-model application (`deployments:` entries name it so),
     `<model>-<stage>` beside other models."""
@@ -113,7 +94,9 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
             raise ValueError(f"two models are named {model_name!r}: each needs its own model_name")
         classes = load_family(config.model.family).stage_classes
         bound, deployments = {}, {}
-        for stage_name in needed_stages(config):
+        # every stage of the family, even one a model leaves idle (a Qwen3-TTS model that is not Base encodes no
+        # reference): a Serve config's `deployments:` entries must each name a deployment of the application
+        for stage_name in config.stage_names:
             name = deployment_name(model_name, stage_name, several)
             override = {**(spec.get("stage_options") or {}).get(stage_name, {}), **overrides.get(name, {})}
             bound[stage_name] = bind_stage(classes[stage_name], name, config, getattr(config.stages, stage_name), override)

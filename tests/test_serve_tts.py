@@ -124,6 +124,9 @@ def test_openai_client_speech_whole_and_streamed_are_the_same_audio(client: open
         streamed = b"".join(response.iter_bytes())
     assert np.array_equal(_pcm(streamed), samples)
 
+    plain = client.audio.speech.create(**common, response_format="pcm", extra_body=extra)
+    assert np.array_equal(_pcm(plain.content), samples)
+
     events, done = _speech_events(url, {**common, **extra, "response_format": "pcm"})
     assert np.array_equal(_pcm(events), samples)
     assert done["finish_reason"] == reason and done["usage"]["output_tokens"] * SAMPLES_PER_FRAME == len(samples)

@@ -79,6 +79,7 @@ class StageBase:
         self._held_after_end: dict[str, float] = {}  # finished requests still holding items: until when
         self.completed = 0
         self.failed = 0
+        self.off_loop = 0  # requests whose blocking work runs on a worker thread now (`run_off_loop`)
         self._reporter: Any = None
         # seconds per startup phase, for /metrics: "process" (from the process's start to here: imports, the Ray
         # worker), then the stage's own ("load", "warmup")
@@ -122,6 +123,20 @@ class StageBase:
 
     async def stats(self) -> dict[str, Any]:
         return self.load_stats()
+
+    async def run_off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
+        """One request's blocking work (an encoder's) on a worker thread; counted in `off_loop` while it runs (what
+        such a stage reports as its load) and in `completed` / `failed` after."""
+        self.off_loop += 1
+        try:
+            result = await asyncio.to_thread(work, *args)
+        except Exception:
+            self.failed += 1
+            raise
+        finally:
+            self.off_loop -= 1
+        self.completed += 1
+        return result
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: the stage's own load signal."""

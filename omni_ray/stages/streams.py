@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator, Awaitable
 
 from omni_ray.errors import StageError
@@ -13,7 +14,7 @@ from omni_ray.stages.client import StageClient
 
 class RequestStreams:
     """The stage streams of one request. `open` starts several at once; each stream's events then land in one queue
-    (`next_event`) as (stage name, event). `close` cancels every stream still open, and each stage frees the
+    as (stage name, event), which `merged` reads. `close` cancels every stream still open, and each stage frees the
     request."""
 
     def __init__(self, stages: dict[str, StageClient], links: RelayLinks) -> None:
@@ -61,8 +62,25 @@ class RequestStreams:
         """A call the request needs beside its streams (an encoder's): its failure is that stage's error event."""
         self._tasks.append(asyncio.ensure_future(_report_failure(name, work, self.events)))
 
-    async def next_event(self) -> tuple[str, dict[str, Any]]:
-        return await self.events.get()
+    async def merged(self, timing: dict[str, float]) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Every open stream's events until each has ended. An error event raises StageError naming its stage; a
+        final event is kept in `finals` (its timing points go into `timing`); audio events mark the first and last
+        audio in `timing`; every event but finals is yielded, as (stage, event)."""
+        self.finals: dict[str, dict[str, Any]] = {}
+        while len(self.finals) < len(self.names):
+            name, event = await self.events.get()
+            kind = event["type"]
+            if kind == "error":
+                raise StageError(f"{name}: {event['message']}")
+            if kind == "final":
+                self.finals[name] = event
+                timing.update({key: t for key, t in event.get("timing", {}).items() if t is not None})
+                continue
+            if kind == "audio":
+                timing.setdefault("first_audio", event["t"])  # made by the vocoder
+                timing.setdefault("first_audio_received", time.time())  # here, on its way to the caller
+                timing["last_audio"] = event["t"]
+            yield name, event
 
     async def close(self) -> None:
         for task in self._tasks:  # cancelling a pump closes its stage stream: that stage frees the request

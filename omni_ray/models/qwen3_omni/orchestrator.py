@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from omni_ray.config import PipelineConfig
 from omni_ray.detokenizer import IncrementalDetokenizer
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.errors import InvalidRequestError, StageError
+from omni_ray.errors import InvalidRequestError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.model_files import resolve_model
 from omni_ray.models.qwen3_omni.prompt import Prompt, PromptBuilder
@@ -183,7 +183,6 @@ class Orchestrator:
         rid = thinker.request_id
         timing = {"submitted": submitted}
         streams = RequestStreams(self.stages, self.links)
-        done: dict[str, dict[str, Any]] = {}
         token_ids: list[int] = []
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         try:
@@ -205,15 +204,9 @@ class Orchestrator:
                 await asyncio.gather(streams.link(peers["thinker"], peers["talker"], rid),
                                      streams.link(peers["talker"], peers["vocoder"], rid))
             timing["streams_open"] = time.time()  # every stage holds the request
-            while len(done) < len(streams.names):
-                name, event = await streams.next_event()
+            async for _, event in streams.merged(timing):
                 kind = event["type"]
-                if kind == "error":
-                    raise StageError(f"{name}: {event['message']}")
-                if kind == "final":
-                    done[name] = event
-                    timing.update({key: t for key, t in event.get("timing", {}).items() if t is not None})
-                elif kind == "token":
+                if kind == "token":
                     timing.setdefault("first_token", event["t"])
                     if "prefill_launched" in event:
                         timing.setdefault("prefill_launched", event["prefill_launched"])
@@ -224,10 +217,8 @@ class Orchestrator:
                     if delta:
                         yield TextDelta(delta, [*held, event["token"]], event["t"])
                 elif kind == "audio":
-                    timing.setdefault("first_audio", event["t"])  # made by the vocoder
-                    timing.setdefault("first_audio_received", time.time())  # here, on its way to the caller
-                    timing["last_audio"] = event["t"]
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
+            done = streams.finals
             held = detokenizer.pending
             rest = detokenizer.flush()  # a reply cut off mid-character: its held-back bytes, as U+FFFD
             if rest:

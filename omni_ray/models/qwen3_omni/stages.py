@@ -69,27 +69,21 @@ class EncoderStage(StageBase):
         self.features = AudioFeatureExtractor(str(files.tokenizer_dir))
         with self.startup_phase("load"):
             self.encoder = load_audio_encoder(files.weights, config, res.device, DTYPES[res.dtype])
-        self._encoding = 0
         self.startup_done(stage.resources)
 
     async def encode(self, request_id: str, clips: list[np.ndarray], thinker: RelayPeer) -> int:
         """Encodes every clip of a request and relays one tensor [tokens, hidden]; returns the token count."""
-        self._encoding += 1
         try:
-            embeds = await asyncio.to_thread(self._encode, clips)
+            embeds = await self.run_off_loop(self._encode, clips)
         except Exception as exc:
             self.send_end(thinker, request_id, kind="error", message=f"audio encoding failed: {exc}")
-            self.failed += 1
             raise
-        finally:
-            self._encoding -= 1
-        self.completed += 1
         self.sender.send(thinker, [RelayItem(request_id, tensors={"audio_embeds": embeds.float().cpu()})])
         self.sender.forget(request_id)  # one item per request: no sequence state to keep
         return int(embeds.shape[0])
 
     def load_stats(self) -> dict[str, Any]:
-        return {**super().load_stats(), "streams": self._encoding, "load": self._encoding}
+        return {**super().load_stats(), "streams": self.off_loop, "load": self.off_loop}
 
     def _encode(self, clips: list[np.ndarray]) -> torch.Tensor:
         return encode_audio_features(self.encoder, [self.features(clip)[0] for clip in clips])

@@ -12,7 +12,7 @@ import numpy as np
 
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.errors import InvalidRequestError, StageError
+from omni_ray.errors import InvalidRequestError
 from omni_ray.events import AudioChunk, Event, Finished
 from omni_ray.models.qwen3_tts.model_files import TTSModelFiles, load_tokenizer, resolve_model
 from omni_ray.models.qwen3_tts.prompt import (
@@ -219,7 +219,6 @@ class SpeechOrchestrator:
     ) -> AsyncIterator[Event]:
         timing = {"submitted": submitted}
         streams = RequestStreams(self.stages, self.links)
-        done: dict[str, dict[str, Any]] = {}
         talker = SpeechTalkerRequest(rid, prompt, sampling or DEFAULT_SAMPLING, code_sampling or DEFAULT_CODE_SAMPLING,
                                      max_audio_frames, ignore_eos)
         context = None if cloned is None or cloned.codes is None else cloned.codes.T.contiguous()
@@ -228,19 +227,10 @@ class SpeechOrchestrator:
                                         "vocoder": ("decode", (rid, return_codes, context))})
             await streams.link(peers["talker"], peers["vocoder"], rid)
             timing["streams_open"] = time.time()
-            while len(done) < len(streams.names):
-                name, event = await streams.next_event()
-                kind = event["type"]
-                if kind == "error":
-                    raise StageError(f"{name}: {event['message']}")
-                if kind == "final":
-                    done[name] = event
-                    timing.update({key: t for key, t in event.get("timing", {}).items() if t is not None})
-                elif kind == "audio":
-                    timing.setdefault("first_audio", event["t"])
-                    timing.setdefault("first_audio_received", time.time())
-                    timing["last_audio"] = event["t"]
+            async for _, event in streams.merged(timing):
+                if event["type"] == "audio":
                     yield AudioChunk(event["pcm"], event["sample_rate"], event["t"])
+            done = streams.finals
             reason = done["talker"]["finish_reason"]
             usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "audio_frames": int(done["talker"]["frames"])}
             yield Finished(reason, usage, reason, [], time.time(), timing, done["vocoder"].get("codes"))

@@ -3,7 +3,6 @@ stage plumbing."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -50,7 +49,6 @@ class ReferenceStage(StageBase):
                     ReferenceEncoder.from_checkpoint(files.weights, res.device, DTYPES[res.dtype]) if files.weights
                     else ReferenceEncoder.random(files.config.speaker_encoder, files.speech_tokenizer, res.device,
                                                  DTYPES[res.dtype]))
-        self._encoding = 0
         self.startup_done(stage.resources)
 
     async def encode(self, audio: np.ndarray, sample_rate: int, x_vector_only: bool) -> dict[str, Any]:
@@ -58,20 +56,12 @@ class ReferenceStage(StageBase):
         `ReferenceAudioError` (a client error)."""
         if self.encoder is None:
             raise RuntimeError("this model has no speaker encoder: only Base models clone voices")
-        self._encoding += 1
-        try:
-            encoded = await asyncio.to_thread(self.encoder.encode, audio, sample_rate, x_vector_only)
-        except Exception:
-            self.failed += 1
-            raise
-        finally:
-            self._encoding -= 1
-        self.completed += 1
+        encoded = await self.run_off_loop(self.encoder.encode, audio, sample_rate, x_vector_only)
         codes = None if encoded.codes is None else encoded.codes.cpu()
         return {"x_vector": encoded.x_vector.float().cpu(), "codes": codes, "seconds": encoded.seconds}
 
     def load_stats(self) -> dict[str, Any]:
-        return {**super().load_stats(), "streams": self._encoding, "load": self._encoding}
+        return {**super().load_stats(), "streams": self.off_loop, "load": self.off_loop}
 
 
 class TalkerStage(CodecTalkerStage):

@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from omni_ray.config import EngineSettings, PipelineConfig
-from omni_ray.serve.app import GRPC_MAX_MESSAGE_BYTES, app_from_serve_config, stage_deployment_options
+from omni_ray.serve.app import (
+    GRPC_MAX_MESSAGE_BYTES, app_from_serve_config, deployment_name, model_specs, stage_deployment_options,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -26,14 +28,19 @@ def test_layout_is_a_valid_serve_config_that_builds(path: Path) -> None:
     schema = ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` check
     app = schema.applications[0]
     assert app.import_path == "omni_ray.serve.app:build_app"
-    pipeline = PipelineConfig.from_yaml(path)
-    assert {d.name for d in app.deployments} == set(pipeline.stage_names) | {"ingress"}
+    specs = model_specs(app.args)  # one model, or several side by side (`args.models`)
+    pipelines = [PipelineConfig.model_validate(spec.get("pipeline") or {}) for spec in specs]
+    names = [[deployment_name(spec.get("model_name") or "", stage, len(specs) > 1) for stage in pipeline.stage_names]
+             for spec, pipeline in zip(specs, pipelines)]
+    assert {d.name for d in app.deployments} == {name for model in names for name in model} | {"ingress"}
     built, spec = app_from_serve_config(path)
     assert built is not None and spec["name"] == app.name
-    assert set(built._bound_deployment.init_args[0][0]["deployments"].values()) == set(pipeline.stage_names)
-    for stage in pipeline.stage_names:
-        resources = getattr(pipeline.stages, stage).resources
-        assert resources.device == "cpu" or resources.num_gpus > 0
+    models = built._bound_deployment.init_args[0]
+    assert [set(model["deployments"].values()) for model in models] == [set(model) for model in names]
+    for pipeline in pipelines:
+        for stage in pipeline.stage_names:
+            resources = getattr(pipeline.stages, stage).resources
+            assert resources.device == "cpu" or resources.num_gpus > 0
 
 
 def test_a_serve_configs_controller_options_reach_serve_start(tmp_path: Path) -> None:
@@ -146,14 +153,6 @@ def test_a_stages_mps_priority_reaches_its_replica_processes_environment() -> No
     assert thinker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     assert thinker["env_vars"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
     assert talker["env_vars"]["CUDA_MPS_CLIENT_PRIORITY"] == "0"
-
-
-@pytest.mark.parametrize("layout", sorted(p.name for p in (ROOT / "deployments").glob("*.yaml")))
-def test_every_shipped_layout_deploys_exactly_its_familys_stages(layout: str) -> None:
-    raw = yaml.safe_load((ROOT / "deployments" / layout).read_text())
-    config = PipelineConfig.from_yaml(ROOT / "deployments" / layout)
-    named = {d["name"] for d in raw["applications"][0].get("deployments", [])}
-    assert named <= {"ingress", *config.stage_names}, named - {"ingress", *config.stage_names}
 
 
 def test_a_family_takes_only_its_own_stages() -> None:

@@ -442,8 +442,10 @@ class PipelineConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PipelineConfig":
-        """A pipeline YAML, or a Serve config whose first application's `args.pipeline` holds one."""
+        """A pipeline YAML, or a Serve config whose first application's `args.pipeline` holds one (with several
+        models, `args.models`: the first's)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if "applications" in data:
-            data = (data["applications"][0].get("args") or {}).get("pipeline") or {}
+            args = data["applications"][0].get("args") or {}
+            data = args.get("pipeline") or ((args.get("models") or [{}])[0].get("pipeline")) or {}
         return cls.model_validate(data)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from omni_ray.serve.app import STAGE_CLASSES
+from omni_ray.config import FAMILY_STAGES
 from _service import MODEL, StreamRecord, Tally, app_pids, chat_body, own_app, record, rss_kib, stream_chat, wav_b64
 
 APP, PREFIX = "soak", "/soak"
@@ -24,7 +24,7 @@ READ_TIMEOUT_S = 60.0  # no byte for this long: hung
 HUNG_AFTER_S = 120.0  # a request running longer than this counts as hung too
 RSS_GROWTH_LIMIT = 0.05
 SAMPLE_EVERY_S = 2.0
-DEPLOYMENTS = ("ingress", *STAGE_CLASSES)
+DEPLOYMENTS = ("ingress", *FAMILY_STAGES["qwen3_omni"])
 AUDIO_IN = wav_b64(1.5)
 SPEECH = {"model": MODEL, "voice": "ethan", "input": "The soak test keeps the service busy for a while."}
 

@@ -123,7 +123,12 @@ def read_reference_audio(value: str, limits: ServiceLimits, param: str = "ref_au
     """Reference speech (`value` as `audio_bytes` takes it) decoded at its own rate: (samples [n] or [n, channels],
     sample rate). 413 over max_audio_seconds (read from the header first), 400 when it does not decode. Blocking:
     the ingress runs it on its parsing pool."""
-    data = audio_bytes(value, limits, param)
+    return decode_reference_bytes(audio_bytes(value, limits, param), limits, param)
+
+
+def decode_reference_bytes(data: bytes, limits: ServiceLimits, param: str) -> tuple[np.ndarray, int]:
+    """An audio file's bytes decoded at their own rate, as `read_reference_audio` does (413 over max_audio_seconds by
+    the header, 400 `invalid_audio` when they do not decode). Blocking."""
     try:
         seconds = audio_duration_seconds(data)
     except AudioDecodeError as exc:

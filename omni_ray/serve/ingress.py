@@ -20,13 +20,19 @@ from omni_ray.audio import encode_audio, wav_stream_header
 from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt
+from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+from omni_ray.models.qwen3_tts.voices import VoiceStoreError
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
-from omni_ray.serve.openapi_schema import REQUEST_BODIES, with_request_schemas
+from omni_ray.serve.openapi_schema import REQUEST_BODIES, VOICE_UPLOAD_BODY, with_request_schemas
 from omni_ray.serve.request_work import ParsingPool, read_body
 from omni_ray.serve.served_model import ServedModel, prepare_chat, prepare_speech, served_model
 from omni_ray.serve.stats import READY_AFTER_S, StatsReporter, serve_replica_id, stats_board
+from omni_ray.serve.voice_uploads import (
+    is_base, parse_voice_upload, require_base, speaker_object, store_error, upload_reference, voice_created,
+    voice_deleted, voice_list, voice_model, voice_object,
+)
 
 FINISH_REASON_HEADER = "X-Finish-Reason"  # a whole speech body's end: stop (EOS) or length (a frame cap)
 logger = logging.getLogger(__name__)
@@ -42,6 +48,8 @@ def _as_openai_error(exc: Exception) -> oai.OpenAIError:
     """Client mistakes → 4xx; full queues → 503 with Retry-After; anything else is ours → 500."""
     if isinstance(exc, oai.OpenAIError):
         return exc
+    if isinstance(exc, VoiceStoreError):  # its status (400, 404, 409) and a code
+        return store_error(exc)
     if isinstance(exc, InvalidRequestError):
         return oai.invalid_request(exc)
     cause: BaseException | None = exc
@@ -108,6 +116,19 @@ class OmniIngress:
     @app.post("/v1/audio/speech", openapi_extra=REQUEST_BODIES["speech"])
     async def route_speech(self, request: Request) -> Response:
         return await self._guard("speech", self.speech, request)
+
+    @app.post("/v1/audio/voices", openapi_extra=VOICE_UPLOAD_BODY)
+    async def route_upload_voice(self, request: Request, model: Optional[str] = None) -> Response:
+        content_type = request.headers.get("content-type")
+        return await self._guard("voices", lambda raw: self.upload_voice(raw, content_type, model), request)
+
+    @app.get("/v1/audio/voices")
+    async def route_list_voices(self, request: Request, model: Optional[str] = None) -> Response:
+        return await self._guard("voices", lambda _: self.list_voices(model), request)
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def route_delete_voice(self, request: Request, name: str, model: Optional[str] = None) -> Response:
+        return await self._guard("voices", lambda _: self.delete_voice(name, model), request)
 
     @app.get("/v1/models")
     async def route_models(self) -> JSONResponse:
@@ -302,6 +323,37 @@ class OmniIngress:
                     frames = int(event.usage.get("audio_frames", 0))
                     yield oai.sse(oai.speech_audio_done(read, frames, speech_finish_reason(event)))
             event = await anext(events, None)
+
+    # ---- voices --------------------------------------------------------------------------------------------
+    def _prepare_upload(self, raw: bytes, content_type: str | None, query_model: str | None
+                        ) -> tuple[ServedModel, str, ReferenceAudio]:
+        """A voice upload's model, name and reference audio decoded and checked; on the parsing pool. The name is
+        checked against the store (taken, or the store full) before the audio is decoded."""
+        fields, name, form_model = parse_voice_upload(content_type, raw, self.limits)
+        model = voice_model(self.models, form_model or query_model)
+        require_base(model, "uploading a voice")
+        model.orchestrator.voice_store.check_can_add(name)
+        return model, name, upload_reference(fields, self.limits)
+
+    async def upload_voice(self, raw: bytes, content_type: str | None, query_model: str | None) -> Response:
+        model, name, reference = await self.parsing.run(self._prepare_upload, raw, content_type, query_model)
+        entry = await model.orchestrator.add_voice(name, reference)  # encoded once by the reference stage
+        return JSONResponse(voice_created(entry, model.name))
+
+    async def list_voices(self, query_model: str | None) -> Response:
+        """A Base model's stored voices; another model's built-in speakers (none for VoiceDesign)."""
+        model = voice_model(self.models, query_model)
+        if is_base(model):
+            voices = [voice_object(entry, model.name) for entry in await model.orchestrator.list_voices()]
+        else:
+            voices = [speaker_object(name, model.name) for name in model.orchestrator.voices]
+        return JSONResponse(voice_list(voices))
+
+    async def delete_voice(self, name: str, query_model: str | None) -> Response:
+        model = voice_model(self.models, query_model)
+        require_base(model, "deleting a voice")
+        await model.orchestrator.delete_voice(name)
+        return JSONResponse(voice_deleted(name, model.name))
 
     # ---- service -------------------------------------------------------------------------------------------
     async def ready(self) -> Response:

@@ -24,6 +24,26 @@ def _body(models: tuple[type, ...]) -> dict[str, Any]:
 # each POST route's `openapi_extra`
 REQUEST_BODIES: dict[str, dict[str, Any]] = {name: _body(models) for name, models in MODELS.items()}
 
+# POST /v1/audio/voices: a multipart form (parsed by `voice_uploads.parse_multipart_form`)
+VOICE_UPLOAD_FORM: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "audio_sample"],
+    "properties": {
+        "audio_sample": {"type": "string", "format": "binary", "description": "the reference speech: a wav, flac, "
+                         "ogg or mp3 file of 1 to 30 s, any rate and channel count (also accepted as 'audio')"},
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$",
+                 "description": "the voice's name, unique without case; speech requests name it as `voice`"},
+        "ref_text": {"type": "string", "description": "the audio's transcript: in-context cloning (without it the "
+                     "voice is x-vector only)"},
+        "x_vector_only_mode": {"type": "boolean", "description": "clone from the speaker embedding alone"},
+        "model": {"type": "string", "description": "a served Qwen3-TTS Base model (default: the only one)"},
+        "consent": {"type": "string", "description": "OpenAI's consent recording id: accepted and ignored"},
+        "type": {"type": "string", "enum": ["audio_sample"], "description": "OpenAI's: how the voice is made"},
+    },
+}
+VOICE_UPLOAD_BODY: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": VOICE_UPLOAD_FORM}}}}
+
 
 def request_schemas() -> dict[str, Any]:
     """The request models' JSON schemas and every schema they refer to, keyed as components/schemas."""

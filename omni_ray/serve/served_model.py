@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_ray.config import PipelineConfig
@@ -132,8 +133,15 @@ def reference_audio(request: TTSSpeechRequest, limits: oai.ServiceLimits) -> Ref
                               "x_vector_only_mode)", "ref_text", "missing_ref_text")
     assert request.ref_audio is not None
     samples, rate = read_reference_audio(request.ref_audio, limits)
+    return cloning_reference(samples, rate, request.ref_text, x_vector_only)
+
+
+def cloning_reference(samples: np.ndarray, rate: int, text: str | None, x_vector_only: bool,
+                      param: str = "ref_audio") -> ReferenceAudio:
+    """Decoded reference audio checked (length, silence, finite samples: a 400 `ref_audio_<reason>`) and resampled to
+    the encoder's rate, with its transcript."""
     try:
         prepared = prepare_reference_audio(samples, rate)
     except ReferenceAudioError as exc:
-        raise oai.bad_request(f"ref_audio: {exc}", "ref_audio", f"ref_audio_{exc.reason}") from exc
-    return ReferenceAudio(prepared, REFERENCE_SAMPLE_RATE, request.ref_text, x_vector_only)
+        raise oai.bad_request(f"{param}: {exc}", param, f"ref_audio_{exc.reason}") from exc
+    return ReferenceAudio(prepared, REFERENCE_SAMPLE_RATE, text, x_vector_only)

@@ -1,12 +1,14 @@
 """End-to-end service benchmark: full-size random-weight Qwen3-Omni served by Ray Serve, driven through HTTP by
 `load_tests` with the speech workload (a 100-token prompt, 128 text tokens, 400 Talker frames) at several
 concurrencies: client TTFA/TTFT/RTF, per-stage timings from `/metrics`, RTF floors, and (`--baseline`) transformers'
-generate() in the same run. Use it for any change meant to show end to end (a layout, `--set` a stage setting, the
+generate() in the same run. A layout of `family: qwen3_tts` runs Qwen3-TTS's workload T instead (CustomVoice, Base
+with a cached voice and with a fresh reference; Poisson rates and closed-loop levels; `benchmarks/tts_e2e/`). Use it for any change meant to show end to end (a layout, `--set` a stage setting, the
 relay, the engines); `benchmarks/compare_runs.py` sets runs side by side.
 
     python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --baseline --out DIR  # 2 H200s
     nvidia-cuda-mps-control -d; python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
         --out DIR  # one H200 under MPS (one H100: docs/gpu.md has the overrides)
+    python -m benchmarks.e2e_serve --serve-config benchmarks/serve_tts_1.7b_random_1gpu.yaml --out DIR  # Qwen3-TTS
 
 `OMNI_RAY_STEP_TRACE_DIR=DIR` also traces every engine step, for `benchmarks/step_timeline.py`."""
 
@@ -222,12 +224,8 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
     return used
 
 
-def serve_and_measure(
-    serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = DISTINCT_PROMPTS_FILE,
-    request_timeout: float = 60.0, warmup_timeout: float = 120.0,
-) -> list[dict[str, Any]]:
-    """Serve the layout, then `warm_and_measure` it. A run that stopped leaves Serve up: a hung replica may never
-    finish its step, and the process's exit takes the Ray cluster it started down."""
+def start_service(serve_config: str) -> dict[str, Any]:
+    """Ray, then the layout's first application on Serve at URL; its startup row once it is ready."""
     import ray
     from ray import serve
 
@@ -239,7 +237,19 @@ def serve_and_measure(
     started = time.time()
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
     wait_ready(900)
-    rows: list[dict[str, Any]] = [{"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}]
+    return {"phase": "startup", "seconds": time.time() - started, "stages": startup_phases(scrape())}
+
+
+def serve_and_measure(
+    serve_config: str, levels: list[int], rounds: int, max_tokens: int, out: Path, prompt_file: Path = DISTINCT_PROMPTS_FILE,
+    request_timeout: float = 60.0, warmup_timeout: float = 120.0,
+) -> list[dict[str, Any]]:
+    """Serve the layout, then `warm_and_measure` it. A run that stopped leaves Serve up: a hung replica may never
+    finish its step, and the process's exit takes the Ray cluster it started down."""
+    import ray
+    from ray import serve
+
+    rows = [start_service(serve_config)]
     rows += warm_and_measure(levels, rounds, max_tokens, out, prompt_file, request_timeout, warmup_timeout)
     if rows[-1]["phase"] != "stopped":
         # graphs captured lazily while serving (new batch or length buckets) are checked too
@@ -451,7 +461,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], baseline: dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_serve", description=__doc__)
     parser.add_argument("--serve-config", default=str(HERE / "serve_30b_random_2gpu.yaml"))
-    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--concurrency", help="closed-loop levels (default: 1,8,32; Qwen3-TTS: 1,8,32,64)")
+    parser.add_argument("--tts-rates", default="1,10,20", help="Qwen3-TTS: Poisson arrival rates (requests/s)")
+    parser.add_argument("--tts-level-seconds", type=float, default=10.0, help="Qwen3-TTS: requests a Poisson level "
+                        "sends = rate x this (at least 4)")
+    parser.add_argument("--tts-workloads", default="custom_voice,base_cached,base_fresh", help="Qwen3-TTS's to run")
+    parser.add_argument("--tts-baseline", action="store_true", help="Qwen3-TTS: then the official qwen-tts generate() "
+                        "(benchmarks/hf_baseline.py --family qwen3_tts, under QWEN_TTS_PYTHONPATH)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--baseline", action="store_true", help="also run transformers' generate() (batch 1)")
@@ -476,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    from benchmarks.tts_e2e.run import layout_family, run_tts
+
+    if layout_family(Path(args.serve_config)) == "qwen3_tts":
+        return run_tts(args, argv, out)
+    levels = [int(c) for c in (args.concurrency or "1,8,32").split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     floors = level_rtf_floors(layout, levels, args.max_tokens)
     prompts = len(load_prompts(args.prompt_file))

@@ -28,6 +28,12 @@
 #   e2e1         the 1-GPU layout, under MPS unless MPS_e2e1_TAG=0
 #   e2e1prof     e2eprof's profiles in the 1-GPU layout under MPS
 #   baseline     transformers' generate() (benchmarks/hf_baseline.py)
+#   tts          Qwen3-TTS 1.7B CustomVoice + Base end to end under MPS, workload T at Poisson 1/10/20 req/s and
+#                c=1/8/32/64 (benchmarks/e2e_serve.py, benchmarks/serve_tts_1.7b_random_1gpu.yaml; TTS_TIMEOUT, default 540)
+#   tts06        the same for 0.6B (benchmarks/serve_tts_0.6b_random_1gpu.yaml)
+#   official     the official qwen-tts 0.1.1 generate_custom_voice / generate_voice_clone, batch 1, full-size random
+#                weights (benchmarks/hf_baseline.py --family qwen3_tts; SET_official_TAG: e.g. "--size 0b6"), from
+#                .whl_qwen_tts/ installed into /tmp/qwen_site, apart from the service's packages (needs no .whl)
 # Environment: OUT (default ./gpu_out), OMNI_RAY_COMMIT (written into every results file: set it where the repository
 # is, since a copied work tree may carry a stale .git; unset, files name git's HEAD, with +changes if the tree
 # differs), E2E_SET (extra `--set KEY=VALUE ...` for the e2e steps), E2E_MPS=1 (run e2e under the MPS daemon too),
@@ -50,7 +56,8 @@ if [ "${DRY_RUN:-0}" != 1 ] && [ -d .whl ] && ! python3 -c "import ray" 2>/dev/n
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
-if [ "${DRY_RUN:-0}" != 1 ]; then  # stop before any step when the image and the bundle both lack a module the service imports
+only_official=1; for step in ${@:-tests}; do [ "${step%%:*}" = official ] || only_official=0; done
+if [ "${DRY_RUN:-0}" != 1 ] && [ "$only_official" = 0 ]; then  # stop before any step when the image and the bundle both lack a module the service imports
   missing=$(python3 -c "import omni_ray.serve.app" 2>&1 | grep -o "No module named '[^']*'" | head -n 1)
   if [ -n "$missing" ]; then
     echo "gpu_suite: $missing. Build the bundle with bash benchmarks/gpu_wheels.sh .whl soundfile==0.13.1 cffi pycparser" \
@@ -67,6 +74,7 @@ run_step() {  # name, command...
   local name=$1; shift
   local limit=$LIMIT
   [ "$name" = tests ] && limit=${TESTS_TIMEOUT:-560}  # the GPU tests compile a lot: about 400-500 s in all
+  case $name in tts*|official*) limit=${TTS_TIMEOUT:-540} ;; esac  # startup, three workloads of seven levels each
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name, ${limit}s] $*"; return; fi
   local started=$SECONDS
   # a step cut off by its limit leaves its Ray cluster (and Serve's proxy on port 8000) behind: clear it first
@@ -205,6 +213,22 @@ for step in "${@:-tests engine vocoder e2e}"; do
             step_timeline "$tag"
             [ "$mps" = 1 ] && mps_off ;;
       baseline) run_step baseline python -m benchmarks.hf_baseline --out "$OUT/results/baseline" ;;
+      tts|tts06) mps=${!mps_var:-1}  # six stage processes on one GPU: under MPS unless MPS_tts_TAG=0
+           size=1.7b; [ "$name" = tts06 ] && size=0.6b
+           [ "$mps" = 1 ] && mps_on "$tag"
+           # shellcheck disable=SC2086
+           run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve \
+             --serve-config "benchmarks/serve_tts_${size}_random_1gpu.yaml" $extra --out "$OUT/results/$tag"
+           [ "$mps" = 1 ] && mps_off ;;
+      official) # the official package beside its own transformers 4.57.3: never on the service's PYTHONPATH
+           [ "${DRY_RUN:-0}" = 1 ] || [ -d /tmp/qwen_site/qwen_tts ] || python3 -m pip install -q --no-index --no-deps \
+             --no-compile --no-cache-dir --upgrade --target /tmp/qwen_site .whl_qwen_tts/*.whl >> "$OUT/logs/$tag.log" 2>&1
+           mkdir -p "$OUT/results/$tag"
+           for variant in custom_voice base; do
+             # shellcheck disable=SC2086
+             run_step "${tag}_$variant" env PYTHONPATH="/tmp/qwen_site:$PWD" python3 -m benchmarks.hf_baseline \
+               --family qwen3_tts --variant "$variant" ${!extra_var:-} --out "$OUT/results/$tag/official_$variant.json"
+           done ;;
       *) echo "unknown step: $name" >&2; failed_steps="$failed_steps $name" ;;
     esac
   done

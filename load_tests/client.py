@@ -81,9 +81,24 @@ def chat_body(model: str, prompt: str, *, max_tokens: int, voice: str, temperatu
     return body
 
 
-def speech_body(model: str, text: str, *, voice: str) -> dict[str, Any]:
-    """A streaming raw-PCM text-to-speech request."""
-    return {"model": model, "input": text, "voice": voice, "response_format": "pcm", "stream": True}
+def load_reference_audio(path: str) -> str:
+    """A reference clip for voice cloning (`ref_audio`), base64-encoded as read."""
+    return base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def speech_body(model: str, text: str, *, voice: str | None, max_new_tokens: int | None = None,
+                ignore_eos: bool = False, **fields: Any) -> dict[str, Any]:
+    """A streaming raw-PCM text-to-speech request; `fields` (Qwen3-TTS: `task_type`, `language`, `ref_audio`,
+    `ref_text`, ...) are sent where not None. `voice=None` sends none (Base cloning from `ref_audio`)."""
+    body: dict[str, Any] = {"model": model, "input": text, "response_format": "pcm", "stream": True}
+    if voice is not None:
+        body["voice"] = voice
+    if max_new_tokens is not None:  # the frame cap (12.5 frames a second)
+        body["max_new_tokens"] = max_new_tokens
+    if ignore_eos:  # omni-ray extension: fixed-length speech for benchmarks
+        body["ignore_eos"] = True
+    body.update({key: value for key, value in fields.items() if value is not None})
+    return body
 
 
 async def fetch_default_model(session: aiohttp.ClientSession, url: str, timeout: float) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 SAMPLE_RATE = 24_000
 BYTES_PER_SECOND = SAMPLE_RATE * 2  # PCM16 mono
 
-PERCENTILES: tuple[int, ...] = (50, 90, 99)
+PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 STAT_FIELDS: tuple[str, ...] = ("ttft_s", "ttfa_s", "latency_s", "rtf", "streaming_rtf")
 
 
@@ -224,6 +224,12 @@ def error_key(record: RequestRecord) -> str:
     return record.error_type or "unknown"
 
 
+def underrun_rate(records: Sequence[RequestRecord]) -> float | None:
+    """The share of streams that underran at least once (`simulate_playback`: played in real time from the first
+    chunk, the next chunk came after the audio so far had finished); None without streams."""
+    return sum(1 for r in records if r.underruns) / len(records) if records else None
+
+
 def aggregate(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
     """Run summary. Latency-type stats cover successful requests; audio throughput counts all audio received."""
     ok = [r for r in records if r.ok]
@@ -259,6 +265,7 @@ def aggregate(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "completion_tokens_per_s": rate(tokens),
         "underruns": {"events": sum(r.underruns for r in ok),
                       "requests_affected": sum(1 for r in ok if r.underruns),
+                      "rate": underrun_rate(ok),
                       "stall_s_total": sum(r.stall_s for r in ok),
                       "stall_s": describe(r.stall_s for r in ok)},
         "stats": {name: describe(getattr(r, name) for r in ok) for name in STAT_FIELDS},

@@ -36,13 +36,14 @@ def format_table(summary: dict[str, Any]) -> str:
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     und = summary["underruns"]
+    rate = "" if und.get("rate") is None else f" ({und['rate']:.1%} of streams)"
     cfg = summary.get("config", {})
     errors = ", ".join(f"{k}: {v}" for k, v in summary["errors_by_status"].items()) or "none"
     finish = ", ".join(f"{k}: {v}" for k, v in summary["finish_reasons"].items()) or "-"
     lines += [
         "",
         f"scenario {cfg.get('scenario', '?')}  model {summary.get('model', '?')}  "
-        f"concurrency {cfg.get('concurrency', '?')}",
+        + (f"Poisson arrivals {cfg['rate']:g} req/s" if cfg.get("rate") else f"concurrency {cfg.get('concurrency', '?')}"),
         f"requests        {summary['ok']}/{summary['requests']} ok, {summary['errors']} errors ({errors})",
         f"finish reasons  {finish}",
         f"wall time       {summary['wall_s']:.2f} s",
@@ -51,7 +52,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"throughput {summary['audio_throughput']:.3f} audio-s per s",
         f"tokens          {summary['completion_tokens_total']} completion, "
         f"{summary['completion_tokens_per_s']:.1f} tok/s",
-        f"underruns       {und['events']} events in {und['requests_affected']} requests, "
+        f"underruns       {und['events']} events in {und['requests_affected']} requests{rate}, "
         f"{und['stall_s_total']:.3f} s stalled",
     ]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from omni_ray.models.qwen3_omni.talker_model import TalkerModel
 from omni_ray.models.qwen3_omni.thinker import ThinkerLM
 
 H200_BANDWIDTH = 4.3e12  # bytes/s, an H200's device-to-device copy, measured
+H100_BANDWIDTH = 3.35e12  # bytes/s, an H100 SXM's HBM3 as specified (not measured here)
 BYTES_PER_PARAM = 2  # bf16
 
 
@@ -96,3 +97,48 @@ def rtf_floor(
     paced = min(text_tokens, frames)
     seconds = (paced * max(thinker, talker) + (frames - paced) * talker) / 1000.0
     return seconds / (frames * frame_seconds(config))
+
+
+def card_bandwidth(name: str) -> float:
+    """The memory bandwidth the floors take for a card by its name (`torch.cuda.get_device_name()`): an H100's
+    specified, else an H200's measured."""
+    return H100_BANDWIDTH if "H100" in name.upper() else H200_BANDWIDTH
+
+
+def _dense_layers_params(section: dict[str, Any]) -> int:
+    """Parameters of a Qwen3 decoder stack's layers (attention with q/k norms, gated MLP, two norms each) and its
+    final norm, from a config section."""
+    hidden, head_dim = int(section["hidden_size"]), int(section["head_dim"])
+    heads, kv_heads = int(section["num_attention_heads"]), int(section["num_key_value_heads"])
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim
+    mlp = 3 * hidden * int(section["intermediate_size"])
+    return int(section["num_hidden_layers"]) * (attention + mlp + 2 * hidden) + hidden
+
+
+def tts_step_bytes(config: dict[str, Any], batch: int, context: int) -> float:
+    """Bytes one Qwen3-TTS Talker step (a whole frame) reads at `batch` rows of `context` positions each: the
+    backbone's layers and its codec head once, the code predictor's layers (with the Talker-to-predictor projection
+    where the widths differ) 15 times and each of its 15 heads once, and each row's KV in the backbone (bf16; the code
+    predictor's KV, at most 17 positions, is left out). `config`: a checkpoint's `config.json` as a dict."""
+    talker = config["talker_config"]
+    predictor = talker["code_predictor_config"]
+    hidden, small = int(talker["hidden_size"]), int(predictor["hidden_size"])
+    groups = int(talker.get("num_code_groups", 16))
+    backbone = _dense_layers_params(talker) + int(talker["vocab_size"]) * hidden
+    projection = hidden * small + small if hidden != small else 0
+    passes = (groups - 1) * (_dense_layers_params(predictor) + projection)
+    heads = (groups - 1) * int(predictor["vocab_size"]) * small
+    kv_per_position = 2 * int(talker["num_hidden_layers"]) * int(talker["num_key_value_heads"]) * int(talker["head_dim"])
+    return BYTES_PER_PARAM * (backbone + passes + heads + batch * context * kv_per_position)
+
+
+def tts_step_floor_ms(config: dict[str, Any], batch: int, context: int, bandwidth: float = H200_BANDWIDTH) -> float:
+    """The bandwidth floor of a Qwen3-TTS Talker step in milliseconds (`tts_step_bytes` over `bandwidth`)."""
+    return 1000.0 * tts_step_bytes(config, batch, context) / bandwidth
+
+
+def tts_throughput_ceiling(config: dict[str, Any], streams: int, context: int, bandwidth: float = H200_BANDWIDTH,
+                           frame_seconds: float = 0.08) -> float:
+    """Audio seconds a second that `streams` concurrent streams reach at most when the Talker steps at its floor:
+    each step makes one frame (`frame_seconds`, 12.5 Hz) for every stream."""
+    return streams * frame_seconds * 1000.0 / tts_step_floor_ms(config, streams, context, bandwidth)

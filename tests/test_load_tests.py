@@ -6,6 +6,7 @@ import asyncio
 import base64
 import importlib.util
 import json
+import math
 import random
 import threading
 from pathlib import Path
@@ -413,3 +414,38 @@ def test_cli_setup_failure_returns_2(tmp_path: Path) -> None:
     rc = loadgen.main(["--url", "http://127.0.0.1:9", "--requests", "1", "--timeout", "2",
                        "--out-dir", str(tmp_path / "x"), "--no-progress"])
     assert rc == 2 and not (tmp_path / "x").exists()
+
+
+def test_poisson_arrivals_are_seeded_start_at_zero_and_average_the_rate() -> None:
+    from load_tests.loadgen import poisson_offsets
+
+    offsets = poisson_offsets(20.0, 4000, seed=7)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and offsets == poisson_offsets(20.0, 4000, seed=7)
+    assert offsets != poisson_offsets(20.0, 4000, seed=8)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)  # exponential gaps of mean 1/rate
+    assert sum(g > 1 / 20 for g in gaps) / len(gaps) == pytest.approx(math.exp(-1), abs=0.03)
+    with pytest.raises(ValueError):
+        poisson_offsets(0.0, 3, seed=0)
+
+
+def test_underrun_rate_is_the_share_of_streams_that_ran_dry() -> None:
+    from load_tests.metrics import underrun_rate
+
+    # two streams on time, one whose second chunk came after its first chunk's audio had played out
+    records = [_rec(0), _rec(1), _rec(2, underruns=1, stall=0.2), _rec(3, ok=False, error_type="timeout")]
+    summary = aggregate(records, 1.0)
+    assert summary["underruns"]["rate"] == pytest.approx(1 / 3)
+    assert underrun_rate([]) is None and aggregate([], 0.0)["underruns"]["rate"] is None
+    assert summary["stats"]["ttfa_s"]["p95"] is not None  # first audio's p95 is reported
+
+
+def test_speech_body_sends_the_tts_fields_given() -> None:
+    from load_tests.client import speech_body
+
+    body = speech_body("m", "Hi.", voice=None, max_new_tokens=75, ignore_eos=True, task_type="Base",
+                       ref_audio="UklG", ref_text="hello", language=None)
+    assert body == {"model": "m", "input": "Hi.", "response_format": "pcm", "stream": True, "max_new_tokens": 75,
+                    "ignore_eos": True, "task_type": "Base", "ref_audio": "UklG", "ref_text": "hello"}
+    assert speech_body("m", "Hi.", voice="ethan") == {"model": "m", "input": "Hi.", "voice": "ethan",
+                                                       "response_format": "pcm", "stream": True}

@@ -219,3 +219,13 @@ def test_after_bad_requests_nothing_is_left_running_and_the_service_serves(url: 
     idle = lambda: all(sum(stage_streams(url, stage).values()) == 0 for stage in ("reference", "talker", "vocoder"))
     assert wait_until(idle, 10), {stage: stage_streams(url, stage) for stage in ("reference", "talker", "vocoder")}
     assert httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_ignore_eos_speaks_exactly_max_new_tokens_frames(url: str) -> None:
+    """The benchmarks' fixed-length speech: `ignore_eos` runs every request to its `max_new_tokens`."""
+    body = {"model": CUSTOM, "input": "Fixed length, whatever the model samples.", "voice": "vivian",
+            "response_format": "pcm", "max_new_tokens": 12, "ignore_eos": True}
+    for seed in (0, 1, 2):
+        response = httpx.post(f"{url}/v1/audio/speech", json={**body, "seed": seed}, timeout=120)
+        assert response.status_code == 200 and response.headers["X-Finish-Reason"] == "length"
+        assert len(_pcm(response.content)) == 12 * SAMPLES_PER_FRAME

@@ -47,6 +47,8 @@ class TTSSpeechRequest(SpeechRequest):
                                                 description="the code predictor's temperature")
     subtalker_top_k: int | None = Field(default=None, ge=0)
     subtalker_top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    ignore_eos: bool = Field(default=False, description="extension (benchmarks): the speech runs to max_new_tokens "
+                             "(else the frame cap) whatever the Talker samples")
 
     @field_validator("voice")
     @classmethod
@@ -84,4 +86,5 @@ class TTSSpeechRequest(SpeechRequest):
             "voice": self.speaker, "language": (self.language or "auto").strip().lower() or "auto",
             "instructions": self.instructions or None, "task_type": self.task_type, "streaming_text": streaming_text,
             "sampling": sampling, "code_sampling": code_sampling, "max_audio_frames": self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
         }

@@ -334,3 +334,46 @@ def ensure_tiny_checkpoint(variant: str = "custom_voice", seed: int = DEFAULT_SE
 def read_config(checkpoint_dir: Path) -> dict[str, Any]:
     """A checkpoint's ``config.json`` as a dict (a deep copy, safe to modify)."""
     return copy.deepcopy(json.loads((Path(checkpoint_dir) / CONFIG_FILE).read_text(encoding="utf-8")))
+
+
+def make_random_checkpoint(out_dir: Path, config_file: Path, speech_tokenizer_config_file: Path, seed: int = DEFAULT_SEED,
+                           device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A full-size random checkpoint in the official layout, for the official package at a real model's size: the
+    shapes of `config_file` (its text-token ids replaced by the tiny tokenizer's, whose files it takes) and of
+    `speech_tokenizer_config_file`, weights drawn on `device` by the tiny checkpoints' rules and stored as `dtype`.
+    Kept if already written."""
+    out_dir = Path(out_dir)
+    if (out_dir / MARKER_FILE).is_file():
+        return out_dir
+    config = json.loads(Path(config_file).read_text())
+    variant = str(config.get("tts_model_type", "custom_voice"))
+    tiny = ensure_tiny_checkpoint(variant, seed)
+    tiny_config_ids = read_config(tiny)
+    config.update({key: value for key, value in tiny_config_ids.items() if key.endswith("_token_id")})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "preprocessor_config.json",
+                 GENERATION_CONFIG_FILE):
+        shutil.copy(tiny / name, out_dir / name)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(layout: Layout) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for key in sorted(layout):
+            spec = layout[key]
+            kind, value = spec.rule
+            tensor = (torch.full(spec.shape, value, device=device) if kind == "fill"
+                      else torch.randn(spec.shape, generator=generator, device=device) * value)
+            tensors[key] = tensor.to(dtype).cpu()
+        return tensors
+
+    _write_json(out_dir / CONFIG_FILE, config)
+    save_file(draw(model_layout(config)), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    speech_dir = out_dir / SPEECH_TOKENIZER_DIR
+    speech_dir.mkdir(exist_ok=True)
+    speech_config = json.loads(Path(speech_tokenizer_config_file).read_text())
+    _write_json(speech_dir / CONFIG_FILE, speech_config)
+    _write_json(speech_dir / "preprocessor_config.json", SPEECH_FEATURE_EXTRACTOR)
+    save_file(draw(speech_tokenizer_layout(speech_config)), str(speech_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    _write_json(out_dir / MARKER_FILE, {"format": TINY_FORMAT, "seed": seed, "variant": variant, "size": "full",
+                                        "config": Path(config_file).name})
+    return out_dir

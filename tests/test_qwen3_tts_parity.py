@@ -162,3 +162,32 @@ def test_the_streamed_audio_equals_the_official_waveform(seed: int, key: str) ->
     assert lead in (0, 1) and (lead == 0 or case.get("ref_codes") is not None)
     np.testing.assert_allclose(streamed, wave[lead:], atol=1e-4)
     assert _snr_db(streamed, wave[lead:]) >= 45
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("key", ["base_in_context-streaming", "base_in_context-non_streaming",
+                                 "base_x_vector_only-streaming", "custom_voice_instruct-non_streaming"])
+def test_a_voice_seen_before_reuses_its_prefix_and_speaks_the_same(seed: int, key: str) -> None:
+    """The second request in a voice finds the voice's leading positions (speaker, language, and a cloned voice's
+    reference transcript) in the prefix cache, prefills only the rest, and its frames still equal the package's;
+    another text in the same voice reuses the prefix too."""
+    case = golden(seed, key)
+    assets, tokenizer = talker(case["variant"], seed)
+    t = assets.config.talker
+    cache = SlotKVCache(t["num_hidden_layers"], 2, 256, t["num_key_value_heads"], t["head_dim"], torch.float32, "cpu")
+    run = TTSTalkerRunner(assets, cache, 2, cuda_graphs=False, prefix_cache_bytes=1 << 24)
+    prompt = prompt_of(case, seed)
+    shared = prompt.shared_prefix()
+    assert shared is not None and 0 < shared[1] < len(prompt)
+    for attempt in range(2):
+        seq = speech_sequence(key, prompt_of(case, seed), assets.model, case["frames"], GREEDY_TALKER, GREEDY)
+        run.admit(seq)
+        frames = [out.codes for out in run_to_end(run, [seq])[key] if out.codes is not None]
+        assert frames == case["codes"], attempt
+    assert run.prefix_cache is not None
+    assert (run.prefix_cache.hits, run.prefix_cache.misses) == (1, 1)
+    assert run.prefix_cache.reused_positions == shared[1]
+    other = request_of(case)
+    other.text = "A different sentence in the same voice."
+    tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert build_prompt(other, tokenize, assets.config).shared_prefix() == shared

@@ -60,6 +60,10 @@ class TalkerSequence:
     text_offset: int = 1  # how many of `text_embeds` the prompt holds: decode step s reads text_embeds[s + text_offset]
     code_sampling: SamplingParams | None = None  # the code predictor's draws; None: greedy or MTP_SAMPLING as the Talker's
     min_frames: int = 0  # codec EOS is not sampled for this many first frames
+    # the prompt's leading positions that other requests share (a voice's), by a key naming their content: their keys
+    # and values are kept in the runner's prefix cache and reused
+    shared_prefix_key: str | None = None
+    shared_prefix_len: int = 0
     # filled with the request, or by the relay as a Thinker streams
     prefix: dict[str, torch.Tensor] | None = None
     text_embeds: list[torch.Tensor] = field(default_factory=list)  # text embeddings, before the text projection

@@ -30,6 +30,7 @@ from omni_ray.engine.fixed_shape import (
 )
 from omni_ray.engine.host_inputs import Download, stack_on_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
+from omni_ray.engine.prefix_cache import PrefixCache
 from omni_ray.engine.profiling import host_range
 from omni_ray.engine.sampler import (
     CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, sample, top_k_cap,
@@ -90,6 +91,7 @@ def talker_options(engine: Any) -> dict[str, Any]:
         "persistent_code_predictor_l2_keep_percent": engine.persistent_code_predictor_l2_keep_percent,
         "persistent_code_predictor_draws": engine.persistent_code_predictor_draws,
         "moe_layer_folds": engine.moe_layer_folds, "split_large_prefills": engine.split_large_prefills,
+        "prefix_cache_bytes": int(engine.prefix_cache_mb * 2**20),
     }
 
 
@@ -125,6 +127,7 @@ class CodecTalkerRunner:
         persistent_code_predictor_l2_keep_percent: int = DEFAULT_PERSISTENT_L2_KEEP_PERCENT,
         persistent_code_predictor_draws: bool = False,
         split_large_prefills: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.assets = assets
         self.model: TalkerParts = assets.model
@@ -157,6 +160,8 @@ class CodecTalkerRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_graph_tokens = prefill_graph_tokens  # larger prefills run without a graph (`run_prefill`)
         self.split_large_prefills = split_large_prefills  # ... or as graph-sized parts
+        # the keys and values of prompts' shared prefixes (a voice's), reused by later prompts that start with them
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         # Steps that made frames: the clock the vocoder ends its aligned chunks on. It starts again at a step where
         # no sequence holding a slot has spoken yet, so a request served alone is chunked, and its audio rounded,
         # the same way every time.
@@ -344,22 +349,61 @@ class CodecTalkerRunner:
     def _prefill(self, seqs: list[TalkerSequence], early: bool = False) -> torch.Tensor:
         """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
         prompts' last position, which then runs as their first decode step (its codec input is BOS, its text the
-        first reply token), whose frame is the first."""
+        first reply token), whose frame is the first. A sequence whose shared prefix is in the prefix cache gets its
+        keys and values copied in and prefills only the rest of its prompt; one whose prefix is not leaves it there."""
         self.prefills.add(len(seqs))
         with host_range("talker: prompts"):
             prompts = self._prompts(seqs, early)
         for prompt in prompts:
             self.cache.check_fits(prompt.shape[0] + (2 if early else 1))
-        with host_range("talker: prefill"):
-            out = run_prefill(self.graphs, self._prefill_forward, prompts, [s.slot for s in seqs], self.cache,
-                              self.prefill_graph_tokens, self.split_large_prefills)
+        reused = self._reused_prefixes(seqs) if not early else {}
+        fresh = [i for i in range(len(seqs)) if i not in reused]
+        hidden: list[torch.Tensor | None] = [None] * len(seqs)
+        if fresh:
+            with host_range("talker: prefill"):
+                out = run_prefill(self.graphs, self._prefill_forward, [prompts[i] for i in fresh],
+                                  [seqs[i].slot for i in fresh], self.cache, self.prefill_graph_tokens,
+                                  self.split_large_prefills)
+            last = last_positions(out["hidden"], list(range(len(fresh))), [prompts[i].shape[0] for i in fresh])
+            for row, i in enumerate(fresh):
+                hidden[i] = last[row]
+                seq = seqs[i]
+                if self.prefix_cache is not None and seq.shared_prefix_key is not None and not early:
+                    self.prefix_cache.save(seq.shared_prefix_key, self.cache, seq.slot, seq.shared_prefix_len)
+        for i, start in reused.items():
+            with host_range("talker: prefill past a cached prefix"):
+                hidden[i] = self._prefill_from(seqs[i], prompts[i], start)
         for seq, prompt in zip(seqs, prompts):
             seq.num_cached = prompt.shape[0]
             if early:
                 seq.steps = -1
                 self.feedback[seq.slot] = self.codec_bos
                 self.early_prefills += 1
-        return last_positions(out["hidden"], list(range(len(seqs))), [p.shape[0] for p in prompts])
+        return torch.stack(hidden)  # type: ignore[arg-type]
+
+    def _reused_prefixes(self, seqs: list[TalkerSequence]) -> dict[int, int]:
+        """The sequences (by index) whose shared prefix the cache holds, each with its prefix written into its slot:
+        where their prefill starts."""
+        reused: dict[int, int] = {}
+        if self.prefix_cache is None:
+            return reused
+        for i, seq in enumerate(seqs):
+            if seq.shared_prefix_key is None or seq.shared_prefix_len <= 0:
+                continue
+            entry = self.prefix_cache.lookup(seq.shared_prefix_key, seq.shared_prefix_len)
+            if entry is not None:
+                self.prefix_cache.restore(entry, self.cache, seq.slot)
+                reused[i] = entry.length
+        return reused
+
+    def _prefill_from(self, seq: TalkerSequence, prompt: torch.Tensor, start: int) -> torch.Tensor:
+        """Prefill positions start.. of one prompt over the keys and values already in its slot → its last hidden
+        state [h] (eager: a step's few prefix hits each run at their own length)."""
+        embeds = prompt[start:][None]
+        batch = AttentionBatch.build([seq.slot], [start], embeds.shape[1], self.device)
+        positions = torch.arange(start, prompt.shape[0], device=self.device)[None]
+        out, _ = self.model.model(embeds, positions, self.cache.layers, batch)
+        return out[0, -1]
 
     def _trailing_texts(self, seqs: list[TalkerSequence]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Text input of each row's decode step `steps`: text embedding steps + text_offset (projected), then tts_eos

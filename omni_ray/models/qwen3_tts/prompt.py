@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_ray.models.qwen3_tts.talker_model import TTSModelConfig
@@ -59,6 +61,22 @@ class TalkerPrompt:
     trailing_ids: list[int] = field(default_factory=list)
     text_offset: int = 1
     text_tokens: int = 0  # the input text's tokens: what the reply's frame cap is proportional to
+    voice_positions: int = 0  # the leading positions that hold only the voice and the language, not the input text
+
+    def shared_prefix(self) -> tuple[str, int] | None:
+        """The voice's leading positions as (content key, length): their text and codec ids, the x-vector and the
+        reference frames among them, hashed; None when there are none."""
+        length = self.voice_positions
+        if length <= 0:
+            return None
+        digest = hashlib.sha256()
+        digest.update(np.asarray(self.text_ids[:length] + self.codec_ids[:length], dtype=np.int64).tobytes())
+        if self.x_vector is not None and self.speaker_position is not None and self.speaker_position < length:
+            digest.update(self.x_vector.detach().float().cpu().numpy().tobytes())
+        if self.reference_codes is not None and self.reference_start < length:
+            frames = self.reference_codes[: length - self.reference_start]
+            digest.update(frames.cpu().numpy().astype(np.int64).tobytes())
+        return digest.hexdigest(), length
 
     def __len__(self) -> int:
         return len(self.text_ids)
@@ -121,7 +139,7 @@ def build_prompt(request: SpeechRequest, tokenize: Any, config: TTSModelConfig) 
     text_ids += [tts_pad] * (len(prefix) - 1) + [tts_bos]
     codec_ids += prefix
     prompt = TalkerPrompt(text_ids, codec_ids, speaker_position, None if reference is None else reference.x_vector,
-                          text_tokens=len(text))
+                          text_tokens=len(text), voice_positions=len(text_ids))
     if reference is not None and reference.in_context:
         return _in_context(prompt, request, reference, tokenize, config, text)
     if request.streaming_text:
@@ -146,6 +164,7 @@ def _in_context(
         raise SpeechRequestError("in-context voice cloning needs the reference audio's transcript (ref_text)")
     ref_text = tokenize(f"<|im_start|>assistant\n{reference.text}<|im_end|>\n")[3:-2]
     words = ref_text + text
+    prompt.voice_positions += min(len(ref_text), int(reference.codes.shape[0]) + 1)  # the transcript's positions
     frames = int(reference.codes.shape[0])
     pad, bos, tts_pad, tts_eos = config.codec_id("pad"), config.codec_id("bos"), config.tts_pad_token_id, config.tts_eos_token_id
     prompt.reference_codes = reference.codes

@@ -45,6 +45,9 @@ def speech_sequence(
     text already whole."""
     seq = SpeechSequence(request_id, sampling, -1, max_frames, ignore_eos=ignore_eos, prompt=prompt,
                          text_offset=prompt.text_offset, code_sampling=code_sampling, min_frames=MIN_FRAMES)
+    shared = prompt.shared_prefix()
+    if shared is not None:
+        seq.shared_prefix_key, seq.shared_prefix_len = shared
     if prompt.trailing_ids:
         table = talker.model.text_embedding.weight
         with torch.inference_mode():

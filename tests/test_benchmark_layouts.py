@@ -17,7 +17,19 @@ from benchmarks.e2e_serve import (
 )
 from omni_ray.config import PipelineConfig
 
-LAYOUTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("serve_*.yaml"))
+LAYOUTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("serve_30b_*.yaml"))  # Qwen3-Omni's
+TTS_LAYOUTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("serve_tts_*.yaml"))
+
+
+@pytest.mark.parametrize("layout", TTS_LAYOUTS, ids=[p.name for p in TTS_LAYOUTS])
+def test_tts_layouts_serve_qwen3_tts_models_that_build(layout: Path) -> None:
+    from omni_ray.serve.app import app_from_serve_config, model_specs
+
+    args = yaml.safe_load(layout.read_text())["applications"][0]["args"]
+    families = {PipelineConfig.model_validate(spec["pipeline"]).model.family for spec in model_specs(args)}
+    assert families == {"qwen3_tts"}
+    built, _ = app_from_serve_config(layout)
+    assert built is not None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[p.name for p in LAYOUTS])

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from omni_ray.models.qwen3_omni import checkpoint as ck
+from omni_ray.tiny_checkpoints import BPE_VOCAB_SIZE
 
 AUDIO = "<|audio_start|><|audio_pad|><|audio_end|>"
 
@@ -126,7 +127,7 @@ def test_moe_keys_use_per_expert_layout(ckpts: dict[str, Path]) -> None:
 
 def test_tokenizer_basics(tokenizer) -> None:
     assert type(tokenizer).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
-    assert len(tokenizer) == ck.BPE_VOCAB_SIZE + len(ck.SPECIAL_TOKENS)
+    assert len(tokenizer) == BPE_VOCAB_SIZE + len(ck.SPECIAL_TOKENS)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     for text in ("Hello, world! It's 3:15 p.m. on 2024-02-29.", "Café déjà vu — naïve 🙂\n\tTabs  and  spaces.",
                  "user: What is 7 times 8?\nassistant: 56."):
@@ -139,7 +140,7 @@ def test_special_tokens_single_ids(tokenizer) -> None:
     for tok in ck.SPECIAL_TOKENS:
         ids = tokenizer.encode(tok, add_special_tokens=False)
         assert ids == [tokenizer.convert_tokens_to_ids(tok)], tok
-        assert ids[0] >= ck.BPE_VOCAB_SIZE
+        assert ids[0] >= BPE_VOCAB_SIZE
         seen.add(ids[0])
     assert len(seen) == len(ck.SPECIAL_TOKENS)
     im_start, nl = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.encode("\n")

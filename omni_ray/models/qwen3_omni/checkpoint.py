@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,12 +12,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from omni_ray.tiny_checkpoints import (
+    build_once, cache_root, param_generator, read_marker, train_byte_level_bpe, write_atomically,
+)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeConfig
 
-ASSETS_DIR: Path = Path(__file__).resolve().parents[2] / "assets"
-CORPUS_PATH: Path = ASSETS_DIR / "tiny_corpus.txt"
-BPE_VOCAB_SIZE: int = 1000  # includes the 256-symbol byte alphabet; special tokens come after
 DEFAULT_SEED: int = 0
 # Bumped whenever the generator's output changes, so that a cached checkpoint of an older format is made anew.
 TINY_FORMAT: int = 2
@@ -104,21 +102,9 @@ WHISPER_FEATURE_EXTRACTOR: dict[str, Any] = {
 
 def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on the shipped corpus, save it to ``out_dir`` and return it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    lines = [ln for ln in CORPUS_PATH.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = train_byte_level_bpe(SPECIAL_TOKENS)
 
     extra = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
     hf_tok = PreTrainedTokenizerFast(
@@ -295,12 +281,6 @@ def _write_unstamped_json(src: Path, dst: Path) -> None:
     dst.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _param_generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded from (seed, checkpoint key), so init is independent of iteration order."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
 def _conv_std(module: nn.Module, name: str, modules: dict[str, nn.Module]) -> float:
     """Fan-in scaled std for a conv weight, with smaller gains inside code2wav's residual path."""
     weight = module.weight
@@ -386,7 +366,7 @@ def checkpoint_tensors(rules: dict[str, tuple[InitRule, torch.Size]], seed: int)
         if kind == "fill":
             tensors[key] = torch.full(tuple(shape), value, dtype=torch.float32)
         else:
-            noise = torch.randn(tuple(shape), generator=_param_generator(seed, key), dtype=torch.float32)
+            noise = torch.randn(tuple(shape), generator=param_generator(seed, key), dtype=torch.float32)
             tensors[key] = noise * value
     return tensors
 
@@ -395,10 +375,7 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
     """Write a complete tiny checkpoint (weights, config, tokenizer, feature extractor) to ``out_dir``."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         tokenizer = build_tokenizer(tmp)
         config = tiny_config(tokenizer)
         with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG; don't leak that
@@ -418,28 +395,14 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
             json.dumps(WHISPER_FEATURE_EXTRACTOR, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
         (tmp / MARKER_FILE).write_text(json.dumps({"format": TINY_FORMAT, "seed": seed}) + "\n", encoding="utf-8")
-        for f in tmp.iterdir():  # mkdtemp / save_pretrained leave 0700 / 0600; other workers must read it
-            os.chmod(f, 0o644)
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not _is_complete(out_dir):  # lost a race to a concurrent writer: keep its copy
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_atomically(Path(out_dir), write, _is_complete)
 
 
 def tiny_checkpoint_dir(seed: int = DEFAULT_SEED) -> Path:
     """Cache location of a generated tiny checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``); the format
     version in the name keeps a checkpoint made by an older generator from being reused."""
-    cache = os.environ.get("OMNI_RAY_CACHE") or str(Path.home() / ".cache" / "omni-ray")
-    return Path(cache).expanduser() / f"qwen3-omni-tiny-v{TINY_FORMAT}-seed{seed}"
+    return cache_root() / f"qwen3-omni-tiny-v{TINY_FORMAT}-seed{seed}"
 
 
 def default_checkpoint_dir() -> Path:
@@ -450,27 +413,13 @@ def default_checkpoint_dir() -> Path:
 def _is_complete(path: Path) -> bool:
     """Whether ``path`` holds a finished checkpoint of this generator's format (the marker is written last, before
     the rename)."""
-    try:
-        marker = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("format") == TINY_FORMAT and (path / WEIGHTS_FILE).is_file()
+    marker = read_marker(path, MARKER_FILE)
+    return marker is not None and marker.get("format") == TINY_FORMAT and (path / WEIGHTS_FILE).is_file()
 
 
 def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
     """Return the tiny checkpoint directory for ``seed``, generating it once (safe under concurrent callers)."""
-    target = tiny_checkpoint_dir(seed)
-    if _is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not _is_complete(target):
-                make_tiny_checkpoint(target, seed=seed)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return target
+    return build_once(tiny_checkpoint_dir(seed), _is_complete, lambda path: make_tiny_checkpoint(path, seed=seed))
 
 
 def ensure_default_checkpoint() -> Path:

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import copy
-import fcntl
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from omni_ray.models.qwen3_tts.checkpoint_layout import Layout, model_layout, speech_tokenizer_layout
+from omni_ray.tiny_checkpoints import (
+    build_once, cache_root, param_generator, read_marker, train_byte_level_bpe, write_atomically,
+)
 
-ASSETS_DIR: Path = Path(__file__).resolve().parents[2] / "assets"
-CORPUS_PATH: Path = ASSETS_DIR / "tiny_corpus.txt"
-BPE_VOCAB_SIZE: int = 1000  # includes the 256-symbol byte alphabet; special tokens come after
 DEFAULT_SEED: int = 0
 VARIANTS: tuple[str, ...] = ("base", "custom_voice", "voice_design")
 SIZES: tuple[str, ...] = ("0b6", "1b7")
@@ -82,27 +78,10 @@ SPEECH_FEATURE_EXTRACTOR: dict[str, Any] = {
 }
 
 
-def _train_bpe() -> Any:
-    """The byte-level BPE trained on the shipped corpus, with the special tokens added after it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    lines = [ln for ln in CORPUS_PATH.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok
-
-
 def write_tokenizer(out_dir: Path) -> dict[str, int]:
     """Write the Qwen2 tokenizer files (vocab.json, merges.txt, tokenizer_config.json) to ``out_dir`` and return
     the special tokens' ids."""
-    tok = _train_bpe()
+    tok = train_byte_level_bpe(SPECIAL_TOKENS)
     vocab: dict[str, int] = tok.get_vocab(with_added_tokens=False)
     model_state = json.loads(tok.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model_state["merges"]]
@@ -224,12 +203,6 @@ def tiny_speech_tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _param_generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded from (seed, checkpoint key), so init is independent of iteration order."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
 def layout_tensors(layout: Layout, seed: int, namespace: str = "") -> dict[str, torch.Tensor]:
     """The float32 weights of ``layout``, each drawn from a generator seeded by (seed, namespace + key)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -239,7 +212,7 @@ def layout_tensors(layout: Layout, seed: int, namespace: str = "") -> dict[str, 
         if kind == "fill":
             tensors[key] = torch.full(spec.shape, value, dtype=torch.float32)
         else:
-            noise = torch.randn(spec.shape, generator=_param_generator(seed, namespace + key), dtype=torch.float32)
+            noise = torch.randn(spec.shape, generator=param_generator(seed, namespace + key), dtype=torch.float32)
             tensors[key] = noise * value
     return tensors
 
@@ -253,10 +226,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a complete tiny checkpoint of ``variant`` (weights, configs, tokenizer, speech tokenizer) to
     ``out_dir``, atomically (built in a sibling temp directory, then renamed)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         special_ids = write_tokenizer(tmp)
         vocab_size = max(special_ids.values()) + 1
         config = tiny_config(variant, special_ids, vocab_size, size)
@@ -278,38 +249,21 @@ def make_tiny_checkpoint(
 
         marker = {"format": TINY_FORMAT, "seed": seed, "variant": variant, "size": size}
         _write_json(tmp / MARKER_FILE, marker)
-        for path in [*tmp.rglob("*")]:  # mkdtemp leaves 0700; other workers must read it
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not _is_complete(out_dir, variant, size):  # lost a race to a concurrent writer: keep its copy
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_atomically(Path(out_dir), write, lambda path: _is_complete(path, variant, size))
 
 
 def tiny_checkpoint_dir(variant: str, seed: int = DEFAULT_SEED, size: str = DEFAULT_SIZE) -> Path:
     """Cache location of a generated tiny checkpoint (``$OMNI_RAY_CACHE`` or ``~/.cache/omni-ray``); the format
     version in the name keeps a checkpoint made by an older generator from being reused."""
-    cache = os.environ.get("OMNI_RAY_CACHE") or str(Path.home() / ".cache" / "omni-ray")
-    return Path(cache).expanduser() / f"qwen3-tts-tiny-v{TINY_FORMAT}-{variant}-{size}-seed{seed}"
+    return cache_root() / f"qwen3-tts-tiny-v{TINY_FORMAT}-{variant}-{size}-seed{seed}"
 
 
 def _is_complete(path: Path, variant: str, size: str) -> bool:
     """Whether ``path`` holds a finished checkpoint of this generator's format (the marker is written last)."""
-    try:
-        marker = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    marker = read_marker(path, MARKER_FILE)
     return (
-        isinstance(marker, dict) and marker.get("format") == TINY_FORMAT and marker.get("variant") == variant
+        marker is not None and marker.get("format") == TINY_FORMAT and marker.get("variant") == variant
         and marker.get("size") == size and (path / SPEECH_TOKENIZER_DIR / WEIGHTS_FILE).is_file()
     )
 
@@ -317,18 +271,8 @@ def _is_complete(path: Path, variant: str, size: str) -> bool:
 def ensure_tiny_checkpoint(variant: str = "custom_voice", seed: int = DEFAULT_SEED, size: str = DEFAULT_SIZE) -> Path:
     """Return the tiny checkpoint directory for (variant, seed, size), generating it once (safe under concurrent
     callers)."""
-    target = tiny_checkpoint_dir(variant, seed, size)
-    if _is_complete(target, variant, size):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not _is_complete(target, variant, size):
-                make_tiny_checkpoint(target, variant=variant, seed=seed, size=size)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return target
+    return build_once(tiny_checkpoint_dir(variant, seed, size), lambda path: _is_complete(path, variant, size),
+                      lambda path: make_tiny_checkpoint(path, variant=variant, seed=seed, size=size))
 
 
 def read_config(checkpoint_dir: Path) -> dict[str, Any]:

@@ -220,6 +220,13 @@ class VocoderSettings(_Strict):
         "H200); false re-decodes `left_context` frames with each chunk",
     )
     max_streams: int = Field(default=256, ge=1, description="stateful: streams one replica holds state for at once")
+    reference_cache_mb: float = Field(
+        default=64.0, ge=0,
+        description="stateful, cloned voices: device memory for the decoder state after a reference's codes (a "
+        "cloned voice's left context), kept by the codes' content, so a stream in a voice decoded before copies that "
+        "state instead of decoding the reference ahead of its first chunk; least recently used voices leave first. "
+        "0: off",
+    )
     cudnn_autotune: bool = Field(
         default=False,
         description="let cuDNN time its convolution algorithms for each decode shape at warm-up (CUDA only; for the "

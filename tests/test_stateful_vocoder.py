@@ -256,3 +256,47 @@ def test_a_stream_opened_with_reference_codes_continues_their_decode(codec: Code
     torch.testing.assert_close(decoder.reference_tail(SPF), last_reference_frame, rtol=0, atol=1e-5)
     assert set(shapes) <= set(step_shapes(schedule, reference=True)) and shapes[0][1]
     assert codec.states is not None and codec.states.in_use == 0
+
+
+def test_a_voice_decoded_before_starts_from_its_kept_state_with_the_same_audio(codec: Code2WavCodec) -> None:
+    """With primed states kept, the first stream in a voice decodes the reference and keeps the state after it; a
+    later stream in that voice makes no reference call (its first call is its first chunk's, a later call at the
+    reference's position) and its audio and reference tail equal the first's, sample for sample, while a stream in
+    another voice between them is decoded from its own reference. A budget smaller than one state keeps none."""
+    reference, other, new = _codes(13, seed=21), _codes(6, seed=22), _codes(15, seed=23)
+    schedule = ChunkSchedule()
+    calls: list[tuple[int, int, bool]] = []
+
+    class Recording(BatchingStatefulCodec):
+        def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor:
+            calls.append((int(codes.shape[1]), position, first))
+            return super().step(codes, position, slot, first)
+
+    def speak(worker: BatchingStatefulCodec, voice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+        calls.clear()
+        decoder = StatefulStreamingDecoder(worker, schedule, reference_codes=voice)
+        chunks = decoder.push(new[:, :12])
+        last = decoder.finish()
+        assert last is not None
+        return torch.cat([*chunks, last]), decoder.reference_tail(SPF), list(calls)
+
+    worker = Recording(codec, primed_bytes=64 * 2**20)
+    assert worker.primed_states is not None
+    first_audio, first_tail, first_calls = speak(worker, reference)
+    assert first_calls[0] == (8, 0, True)  # the reference's 13 frames: 8, 4 and 1
+    other_audio, _, _ = speak(worker, other)
+    again_audio, again_tail, again_calls = speak(worker, reference)
+    assert again_calls[0] == (1, 13, False)  # straight to the first chunk, after the reference's 13 frames
+    assert len(again_calls) == len(first_calls) - 3
+    torch.testing.assert_close(again_audio, first_audio, rtol=0, atol=0)
+    torch.testing.assert_close(again_tail, first_tail, rtol=0, atol=0)
+    joined_other = _one_shot(codec, torch.cat([other, new], dim=1))
+    torch.testing.assert_close(other_audio, joined_other[6 * SPF : 6 * SPF + 12 * SPF - TRIM], rtol=0, atol=1e-5)
+    assert worker.primed_states.stats()["reference_state_hits"] == 1
+    assert worker.primed_states.stats()["reference_state_entries"] == 2
+
+    tiny = Recording(codec, primed_bytes=1)
+    speak(tiny, reference)
+    _, _, calls_again = speak(tiny, reference)
+    assert tiny.primed_states is not None and calls_again[0] == (8, 0, True) and not tiny.primed_states.entries
+    assert codec.states is not None and codec.states.in_use == 0

@@ -193,7 +193,9 @@ class StreamingVocoderStage(StageBase):
         with self.startup_phase("warmup"):  # the graphs of every decode shape the chunk schedule makes
             if streaming.stateful:
                 codec.warmup([], min(streaming.max_batch, 32), step_shapes(self.schedule, reference=references))
-                self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
+                primed_bytes = int(streaming.reference_cache_mb * 2**20) if references else 0
+                self.codec = BatchingStatefulCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000,
+                                                   primed_bytes)
             else:
                 codec.warmup(decode_window_lengths(self.schedule), min(streaming.max_batch, 32))
                 self.codec = BatchingCodec(codec, streaming.max_batch, streaming.batch_gather_ms / 1000)
@@ -203,11 +205,13 @@ class StreamingVocoderStage(StageBase):
     def load_stats(self) -> dict[str, Any]:
         """Plus the decode thread's cumulative work: over an interval, Δdecode_busy_s / seconds is how busy the
         vocoder kept its GPU share, Δdecode_frames / seconds its frame rate (left context included), and
-        Δdecode_windows / Δdecode_calls the streams' chunks batched per decode call."""
+        Δdecode_windows / Δdecode_calls the streams' chunks batched per decode call; with cloned voices, the primed
+        states' hits, misses and bytes."""
         worker = self.codec.worker
+        primed = getattr(self.codec, "primed_states", None)
         return {**super().load_stats(), "decode_busy_s": worker.busy_s, "decode_frames": worker.frames,
                 "decode_calls": worker.batches, "decode_windows": worker.windows,
-                "graph_pool_kept_blocks": len(self.graphs.kept_in_pool)}
+                "graph_pool_kept_blocks": len(self.graphs.kept_in_pool), **(primed.stats() if primed else {})}
 
     def open_decoder(self, context: torch.Tensor | None = None) -> StreamingDecoder | StatefulStreamingDecoder:
         """A stream's decoder; `context`: codes [G, T] decoded ahead of the stream's frames, whose audio is not

@@ -12,6 +12,7 @@ from typing import Callable, Generic, Hashable, Protocol, TypeVar
 import torch
 
 from omni_ray.engine.profiling import StepProfiler, StepTrace
+from omni_ray.vocoder.reference_states import PrimedStates
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +181,23 @@ StepCall = tuple[torch.Tensor, int, int, bool]  # ([Q, n] codes, frames decoded 
 
 class BatchingStatefulCodec(_CodecInfo):
     """The `StatefulCodec` protocol over a `StatefulBatchDecoder`: steps with the same number of new frames (and
-    all first calls, or all later ones) from different streams run as one call."""
+    all first calls, or all later ones) from different streams run as one call. With `primed_bytes` (and a decoder
+    that can copy a slot's state), it keeps cloned voices' primed states (`primed_states`): the state copies run on
+    the decode thread, before its next decode call, so they are ordered with the steps that read and write the
+    slots."""
 
-    def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64, gather_s: float = 0.0) -> None:
+    def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64, gather_s: float = 0.0,
+                 primed_bytes: int = 0) -> None:
         super().__init__(decoder, max_batch)
         self.decoder = decoder
         self.worker: BatchWorker[StepCall, torch.Tensor] = BatchWorker(
             self._run, key=lambda call: (int(call[0].shape[1]), call[3]), frames=lambda call: int(call[0].shape[1]),
             max_batch=max_batch, gather_s=gather_s,
         )
+        copies_state = hasattr(decoder, "copy_state_out") and hasattr(decoder, "copy_state_in")
+        self.primed_states = PrimedStates(primed_bytes) if primed_bytes > 0 and copies_state else None
+        self._slot_work: list[Callable[[], None]] = []
+        self._slot_work_lock = threading.Lock()
 
     def open_stream(self) -> int:
         return self.decoder.open_stream()
@@ -199,7 +208,23 @@ class BatchingStatefulCodec(_CodecInfo):
     def step(self, codes: torch.Tensor, position: int, slot: int, first: bool) -> torch.Tensor:
         return self.worker.submit((codes, position, slot, first))
 
+    def load_state(self, slot: int, state: torch.Tensor) -> None:
+        """Write `state` into `slot` before the decode thread's next call (the stream's next step comes after)."""
+        self._before_next_call(lambda: self.decoder.copy_state_in(slot, state))  # type: ignore[attr-defined]
+
+    def save_state(self, slot: int, keep: Callable[[torch.Tensor], None]) -> None:
+        """Hand `keep` a copy of `slot`'s state as it is before the decode thread's next call."""
+        self._before_next_call(lambda: keep(self.decoder.copy_state_out(slot)))  # type: ignore[attr-defined]
+
+    def _before_next_call(self, work: Callable[[], None]) -> None:
+        with self._slot_work_lock:
+            self._slot_work.append(work)
+
     def _run(self, calls: list[StepCall]) -> list[torch.Tensor]:
+        with self._slot_work_lock:
+            slot_work, self._slot_work = self._slot_work, []
+        for work in slot_work:  # in the order asked: a slot saved and then reused is saved first
+            work()
         codes = stacked([call[0] for call in calls])
         positions = torch.tensor([call[1] for call in calls], dtype=torch.long)
         slots = torch.tensor([call[2] for call in calls], dtype=torch.long)

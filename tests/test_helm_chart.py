@@ -133,18 +133,28 @@ def test_compile_cache_is_a_host_path_on_every_worker_and_torch_compile_is_point
         assert env == {"TORCHINDUCTOR_CACHE_DIR": "/var/cache/omni-ray/inductor", "TRITON_CACHE_DIR": "/var/cache/omni-ray/triton"}
 
 
-def test_relay_secret_comes_from_a_kubernetes_secret_into_every_ray_pod(helm: Path) -> None:
-    def env_of_every_pod(docs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
-        specs = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
-        return [spec["containers"][0].get("env", []) for spec in specs]
+def _env_of_every_pod(docs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+    specs = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    return [spec["containers"][0].get("env", []) for spec in specs]
 
-    assert all("OMNI_RAY_RELAY_SECRET" not in str(env) for env in env_of_every_pod(_render(helm, None)))  # off by default
-    envs = env_of_every_pod(_render(helm, "examples/multinode-autoscaling.yaml", "--set", "relaySecret.name=omni-relay"))
+
+def test_relay_secret_comes_from_a_kubernetes_secret_into_every_ray_pod(helm: Path) -> None:
+    assert all("OMNI_RAY_RELAY_SECRET" not in str(env) for env in _env_of_every_pod(_render(helm, None)))  # off by default
+    envs = _env_of_every_pod(_render(helm, "examples/multinode-autoscaling.yaml", "--set", "relaySecret.name=omni-relay"))
     assert len(envs) == 4
     for env in envs:
         assert {"name": "OMNI_RAY_RELAY_SECRET",
                 "valueFrom": {"secretKeyRef": {"name": "omni-relay", "key": "relay-secret"}}} in env
+
+
+def test_serves_haproxy_front_is_switched_on_in_every_ray_pod(helm: Path) -> None:
+    assert all("RAY_SERVE_ENABLE_HA_PROXY" not in str(env) for env in _env_of_every_pod(_render(helm, None)))
+    envs = _env_of_every_pod(_render(helm, "examples/multinode-autoscaling.yaml", "--set", "serve.haproxy=true",
+                                     "--set", "relaySecret.name=omni-relay"))
+    assert len(envs) == 4
+    for env in envs:
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in env and "OMNI_RAY_RELAY_SECRET" in str(env)
 
 
 def test_compile_cache_can_be_one_claim_that_every_worker_shares(helm: Path) -> None:

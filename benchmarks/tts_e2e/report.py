@@ -38,6 +38,19 @@ def _num(value: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def way_row(row: dict[str, Any]) -> str:
+    """A level's row of the first audio's way: client mean, way in, the server's points, way out (ms)."""
+    server = row.get("server", {})
+    point = {name: server.get(f"mean_time_to_{name}_seconds_ms") for name in
+             ("streams_open", "first_frame_launch", "first_frame", "first_audio", "first_audio_sent")}
+    way_in, mean = server.get("mean_request_path_seconds_ms"), row["stats"]["ttfa_s"].get("mean")
+    sent = point["first_audio_sent"]
+    way_out = None if None in (way_in, mean, sent) else 1000 * mean - way_in - sent
+    level = f"{row['rate']:g} req/s" if "rate" in row else f"c={row['concurrency']}"
+    cells = [_num(v, "{:.1f}") for v in (None if mean is None else 1000 * mean, way_in, *point.values(), way_out)]
+    return f"| {row['workload']} | {level} | " + " | ".join(cells) + " |"
+
+
 def targets(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str, dict[str, Any]]) -> list[str]:
     """The issue's targets: measured, goal, the anchor and the floor, with the ratios."""
     bandwidth = card_bandwidth(meta["gpu"])
@@ -72,6 +85,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str
     lines = [f"# Qwen3-TTS end to end through HTTP ({meta['gpu']}, {meta['date']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
              + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
+             + (", HTTP through Serve's HAProxy front" if "--haproxy" in meta["command"].split() else
+                ", HTTP through Serve's proxy")
              + "".join(f"; service ready {r['seconds']:.0f} s after `serve.run`" for r in rows if r["phase"] == "startup"),
              "",
              f"Workload T: \"{TEXT}\" ({len(TEXT.split())} words), {FRAMES} frames (6 s) of speech, EOS ignored "
@@ -95,6 +110,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str
                      f"{r['audio_throughput']:.1f} | {_num(r['underruns']['rate'], '{:.1%}')} | "
                      f"{','.join(str(f) for f in r['frames_seen']) or '–'} | "
                      + ", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()) + " |")
+    lines += ["", "Where the first audio goes (means over the level, ms): the client's way in (its X-Request-Start to the "
+              "ingress handler); then, from the ingress submitting the request, the server's points; then the way "
+              "out (the client's mean first audio less the way in and the server's first audio handed on).", "",
+              "| workload | level | client first audio, mean | way in | streams open | first frame launched | "
+              "first frame | first audio (vocoder) | first audio handed on | way out |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [way_row(r) for r in rows if r["phase"] == "measure"]
     failed = [r for r in rows if r["phase"] in ("warmup", "measure") and r.get("error_samples")]
     lines += [""] + [f"Failed requests, {r['workload']} {r['phase']}: " + "; ".join(r["error_samples"]) for r in failed]
     lines += ["", f"## Targets ({meta['gpu']}; floors at {card_bandwidth(meta['gpu']) / 1e12:.2f} TB/s: a Talker "

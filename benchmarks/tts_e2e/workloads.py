@@ -158,13 +158,14 @@ def run_workloads(url: str, variants: dict[str, tuple[str, dict[str, Any]]], nam
 
 
 def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The stages' step time, batch and launch gauges after a level, and the time-to histograms' means over it (ms)."""
+    """The stages' step time, batch and launch gauges after a level, and the time-to and way-in histograms' means over
+    it (ms)."""
     gauges = ("omni_stage_step_ms_p50", "omni_stage_step_ms_p90", "omni_stage_batch_mean", "omni_stage_launch_ms_p50",
               "omni_stage_outputs_ms_p50")
     view = {key: value for key, value in after.items() if key.split("{")[0] in gauges}
     for key, value in after.items():
         name, labels = key.split("{")[0], key[len(key.split("{")[0]):]
-        if name.startswith("omni_time_to_") and name.endswith("_seconds_count"):
+        if name.startswith(("omni_time_to_", "omni_request_path")) and name.endswith("_seconds_count"):
             stem = name.removesuffix("_count")
             count = value - before.get(key, 0.0)
             total = after.get(f"{stem}_sum{labels}", 0.0) - before.get(f"{stem}_sum{labels}", 0.0)

@@ -70,8 +70,12 @@ volumes:
 {{- $model := and (eq .root.Values.model.source "checkpoint") .root.Values.model.volume -}}
 {{- $cache := include "omni-ray.compileCache" . -}}
 {{- $relaySecret := .root.Values.relaySecret.name -}}
-{{- if or $cache $relaySecret }}
+{{- $haproxy := .root.Values.serve.haproxy -}}
+{{- if or $cache $relaySecret $haproxy }}
 env:
+{{- if $haproxy }}
+  - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+{{- end }}
 {{- if $relaySecret }}
   - name: OMNI_RAY_RELAY_SECRET
     valueFrom: {secretKeyRef: {name: {{ $relaySecret | quote }}, key: {{ .root.Values.relaySecret.key | quote }}}}

@@ -28,8 +28,9 @@
 #   e2e1         the 1-GPU layout, under MPS unless MPS_e2e1_TAG=0
 #   e2e1prof     e2eprof's profiles in the 1-GPU layout under MPS
 #   baseline     transformers' generate() (benchmarks/hf_baseline.py)
-#   tts          Qwen3-TTS 1.7B CustomVoice + Base end to end under MPS, workload T at Poisson 1/10/20 req/s and
-#                c=1/8/32/64 (benchmarks/e2e_serve.py, benchmarks/serve_tts_1.7b_random_1gpu.yaml; TTS_TIMEOUT, default 540)
+#   tts          Qwen3-TTS 1.7B CustomVoice + Base end to end under MPS, HTTP through Serve's HAProxy front,
+#                workload T at Poisson 1/10/20 req/s and c=1/8/32/64 (benchmarks/e2e_serve.py,
+#                benchmarks/serve_tts_1.7b_random_1gpu.yaml; TTS_TIMEOUT, default 540)
 #   tts06        the same for 0.6B (benchmarks/serve_tts_0.6b_random_1gpu.yaml)
 #   official     the official qwen-tts 0.1.1 generate_custom_voice / generate_voice_clone, batch 1, full-size random
 #                weights (benchmarks/hf_baseline.py --family qwen3_tts; SET_official_TAG: e.g. "--size 0b6"), from
@@ -219,7 +220,7 @@ for step in "${@:-tests engine vocoder e2e}"; do
            [ "$mps" = 1 ] && mps_on "$tag"
            # shellcheck disable=SC2086
            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve \
-             --serve-config "benchmarks/serve_tts_${size}_random_1gpu.yaml" $extra --out "$OUT/results/$tag"
+             --serve-config "benchmarks/serve_tts_${size}_random_1gpu.yaml" --haproxy $extra --out "$OUT/results/$tag"
            [ "$mps" = 1 ] && mps_off ;;
       official) # the official package beside its own transformers 4.57.3: never on the service's PYTHONPATH
            [ "${DRY_RUN:-0}" = 1 ] || [ -d /tmp/qwen_site/qwen_tts ] || python3 -m pip install -q --no-index --no-deps \

@@ -241,10 +241,12 @@ class TalkerSettings(EngineSettings):
 
     max_frames: int = Field(default=4096, ge=1)
     prefix_cache_mb: float = Field(
-        default=256.0, ge=0,
+        default=0.0, ge=0,
         description="device memory for the keys and values of prompts' shared prefixes (a Qwen3-TTS voice's: its "
         "speaker, language and, when cloned in context, its reference transcript), so a request in a voice seen "
-        "before prefills only the rest of its prompt; least recently used prefixes leave first. 0: off",
+        "before prefills only the rest of its prompt; least recently used prefixes leave first. Off (0) by default: "
+        "the rest of a prompt prefills eagerly, one request at a time, where a whole prompt's prefill replays a "
+        "captured graph with the step's other prompts, and with compiled layers that is slower on a GPU",
     )
     frames_per_text_token: float = Field(default=6.0, ge=0)
     frame_budget_base: int = Field(default=25, ge=0)

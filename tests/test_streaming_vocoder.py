@@ -296,6 +296,27 @@ def test_an_idle_worker_gathers_calls_that_come_one_after_another() -> None:
     assert sum(sizes) == 6 and len(sizes) >= 2 and sizes[0] < 6
 
 
+def test_urgent_calls_run_before_the_others_taken_with_them() -> None:
+    """Calls that reach a busy worker together run by group, the urgent group (streams' first chunks) first."""
+    order: list[list[str]] = []
+    release = threading.Event()
+
+    def run(items: list[str]) -> list[str]:
+        if items == ["busy"]:
+            release.wait(10)
+        order.append(items)
+        return items
+
+    worker: BatchWorker[str, str] = BatchWorker(run, key=lambda item: item[0], frames=lambda item: 1, max_batch=8,
+                                                urgent=lambda item: item.startswith("f"))
+    busy = worker.submit_nowait("busy")
+    time.sleep(0.1)  # the worker runs "busy" and waits; the rest gather behind it
+    later = [worker.submit_nowait(name) for name in ("steady-1", "steady-2", "first-1", "first-2")]
+    release.set()
+    assert [f.result(timeout=10) for f in (busy, *later)] == ["busy", "steady-1", "steady-2", "first-1", "first-2"]
+    assert order == [["busy"], ["first-1", "first-2"], ["steady-1", "steady-2"]]
+
+
 def test_batching_codec_failure_reaches_only_that_batch_and_it_keeps_serving() -> None:
     fake = _RecordingDecoder()
     fake.gate.set()

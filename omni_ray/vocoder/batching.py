@@ -59,12 +59,14 @@ class BatchWorker(Generic[Item, Result]):
 
     With `gather_s`, the worker, once it has calls to take, keeps taking more while they come less than `gather_s`
     apart (for at most `gather_max_s`): the streams whose chunks one Talker step completes submit them one after
-    another, and without the wait the first would run alone and the rest in a second call."""
+    another, and without the wait the first would run alone and the rest in a second call. With `urgent`, the groups
+    of urgent calls run before the others taken with them."""
 
     def __init__(self, run_group: Callable[[list[Item]], list[Result]], key: Callable[[Item], Hashable],
                  frames: Callable[[Item], int], max_batch: int, gather_s: float = 0.0,
-                 gather_max_s: float | None = None) -> None:
+                 gather_max_s: float | None = None, urgent: Callable[[Item], bool] | None = None) -> None:
         self._run_group, self._key, self._frames = run_group, key, frames
+        self._urgent = urgent  # groups of such calls run before the others taken with them
         self.max_batch = max_batch
         self.gather_s = gather_s
         self.gather_max_s = 4 * gather_s if gather_max_s is None else gather_max_s
@@ -99,7 +101,10 @@ class BatchWorker(Generic[Item, Result]):
             groups: dict[Hashable, list[_Call[Item, Result]]] = {}
             for call in taken:
                 groups.setdefault(self._key(call.item), []).append(call)
-            for group in groups.values():
+            ordered = list(groups.values())
+            if self._urgent is not None:
+                ordered.sort(key=lambda group: not self._urgent(group[0].item))  # type: ignore[misc]
+            for group in ordered:
                 for start in range(0, len(group), self.max_batch):
                     self._run_calls(group[start : start + self.max_batch])
 
@@ -181,7 +186,9 @@ StepCall = tuple[torch.Tensor, int, int, bool]  # ([Q, n] codes, frames decoded 
 
 class BatchingStatefulCodec(_CodecInfo):
     """The `StatefulCodec` protocol over a `StatefulBatchDecoder`: steps with the same number of new frames (and
-    all first calls, or all later ones) from different streams run as one call. With `primed_bytes` (and a decoder
+    all first calls, or all later ones) from different streams run as one call; first calls (a stream's first chunk,
+    or its reference's first call: its listener's first audio waits for them) before the later calls taken with them.
+    With `primed_bytes` (and a decoder
     that can copy a slot's state), it keeps cloned voices' primed states (`primed_states`): the state copies run on
     the decode thread, before its next decode call, so they are ordered with the steps that read and write the
     slots."""
@@ -192,7 +199,7 @@ class BatchingStatefulCodec(_CodecInfo):
         self.decoder = decoder
         self.worker: BatchWorker[StepCall, torch.Tensor] = BatchWorker(
             self._run, key=lambda call: (int(call[0].shape[1]), call[3]), frames=lambda call: int(call[0].shape[1]),
-            max_batch=max_batch, gather_s=gather_s,
+            max_batch=max_batch, gather_s=gather_s, urgent=lambda call: call[3],
         )
         copies_state = hasattr(decoder, "copy_state_out") and hasattr(decoder, "copy_state_in")
         self.primed_states = PrimedStates(primed_bytes) if primed_bytes > 0 and copies_state else None

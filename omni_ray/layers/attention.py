@@ -98,10 +98,12 @@ class AttentionBatch:
 
 
 class Attention(nn.Module):
-    """Qwen3 attention: q/k RMS-normed per head, rotary, grouped-query, KV cache write + read."""
+    """Qwen3 attention: q/k RMS-normed per head (unless `qk_norm` is false), rotary, grouped-query, KV cache write +
+    read."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, bias: bool = False
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, bias: bool = False,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -111,8 +113,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+        self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps) if qk_norm else None
         self.qkv: torch.Tensor | None = None  # set by fuse_projections
 
     def fuse_projections(self) -> None:
@@ -137,8 +139,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q, k, v = self._project(x)
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)

@@ -71,11 +71,15 @@ class ResizeMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables; with `mrope_section` it interleaves temporal/height/width frequencies (Qwen3 M-RoPE)."""
+    """RoPE tables; with `mrope_section` it interleaves temporal/height/width frequencies (Qwen3 M-RoPE); with
+    `table_dtype`, cos and sin are rounded to it before they take the model's dtype (a model trained with rounded
+    tables, as S2 Pro's bfloat16 ones, needs the same rounding in every dtype)."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None = None,
+                 table_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
+        self.table_dtype = table_dtype
         self.register_buffer("inv_freq", self._frequencies(torch.device("cpu")), persistent=False)
         self.mrope_section = list(mrope_section) if mrope_section else None
 
@@ -102,7 +106,10 @@ class RotaryEmbedding(nn.Module):
                 idx = slice(axis, self.mrope_section[axis] * 3, 3)
                 freqs[..., idx] = per_axis[axis][..., idx]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.table_dtype is not None:
+            cos, sin = cos.to(self.table_dtype), sin.to(self.table_dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ class DecoderSpec:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     always_moe: bool = False  # the Talker uses its MoE block on every layer
+    qk_norm: bool = True  # per-head RMSNorm of queries and keys
+    rope_table_dtype: torch.dtype | None = None  # cos/sin rounded to it (`RotaryEmbedding.table_dtype`)
 
     @classmethod
     def from_hf(cls, cfg: Any, always_moe: bool = False) -> "DecoderSpec":
@@ -76,7 +78,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+        self.self_attn = Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps,
+                                   qk_norm=spec.qk_norm)
         self.mlp: nn.Module
         if spec.is_moe_layer(index):
             self.mlp = SparseMoE(
@@ -116,7 +119,8 @@ class DecoderStack(nn.Module):
         self.spec = spec
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, list(spec.mrope_section or []) or None,
+                                      spec.rope_table_dtype)
         self.small_batch_kernels = False  # see use_small_batch_kernels
         self.moe_layer_kernels = False  # see use_moe_layer_kernels
         self.moe_combine_in_down = False  # the folds of `use_moe_layer_kernels`
@@ -134,8 +138,9 @@ class DecoderStack(nn.Module):
 
     def use_small_batch_kernels(self) -> bool:
         """Run dense layers' steps of a few rows over a few keys as `small_batch.decoder_layer` (five Triton kernels a
-        layer) where it applies; other steps run the layers as they are. False (and nothing changes) without Triton."""
-        if small_batch.triton is None:
+        layer) where it applies; other steps run the layers as they are. False (and nothing changes) without Triton, or
+        for a stack without q/k norms (the kernels norm queries and keys)."""
+        if small_batch.triton is None or not self.spec.qk_norm:
             return False
         self.fuse_projections()
         self.small_batch_kernels = True

@@ -449,6 +449,8 @@ def unsupported(stack: Any) -> str | None:
     """Why `PersistentPass` cannot run `stack`, or None: dense layers with fused projections, head_dim 128, bf16
     weights, widths that split into the kernel's blocks, at most 8 layers."""
     spec = stack.spec
+    if not spec.qk_norm:
+        return "no q/k norms (the kernel norms queries and keys)"
     if spec.num_layers > MAX_LAYERS:
         return f"{spec.num_layers} layers (at most {MAX_LAYERS})"
     if spec.head_dim != 128:

@@ -3,11 +3,11 @@ request's slot so that its prefill computes only the rest."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from omni_ray.byte_budget_cache import ByteBudgetCache
 from omni_ray.engine.kv_cache import SlotKVCache
 
 
@@ -23,42 +23,27 @@ class PrefixEntry:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
 
 
-class PrefixCache:
+class PrefixCache(ByteBudgetCache[PrefixEntry]):
     """Least-recently-used prefixes within `max_bytes` of device memory. A key names a prefix's whole content (its
     positions' inputs), so an entry is reused only for the same leading positions; the caller picks where a prompt's
     shared part ends."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        super().__init__(max_bytes)
         self.reused_positions = 0  # prompt positions whose prefill a hit saved
 
     def lookup(self, key: str, length: int) -> PrefixEntry | None:
-        entry = self.entries.get(key)
-        if entry is None or entry.length != length:
-            self.misses += 1
-            return None
-        self.entries.move_to_end(key)
-        self.hits += 1
-        self.reused_positions += length
+        entry = self.get(key, lambda entry: entry.length == length)
+        if entry is not None:
+            self.reused_positions += length
         return entry
 
     def save(self, key: str, cache: SlotKVCache, slot: int, length: int) -> None:
         """Keep slot `slot`'s first `length` positions (already written) under `key`, evicting the least recently used
         entries to make room; a prefix larger than the whole budget is not kept."""
-        if key in self.entries or length <= 0:
+        if key in self or length <= 0:
             return
-        entry = PrefixEntry(length, [(k[slot, :length].clone(), v[slot, :length].clone()) for k, v in cache.layers])
-        if entry.nbytes > self.max_bytes:
-            return
-        while self.bytes + entry.nbytes > self.max_bytes and self.entries:
-            _, evicted = self.entries.popitem(last=False)
-            self.bytes -= evicted.nbytes
-        self.entries[key] = entry
-        self.bytes += entry.nbytes
+        self.put(key, PrefixEntry(length, [(k[slot, :length].clone(), v[slot, :length].clone()) for k, v in cache.layers]))
 
     @staticmethod
     def restore(entry: PrefixEntry, cache: SlotKVCache, slot: int) -> None:

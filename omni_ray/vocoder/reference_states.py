@@ -4,11 +4,11 @@ streams in the same voice."""
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from omni_ray.byte_budget_cache import ByteBudgetCache
 
 
 @dataclass
@@ -31,40 +31,11 @@ def reference_key(codes: torch.Tensor) -> str:
     return f"{tuple(flat.shape)}:{hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()}"
 
 
-class PrimedStates:
+class PrimedStates(ByteBudgetCache[PrimedState]):
     """Least-recently-used primed states within `max_bytes` (device memory, where the codec's state lives). A stream
     that starts from a reference whose codes are kept copies the state into its slot instead of decoding the
     reference: its audio is the same, and its first chunk waits for one copy instead of the reference's decode
-    calls. Used from the streams' event loop and the decode thread, so guarded by a lock."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[str, PrimedState] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._lock = threading.Lock()
-
-    def lookup(self, key: str) -> PrimedState | None:
-        with self._lock:
-            entry = self.entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return entry
-
-    def save(self, key: str, entry: PrimedState) -> None:
-        """Keep `entry`, evicting the least recently used to make room; one larger than the budget is not kept."""
-        with self._lock:
-            if key in self.entries or entry.nbytes > self.max_bytes:
-                return
-            while self.bytes + entry.nbytes > self.max_bytes and self.entries:
-                _, evicted = self.entries.popitem(last=False)
-                self.bytes -= evicted.nbytes
-            self.entries[key] = entry
-            self.bytes += entry.nbytes
+    calls. Used from the streams' event loop and the decode thread (the cache is thread-safe)."""
 
     def stats(self) -> dict[str, float]:
         return {"reference_state_hits": self.hits, "reference_state_misses": self.misses,

@@ -422,7 +422,7 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
         reference, self._reference = self._reference, self._reference[:, :0]
         primed: PrimedStates | None = getattr(self.stateful_codec, "primed_states", None)
         key = reference_key(reference) if primed is not None else ""
-        entry = primed.lookup(key) if primed is not None else None
+        entry = primed.get(key) if primed is not None else None
         if entry is not None:
             self.stateful_codec.load_state(self._open_slot(), entry.state)  # type: ignore[attr-defined]
             self._position = entry.frames
@@ -432,7 +432,7 @@ class StatefulStreamingDecoder(_ScheduledDecoder):
         if primed is not None:
             audio = self._reference_audio
             self.stateful_codec.save_state(  # type: ignore[attr-defined]
-                self._open_slot(), lambda state: primed.save(key, PrimedState(int(reference.shape[1]), state, audio)))
+                self._open_slot(), lambda state: primed.put(key, PrimedState(int(reference.shape[1]), state, audio)))
 
     def _open_slot(self) -> int:
         with self._guard:

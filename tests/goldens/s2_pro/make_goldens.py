@@ -1,0 +1,231 @@
+"""Run by the fish-speech venv (the official source on PYTHONPATH, see make_venv.sh): write the official S2 Pro
+Dual-AR's greedy frames and prefill logits on the tiny checkpoint of one seed.
+
+Usage: make_goldens.py --seed N --out FILE [--project-python PY | --checkpoint DIR]
+
+The tiny checkpoint (`config.json`, `model.safetensors` in the official layout) is written by the project's own
+`omni_ray.models.s2_pro.checkpoint.write_tiny_weights`, run by the project's python (`--project-python`), unless
+`--checkpoint` names one already written. The official code is only imported here, never copied."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fish_speech.models.text2semantic import inference
+from fish_speech.models.text2semantic.inference import RAS_WIN_SIZE, decode_one_token_ar, init_model
+from fish_speech.models.text2semantic.llama import _remap_fish_qwen3_omni_keys
+from fish_speech.tokenizer import IM_END_TOKEN
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[2]
+FISH_SPEECH_COMMIT = "3dd1f85"
+EOS_ID = 1023  # stands for <|im_end|>: the last id below the semantic tokens of the tiny vocabulary
+FRAMES = 10  # the prefill's frame and 9 decode steps
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}  # top_k=1: greedy, and RAS cannot change a token
+TEXT_IDS = (1, EOS_ID - 1)  # prompt text ids are drawn from this range, inclusive
+
+
+def write_checkpoint(project_python: str, seed: int, out_dir: Path) -> Path:
+    code = ("import sys; from pathlib import Path; from omni_ray.models.s2_pro.checkpoint import write_tiny_weights; "
+            "write_tiny_weights(Path(sys.argv[1]), int(sys.argv[2]))")
+    subprocess.run([project_python, "-c", code, str(out_dir), str(seed)], cwd=REPO_ROOT, check=True)
+    return out_dir
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_load(model: Any, directory: Path) -> None:
+    """from_pretrained loads with strict=False and only logs the result: fail here on any missing, unexpected or
+    reshaped key, or a value that did not arrive, and on semantic ids that did not come from config.json."""
+    weights = _remap_fish_qwen3_omni_keys(OrderedDict(load_file(str(directory / "model.safetensors"))))
+    state = model.state_dict()
+    missing = sorted(set(state) - set(weights))
+    unexpected = sorted(set(weights) - set(state))
+    reshaped = sorted(k for k in set(state) & set(weights) if state[k].shape != weights[k].shape)
+    changed = sorted(k for k in set(state) & set(weights) if k not in reshaped and not torch.equal(state[k], weights[k]))
+    if missing or unexpected or reshaped or changed:
+        raise SystemExit(f"official load mismatch: missing={missing} unexpected={unexpected} "
+                         f"reshaped={reshaped} changed={changed}")
+    config = json.loads((directory / "config.json").read_text())
+    got = (model.config.semantic_begin_id, model.config.semantic_end_id)
+    if got != (config["semantic_start_token_id"], config["semantic_end_token_id"]):
+        raise SystemExit(f"semantic ids {got} differ from config.json's")
+
+
+def make_prompts(seed: int, config: Any) -> dict[str, torch.Tensor]:
+    """[1 + num_codebooks, T] int prompts: row 0 the token ids, rows 1.. the codes (0 at text positions)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    rows = 1 + config.num_codebooks
+
+    def text(n: int) -> torch.Tensor:
+        out = torch.zeros(rows, n, dtype=torch.int)
+        out[0] = torch.randint(TEXT_IDS[0], TEXT_IDS[1] + 1, (n,), generator=gen, dtype=torch.int)
+        return out
+
+    semantic = torch.zeros(rows, 8, dtype=torch.int)
+    semantic[1:] = torch.randint(0, config.codebook_size, (config.num_codebooks, 8), generator=gen, dtype=torch.int)
+    semantic[0] = config.semantic_begin_id + semantic[1]
+    return {"text": text(12), "reference": torch.cat([text(6), semantic, text(6)], dim=1)}
+
+
+def clear_caches(model: Any) -> None:
+    for layer in [*model.layers, *model.fast_layers]:
+        layer.attention.kv_cache.k_cache.zero_()
+        layer.attention.kv_cache.v_cache.zero_()
+
+
+@torch.inference_mode()
+def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list[int]], list[float], float]:
+    """The official `generate`'s steps with the official `decode_one_token_ar`, not stopping at EOS: the prefill on
+    the whole prompt (input_pos arange) gives frame 0, then 9 decode steps under the MATH SDPA kernel with the RAS
+    window, as `decode_n_tokens` runs them. Returns the frames, the raw token logits at the prompt's last position
+    and the smallest top-1 minus top-2 logit gap of the greedy choices."""
+    clear_caches(model)
+    dtype = next(model.parameters()).dtype
+    temperature = torch.tensor(SAMPLING["temperature"], dtype=dtype)
+    top_p = torch.tensor(SAMPLING["top_p"], dtype=dtype)
+    rows, length = prompt.shape
+    seen: list[torch.Tensor] = []  # the slow model's token logits of each step
+    gaps: list[float] = []  # each greedy choice's top-1 minus top-2 logit (the token biased; codebooks 1..9)
+    official_forward, official_fast = model.forward_generate, model.forward_generate_fast
+
+    def gap(logits: torch.Tensor) -> float:
+        top = torch.topk(logits.reshape(-1).double(), 2).values
+        return float(top[0] - top[1])
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = official_forward(*args, **kwargs)
+        seen.append(result.logits.detach().clone())
+        gaps.append(gap(result.logits[0, -1] + bias.reshape(-1)))
+        return result
+
+    def spy_fast(x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        logits = official_fast(x, input_pos)
+        if int(input_pos[0]) > 0:  # position 0's logits are discarded
+            gaps.append(gap(logits))
+        return logits
+
+    model.forward_generate, model.forward_generate_fast = spy, spy_fast
+    try:
+        first = decode_one_token_ar(model, prompt.view(1, rows, -1), torch.arange(0, length, dtype=torch.long),
+                                    temperature, top_p, SAMPLING["top_k"], bias, None, None)
+        prefill_logits = seen[0][0, -1]
+        frames, cur = [first.view(-1)], first.view(1, rows, -1)
+        input_pos = torch.tensor([length], dtype=torch.int)
+        previous = torch.zeros((rows, RAS_WIN_SIZE), dtype=torch.int)
+        for _ in range(FRAMES - 1):
+            with sdpa_kernel(SDPBackend.MATH):
+                nxt = decode_one_token_ar(model=model, x=cur, input_pos=input_pos, previous_tokens=previous,
+                                          temperature=temperature, top_p=top_p, top_k=SAMPLING["top_k"],
+                                          semantic_logit_bias=bias, audio_masks=None, audio_parts=None).clone()
+            input_pos += 1
+            cur = nxt.view(1, rows, -1)
+            previous = previous.roll(-1, dims=1)
+            previous[:, -1] = nxt.view(rows, -1)[:, 0]
+            frames.append(nxt.view(-1))
+    finally:
+        del model.forward_generate, model.forward_generate_fast
+    assert len(gaps) == FRAMES * model.config.num_codebooks
+    return ([[int(v) for v in f.tolist()] for f in frames], [float(f"{v:.6g}") for v in prefill_logits.tolist()],
+            float(f"{min(gaps):.6g}"))
+
+
+def official_generate(model: Any, prompt: torch.Tensor) -> list[list[int]]:
+    """The official `generate` itself (it stops after EOS): its frames, to check `run` against."""
+    clear_caches(model)
+    seq = inference.generate(model=model, prompt=prompt, max_new_tokens=FRAMES, audio_masks=None, audio_parts=None,
+                             **SAMPLING)
+    return [[int(v) for v in col] for col in seq[:, prompt.shape[1]:].T.tolist()]
+
+
+def dumps(obj: Any, indent: int = 0) -> str:
+    """JSON with each list of numbers on one line."""
+    pad = " " * (indent + 1)
+    if isinstance(obj, dict):
+        items = [f"{pad}{json.dumps(k)}: {dumps(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if isinstance(obj, list) and obj and isinstance(obj[0], (list, dict)):
+        return "[\n" + ",\n".join(pad + dumps(v, indent + 1) for v in obj) + "\n" + " " * indent + "]"
+    return json.dumps(obj, separators=(", ", ": "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--project-python", default="python3", help="writes the tiny checkpoint")
+    source.add_argument("--checkpoint", type=Path, help="a tiny checkpoint already written for --seed")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = args.checkpoint or write_checkpoint(args.project_python, args.seed, Path(tmp) / "s2_pro")
+        model, _ = init_model(str(directory), "cpu", torch.float32, compile=False)  # the official loading path
+        check_load(model, directory)
+        checkpoint = {"config.json": sha256(directory / "config.json"),
+                      "model.safetensors": sha256(directory / "model.safetensors")}
+    config = model.config
+    model.setup_caches(max_batch_size=1, max_seq_len=config.max_seq_len, dtype=torch.float32)
+    model._cache_setup_done = True  # `generate` keeps these caches
+    # No tokenizer: the semantic ids come from config.json; <|im_end|> is EOS_ID.
+    model.tokenizer = SimpleNamespace(get_token_id=lambda token: {IM_END_TOKEN: EOS_ID}[token])
+    bias = torch.full((1, 1, config.vocab_size), float("-inf"))
+    bias[0, 0, config.semantic_begin_id: config.semantic_end_id + 1] = 0.0
+    bias[0, 0, EOS_ID] = 0.0
+
+    prompts = make_prompts(args.seed, config)
+    frames, logits, agrees, margins = {}, {}, {}, {}
+    for name, prompt in prompts.items():
+        frames[name], logits[name], margins[name] = run(model, prompt, bias)
+        official = official_generate(model, prompt)
+        stop = next((i + 1 for i, f in enumerate(frames[name]) if f[0] == EOS_ID), FRAMES)
+        if official != frames[name][:stop]:
+            raise SystemExit(f"{name}: the official generate gave {official}, the per-step run {frames[name][:stop]}")
+        agrees[name] = len(official)
+
+    golden = {
+        "seed": args.seed,
+        "fish_speech_commit": FISH_SPEECH_COMMIT,
+        "torch": torch.__version__,
+        "checkpoint_sha256": checkpoint,
+        "eos_id": EOS_ID,
+        "semantic_ids": [config.semantic_begin_id, config.semantic_end_id],
+        "sampling": SAMPLING,
+        "kv_cache_len": model.max_seq_len,
+        "notes": ("Frames: the prefill on the whole prompt gives frame 0, then 9 decode steps with the official "
+                  "decode_one_token_ar; each frame is [token, code0..code9], code0 = clamp(token - semantic_begin, "
+                  "0, codebook_size - 1). Generation does NOT stop at eos_id: an EOS frame is recorded and decoding "
+                  "goes on with it as the next input. Only semantic ids and eos_id are allowed for the token. "
+                  "prefill_logits: the raw (unbiased) token logits at the prompt's last position, 6 significant "
+                  "digits. official_generate_frames: how many leading frames the official generate() (which stops "
+                  "after EOS) produced, all equal to these. min_greedy_margin: over each prompt's 100 greedy choices "
+                  "(the biased token, codebooks 1..9), the smallest top-1 minus top-2 logit gap."),
+        "prompts": {name: p.tolist() for name, p in prompts.items()},
+        "frames": frames,
+        "official_generate_frames": agrees,
+        "min_greedy_margin": margins,
+        "prefill_logits": logits,
+    }
+    args.out.write_text(dumps(golden) + "\n")
+    eos = {name: sum(f[0] == EOS_ID for f in fr) for name, fr in frames.items()}
+    print(f"seed {args.seed}: wrote {args.out.name}; EOS frames {eos}")
+
+
+if __name__ == "__main__":
+    main()

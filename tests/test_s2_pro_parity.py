@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -98,3 +101,24 @@ def test_greedy_frames_and_prefill_logits_equal_the_official_code(checkpoints: s
                                        expected["eos_id"])
     torch.testing.assert_close(logits, torch.tensor(expected["prefill_logits"][prompt_name]), rtol=1e-4, atol=1e-4)
     assert frames == expected["frames"][prompt_name]
+
+
+def _official() -> tuple[Path, Path] | None:
+    """The official code's venv python and source: ``$FISH_SPEECH_VENV`` (or /work/venv-fish-speech) and
+    ``$FISH_SPEECH_SRC`` (or /work/fish-speech-src), when both exist (tests/goldens/s2_pro/make_venv.sh builds them)."""
+    python = Path(os.environ.get("FISH_SPEECH_VENV", "/work/venv-fish-speech")) / "bin" / "python"
+    source = Path(os.environ.get("FISH_SPEECH_SRC", "/work/fish-speech-src"))
+    return (python, source) if python.is_file() and (source / "fish_speech").is_dir() else None
+
+
+@pytest.mark.skipif(_official() is None, reason="opt-in fidelity check: the official fish-speech venv and source are "
+                    "absent (tests/goldens/s2_pro/make_venv.sh builds them)")
+def test_the_official_code_still_writes_the_committed_goldens(tmp_path: Path) -> None:
+    official = _official()
+    assert official is not None
+    python, source = official
+    out = tmp_path / "dual_ar_seed0.json"
+    subprocess.run([str(python), str(GOLDENS / "make_goldens.py"), "--seed", "0", "--out", str(out),
+                    "--project-python", sys.executable], check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(source)})
+    assert json.loads(out.read_text()) == golden(0)

@@ -1,11 +1,14 @@
 """Run by the fish-speech venv (the official source on PYTHONPATH, see make_venv.sh): write the official S2 Pro
-Dual-AR's greedy frames and prefill logits on the tiny checkpoint of one seed.
+prompts (no reference, one, two), prefill logits and greedy frames on the tiny checkpoint of one seed.
 
 Usage: make_goldens.py --seed N --out FILE [--project-python PY | --checkpoint DIR]
 
-The tiny checkpoint (`config.json`, `model.safetensors` in the official layout) is written by the project's own
-`omni_ray.models.s2_pro.checkpoint.write_tiny_weights`, run by the project's python (`--project-python`), unless
-`--checkpoint` names one already written. The official code is only imported here, never copied."""
+The tiny checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` in the official
+layout) is written by the project's own `omni_ray.models.s2_pro.checkpoint.write_tiny_checkpoint`, run by the
+project's python (`--project-python`), unless `--checkpoint` names one already written. The model and its tokenizer
+load through the official `init_model`; each prompt is the one the official `generate_long` builds and hands to
+`generate` (it is run, with `generate` wrapped to record its arguments and output). The official code is only
+imported here, never copied."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import subprocess
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,22 +26,32 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fish_speech.models.text2semantic import inference
-from fish_speech.models.text2semantic.inference import RAS_WIN_SIZE, decode_one_token_ar, init_model
+from fish_speech.models.text2semantic.inference import RAS_WIN_SIZE, decode_one_token_ar, generate_long, init_model
 from fish_speech.models.text2semantic.llama import _remap_fish_qwen3_omni_keys
 from fish_speech.tokenizer import IM_END_TOKEN
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
 FISH_SPEECH_COMMIT = "3dd1f85"
-EOS_ID = 1023  # stands for <|im_end|>: the last id below the semantic tokens of the tiny vocabulary
 FRAMES = 10  # the prefill's frame and 9 decode steps
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}  # top_k=1: greedy, and RAS cannot change a token
-TEXT_IDS = (1, EOS_ID - 1)  # prompt text ids are drawn from this range, inclusive
+TEXT = "The quiet harbour woke slowly as the boats came in."  # no speaker tag: generate_long makes one batch
+# The cases: each reference is (codes frames, text); its codes [num_codebooks, frames] are drawn in 0..codebook_size-1
+# from torch.Generator().manual_seed(1000 + seed), the references of all cases in this order.
+CASES = {
+    "plain": [],
+    "one_reference": [(8, "Hello from the reference speaker.")],
+    "two_references": [(5, "First voice here."), (6, "<|speaker:1|>Second voice, already tagged.")],
+}
+# generate_long refuses a prompt longer than max_seq_len - 2048; the tiny checkpoint's max_seq_len is 512, so the
+# config's max_seq_len reads this value while generate_long builds the prompt (only) and 512 again inside generate.
+GUARD_MAX_SEQ_LEN = 4096
 
 
 def write_checkpoint(project_python: str, seed: int, out_dir: Path) -> Path:
-    code = ("import sys; from pathlib import Path; from omni_ray.models.s2_pro.checkpoint import write_tiny_weights; "
-            "write_tiny_weights(Path(sys.argv[1]), int(sys.argv[2]))")
+    code = ("import sys; from pathlib import Path; "
+            "from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint; "
+            "write_tiny_checkpoint(Path(sys.argv[1]), int(sys.argv[2]))")
     subprocess.run([project_python, "-c", code, str(out_dir), str(seed)], cwd=REPO_ROOT, check=True)
     return out_dir
 
@@ -50,7 +62,8 @@ def sha256(path: Path) -> str:
 
 def check_load(model: Any, directory: Path) -> None:
     """from_pretrained loads with strict=False and only logs the result: fail here on any missing, unexpected or
-    reshaped key, or a value that did not arrive, and on semantic ids that did not come from config.json."""
+    reshaped key, or a value that did not arrive; and unless the tokenizer loaded (it sets the config's semantic
+    ids) and its semantic ids and vocabulary equal config.json's."""
     weights = _remap_fish_qwen3_omni_keys(OrderedDict(load_file(str(directory / "model.safetensors"))))
     state = model.state_dict()
     missing = sorted(set(state) - set(weights))
@@ -61,25 +74,56 @@ def check_load(model: Any, directory: Path) -> None:
         raise SystemExit(f"official load mismatch: missing={missing} unexpected={unexpected} "
                          f"reshaped={reshaped} changed={changed}")
     config = json.loads((directory / "config.json").read_text())
-    got = (model.config.semantic_begin_id, model.config.semantic_end_id)
-    if got != (config["semantic_start_token_id"], config["semantic_end_token_id"]):
-        raise SystemExit(f"semantic ids {got} differ from config.json's")
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise SystemExit("the official loader did not load the tokenizer")
+    want = (config["semantic_start_token_id"], config["semantic_end_token_id"])
+    for name, got in (("tokenizer", (tokenizer.semantic_begin_id, tokenizer.semantic_end_id)),
+                      ("model config", (model.config.semantic_begin_id, model.config.semantic_end_id))):
+        if got != want:
+            raise SystemExit(f"the {name}'s semantic ids {got} differ from config.json's {want}")
+    sizes = (len(tokenizer.get_vocab()), config["text_config"]["vocab_size"], model.config.vocab_size)
+    if len(set(sizes)) != 1:
+        raise SystemExit(f"vocabulary sizes differ (tokenizer, config.json, model): {sizes}")
 
 
-def make_prompts(seed: int, config: Any) -> dict[str, torch.Tensor]:
-    """[1 + num_codebooks, T] int prompts: row 0 the token ids, rows 1.. the codes (0 at text positions)."""
+def make_references(seed: int, config: Any) -> dict[str, list[tuple[torch.Tensor, str]]]:
+    """Each case's references: (codes [num_codebooks, frames] in 0..codebook_size-1, text)."""
     gen = torch.Generator().manual_seed(1000 + seed)
-    rows = 1 + config.num_codebooks
+    return {name: [(torch.randint(0, config.codebook_size, (config.num_codebooks, n), generator=gen), text)
+                   for n, text in refs] for name, refs in CASES.items()}
 
-    def text(n: int) -> torch.Tensor:
-        out = torch.zeros(rows, n, dtype=torch.int)
-        out[0] = torch.randint(TEXT_IDS[0], TEXT_IDS[1] + 1, (n,), generator=gen, dtype=torch.int)
-        return out
 
-    semantic = torch.zeros(rows, 8, dtype=torch.int)
-    semantic[1:] = torch.randint(0, config.codebook_size, (config.num_codebooks, 8), generator=gen, dtype=torch.int)
-    semantic[0] = config.semantic_begin_id + semantic[1]
-    return {"text": text(12), "reference": torch.cat([text(6), semantic, text(6)], dim=1)}
+def official_prompt(model: Any, references: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[list[int]]]:
+    """Runs the official `generate_long` (greedy, FRAMES new tokens) with `inference.generate` wrapped: returns the
+    one prompt it built (Conversation, encode_for_inference) and the frames the official `generate` gave on it
+    (which stop after EOS)."""
+    calls: list[tuple[torch.Tensor, list[list[int]]]] = []
+    official_generate, max_seq_len = inference.generate, model.config.max_seq_len
+
+    def recording_generate(**kwargs: Any) -> torch.Tensor:
+        model.config.max_seq_len = max_seq_len
+        prompt = kwargs["prompt"]
+        if kwargs["audio_masks"] is not None or kwargs["audio_parts"] is not None:
+            raise SystemExit("the official prompt has audio parts: the goldens do not cover them")
+        clear_caches(model)
+        seq = official_generate(**kwargs)
+        calls.append((prompt.clone(), [[int(v) for v in col] for col in seq[:, prompt.shape[1]:].T.tolist()]))
+        model.config.max_seq_len = GUARD_MAX_SEQ_LEN
+        return seq
+
+    inference.generate = recording_generate
+    model.config.max_seq_len = GUARD_MAX_SEQ_LEN
+    try:
+        for _ in generate_long(model=model, device="cpu", decode_one_token=decode_one_token_ar, text=TEXT,
+                               max_new_tokens=FRAMES, prompt_text=[t for _, t in references] or None,
+                               prompt_tokens=[c for c, _ in references] or None, **SAMPLING):
+            pass
+    finally:
+        inference.generate, model.config.max_seq_len = official_generate, max_seq_len
+    if len(calls) != 1:
+        raise SystemExit(f"generate_long called generate {len(calls)} times, not once")
+    return calls[0]
 
 
 def clear_caches(model: Any) -> None:
@@ -144,14 +188,6 @@ def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list
             float(f"{min(gaps):.6g}"))
 
 
-def official_generate(model: Any, prompt: torch.Tensor) -> list[list[int]]:
-    """The official `generate` itself (it stops after EOS): its frames, to check `run` against."""
-    clear_caches(model)
-    seq = inference.generate(model=model, prompt=prompt, max_new_tokens=FRAMES, audio_masks=None, audio_parts=None,
-                             **SAMPLING)
-    return [[int(v) for v in col] for col in seq[:, prompt.shape[1]:].T.tolist()]
-
-
 def dumps(obj: Any, indent: int = 0) -> str:
     """JSON with each list of numbers on one line."""
     pad = " " * (indent + 1)
@@ -178,53 +214,60 @@ def main() -> None:
         directory = args.checkpoint or write_checkpoint(args.project_python, args.seed, Path(tmp) / "s2_pro")
         model, _ = init_model(str(directory), "cpu", torch.float32, compile=False)  # the official loading path
         check_load(model, directory)
-        checkpoint = {"config.json": sha256(directory / "config.json"),
-                      "model.safetensors": sha256(directory / "model.safetensors")}
+        checkpoint = {name: sha256(directory / name) for name in
+                      ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")}
     config = model.config
     model.setup_caches(max_batch_size=1, max_seq_len=config.max_seq_len, dtype=torch.float32)
     model._cache_setup_done = True  # `generate` keeps these caches
-    # No tokenizer: the semantic ids come from config.json; <|im_end|> is EOS_ID.
-    model.tokenizer = SimpleNamespace(get_token_id=lambda token: {IM_END_TOKEN: EOS_ID}[token])
+    eos_id = model.tokenizer.get_token_id(IM_END_TOKEN)
+    # The bias the official `generate` builds: semantic ids and <|im_end|> allowed.
     bias = torch.full((1, 1, config.vocab_size), float("-inf"))
     bias[0, 0, config.semantic_begin_id: config.semantic_end_id + 1] = 0.0
-    bias[0, 0, EOS_ID] = 0.0
+    bias[0, 0, eos_id] = 0.0
 
-    prompts = make_prompts(args.seed, config)
-    frames, logits, agrees, margins = {}, {}, {}, {}
-    for name, prompt in prompts.items():
-        frames[name], logits[name], margins[name] = run(model, prompt, bias)
-        official = official_generate(model, prompt)
-        stop = next((i + 1 for i, f in enumerate(frames[name]) if f[0] == EOS_ID), FRAMES)
-        if official != frames[name][:stop]:
-            raise SystemExit(f"{name}: the official generate gave {official}, the per-step run {frames[name][:stop]}")
-        agrees[name] = len(official)
+    cases = {}
+    for name, references in make_references(args.seed, config).items():
+        prompt, official = official_prompt(model, references)
+        frames, logits, margin = run(model, prompt, bias)
+        stop = next((i + 1 for i, f in enumerate(frames) if f[0] == eos_id), FRAMES)
+        if official != frames[:stop]:
+            raise SystemExit(f"{name}: the official generate gave {official}, the per-step run {frames[:stop]}")
+        cases[name] = {
+            "text": TEXT,
+            "references": [{"codes": codes.tolist(), "text": text} for codes, text in references],
+            "prompt": prompt.tolist(),
+            "prefill_logits": logits,
+            "frames": frames,
+            "min_greedy_margin": margin,
+            "official_generate_frames": len(official),
+        }
 
     golden = {
         "seed": args.seed,
         "fish_speech_commit": FISH_SPEECH_COMMIT,
         "torch": torch.__version__,
         "checkpoint_sha256": checkpoint,
-        "eos_id": EOS_ID,
+        "eos_id": eos_id,
         "semantic_ids": [config.semantic_begin_id, config.semantic_end_id],
         "sampling": SAMPLING,
         "kv_cache_len": model.max_seq_len,
-        "notes": ("Frames: the prefill on the whole prompt gives frame 0, then 9 decode steps with the official "
-                  "decode_one_token_ar; each frame is [token, code0..code9], code0 = clamp(token - semantic_begin, "
-                  "0, codebook_size - 1). Generation does NOT stop at eos_id: an EOS frame is recorded and decoding "
-                  "goes on with it as the next input. Only semantic ids and eos_id are allowed for the token. "
+        "notes": ("prompt: [1 + num_codebooks, T], the one the official generate_long builds (system message, user "
+                  "message with text, assistant message opened with modality voice; encode_for_inference) from text "
+                  "and references (codes [num_codebooks, frames], row 0 the semantic codebook). Frames: the prefill "
+                  "on the whole prompt gives frame 0, then 9 decode steps with the official decode_one_token_ar; "
+                  "each frame is [token, code0..code9], code0 = clamp(token - semantic_begin, 0, codebook_size - 1). "
+                  "Generation does NOT stop at eos_id (<|im_end|>): an EOS frame is recorded and decoding goes on "
+                  "with it as the next input. Only semantic ids and eos_id are allowed for the token. "
                   "prefill_logits: the raw (unbiased) token logits at the prompt's last position, 6 significant "
                   "digits. official_generate_frames: how many leading frames the official generate() (which stops "
-                  "after EOS) produced, all equal to these. min_greedy_margin: over each prompt's 100 greedy choices "
-                  "(the biased token, codebooks 1..9), the smallest top-1 minus top-2 logit gap."),
-        "prompts": {name: p.tolist() for name, p in prompts.items()},
-        "frames": frames,
-        "official_generate_frames": agrees,
-        "min_greedy_margin": margins,
-        "prefill_logits": logits,
+                  "after EOS), called by generate_long, produced, all equal to these. min_greedy_margin: over the "
+                  "100 greedy choices (the biased token, codebooks 1..9), the smallest top-1 minus top-2 logit gap."),
+        "cases": cases,
     }
     args.out.write_text(dumps(golden) + "\n")
-    eos = {name: sum(f[0] == EOS_ID for f in fr) for name, fr in frames.items()}
-    print(f"seed {args.seed}: wrote {args.out.name}; EOS frames {eos}")
+    eos = {name: sum(f[0] == eos_id for f in case["frames"]) for name, case in cases.items()}
+    lengths = {name: len(case["prompt"][0]) for name, case in cases.items()}
+    print(f"seed {args.seed}: wrote {args.out.name}; prompt lengths {lengths}; EOS frames {eos}")
 
 
 if __name__ == "__main__":

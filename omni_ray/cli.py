@@ -25,6 +25,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
     if args.variant is not None:
         print("--variant applies to --family qwen3_tts only", file=sys.stderr)
         return 2
+    if args.family == "s2_pro":
+        from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint
+
+        path = write_tiny_checkpoint(Path(args.out), seed=args.seed)
+        print(f"wrote tiny S2 Pro Dual-AR and tokenizer (no codec yet) to {path}")
+        return 0
     from omni_ray.models.qwen3_omni.checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(Path(args.out), seed=args.seed)
@@ -146,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a deterministic tiny random-weight checkpoint (official layout)")
-    tiny.add_argument("--family", choices=("qwen3_omni", "qwen3_tts"), default="qwen3_omni")
+    tiny.add_argument("--family", choices=("qwen3_omni", "qwen3_tts", "s2_pro"), default="qwen3_omni",
+                      help="s2_pro: the Dual-AR's weights, config and tokenizer (no codec yet)")
     tiny.add_argument("--variant", choices=("base", "custom_voice", "voice_design"),
                       help="Qwen3-TTS variant (default custom_voice)")
     tiny.add_argument("--size", choices=("0b6", "1b7"), default="1b7",

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from omni_ray.layers.basic import RotaryEmbedding, apply_rotary
-from omni_ray.models.s2_pro.checkpoint import tiny_config, write_tiny_weights
+from omni_ray.models.s2_pro.checkpoint import tiny_config, write_tiny_checkpoint
 from omni_ray.models.s2_pro.dual_ar_model import S2ProConfig, interleaved_to_halves, load_dual_ar
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_weights(tmp_path_factory.mktemp("s2_pro"), seed=0)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("s2_pro"), seed=0)
 
 
 def test_the_config_gives_each_stack_its_shape_and_q_k_norms() -> None:
-    raw = tiny_config()
+    raw = tiny_config(semantic_begin=1024, vocab_size=1088)
     config = S2ProConfig.from_dict(raw)
     assert (config.slow.num_layers, config.slow.num_heads, config.slow.num_kv_heads, config.slow.head_dim) == (2, 4, 2, 16)
     assert config.slow.qk_norm and not config.fast.qk_norm  # as published: q/k norms in the slow AR only
@@ -74,3 +74,13 @@ def test_a_semantic_position_fuses_its_codebooks_and_a_text_position_is_its_toke
                 rows = codes[:, position] + torch.arange(config.num_codebooks) * config.codebook_size
                 expected = (expected + books[rows].sum(0)) / math.sqrt(config.num_codebooks + 1)
             torch.testing.assert_close(embedded[position], expected)
+
+
+def test_make_tiny_writes_the_official_files(tmp_path: Path) -> None:
+    from omni_ray.cli import main
+
+    assert main(["make-tiny", "--family", "s2_pro", "--out", str(tmp_path / "tiny"), "--seed", "3"]) == 0
+    names = {path.name for path in (tmp_path / "tiny").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = S2ProConfig.from_checkpoint(tmp_path / "tiny")
+    assert config.semantic_end - config.semantic_begin + 1 == config.codebook_size

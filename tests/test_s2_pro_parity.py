@@ -1,6 +1,6 @@
-"""S2 Pro's Dual-AR against the official code (goldens of fish-speech 3dd1f85 on the tiny checkpoints, seeds 0 and
-1): the slow AR's token logits after a prompt's prefill, and every frame's token and ten codes under greedy decoding,
-for a text-only prompt and one with semantic positions (fused codebooks) in it."""
+"""S2 Pro against the official code (goldens of fish-speech 3dd1f85 on the tiny checkpoints, seeds 0 and 1): the prompt
+position by position (no reference, one, two), the slow AR's token logits after its prefill, and every frame's token
+and ten codes under greedy decoding."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ from omni_ray.engine.fixed_shape import prefill_forward
 from omni_ray.engine.kv_cache import SlotKVCache
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.decoder import DecoderSpec, DecoderStack
-from omni_ray.models.s2_pro.checkpoint import write_tiny_weights
+from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint
 from omni_ray.models.s2_pro.dual_ar_model import DualARModel, S2ProConfig, load_dual_ar
+from omni_ray.models.s2_pro.prompt import Reference, build_prompt, load_encoder
 
 GOLDENS = Path(__file__).parent / "goldens" / "s2_pro"
 SEEDS = (0, 1)
-PROMPTS = ("text", "reference")
+CASES = ("plain", "one_reference", "two_references")
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def golden(seed: int) -> dict[str, Any]:
@@ -33,9 +35,14 @@ def golden(seed: int) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=None)
+def checkpoint(seed: int, directory: str) -> Path:
+    return write_tiny_checkpoint(Path(directory) / f"seed{seed}", seed)
+
+
+@lru_cache(maxsize=None)
 def model(seed: int, directory: str) -> DualARModel:
-    checkpoint = write_tiny_weights(Path(directory) / f"seed{seed}", seed)
-    return load_dual_ar(checkpoint, S2ProConfig.from_checkpoint(checkpoint), "cpu", torch.float32)
+    path = checkpoint(seed, directory)
+    return load_dual_ar(path, S2ProConfig.from_checkpoint(path), "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -85,22 +92,32 @@ def greedy_frames(dual_ar: DualARModel, prompt: torch.Tensor, frames: int, eos_i
 
 def test_the_tiny_checkpoint_is_the_one_the_goldens_were_made_on(checkpoints: str) -> None:
     for seed in SEEDS:
-        directory = write_tiny_weights(Path(checkpoints) / f"digest{seed}", seed)
-        digests = {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in
-                   ("config.json", "model.safetensors")}
+        directory = checkpoint(seed, checkpoints)
+        digests = {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in CHECKPOINT_FILES}
         assert digests == golden(seed)["checkpoint_sha256"]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("prompt_name", PROMPTS)
-def test_greedy_frames_and_prefill_logits_equal_the_official_code(checkpoints: str, seed: int, prompt_name: str) -> None:
+@pytest.mark.parametrize("case_name", CASES)
+def test_the_prompt_equals_the_official_one_position_by_position(checkpoints: str, seed: int, case_name: str) -> None:
+    case = golden(seed)["cases"][case_name]
+    directory = checkpoint(seed, checkpoints)
+    config = S2ProConfig.from_checkpoint(directory)
+    references = [Reference(torch.tensor(ref["codes"]), ref["text"]) for ref in case["references"]]
+    prompt = build_prompt(case["text"], references, load_encoder(directory), config.semantic_begin, config.num_codebooks)
+    assert prompt.tolist() == case["prompt"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case_name", CASES)
+def test_greedy_frames_and_prefill_logits_equal_the_official_code(checkpoints: str, seed: int, case_name: str) -> None:
     expected = golden(seed)
-    prompt = torch.tensor(expected["prompts"][prompt_name], dtype=torch.long)
+    case = expected["cases"][case_name]
+    prompt = torch.tensor(case["prompt"], dtype=torch.long)
     with torch.inference_mode():
-        logits, frames = greedy_frames(model(seed, checkpoints), prompt, len(expected["frames"][prompt_name]),
-                                       expected["eos_id"])
-    torch.testing.assert_close(logits, torch.tensor(expected["prefill_logits"][prompt_name]), rtol=1e-4, atol=1e-4)
-    assert frames == expected["frames"][prompt_name]
+        logits, frames = greedy_frames(model(seed, checkpoints), prompt, len(case["frames"]), expected["eos_id"])
+    torch.testing.assert_close(logits, torch.tensor(case["prefill_logits"]), rtol=1e-4, atol=1e-4)
+    assert frames == case["frames"]
 
 
 def _official() -> tuple[Path, Path] | None:

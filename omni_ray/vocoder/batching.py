@@ -188,10 +188,9 @@ class BatchingStatefulCodec(_CodecInfo):
     """The `StatefulCodec` protocol over a `StatefulBatchDecoder`: steps with the same number of new frames (and
     all first calls, or all later ones) from different streams run as one call; first calls (a stream's first chunk,
     or its reference's first call: its listener's first audio waits for them) before the later calls taken with them.
-    With `primed_bytes` (and a decoder
-    that can copy a slot's state), it keeps cloned voices' primed states (`primed_states`): the state copies run on
-    the decode thread, before its next decode call, so they are ordered with the steps that read and write the
-    slots."""
+    With `primed_bytes` (and a decoder that can copy a slot's state), it keeps cloned voices' primed states
+    (`primed_states`): the state copies run on the decode thread, before its next decode call, so they are ordered
+    with the steps that read and write the slots."""
 
     def __init__(self, decoder: StatefulBatchDecoder, max_batch: int = 64, gather_s: float = 0.0,
                  primed_bytes: int = 0) -> None:

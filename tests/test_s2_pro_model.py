@@ -3,6 +3,7 @@ multi-codebook fusion at the slow AR's input (tiny random checkpoint in the offi
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from omni_ray.layers.basic import RotaryEmbedding, apply_rotary
-from omni_ray.models.s2_pro.checkpoint import tiny_config, write_tiny_checkpoint
-from omni_ray.models.s2_pro.dual_ar_model import S2ProConfig, interleaved_to_halves, load_dual_ar
+from omni_ray.models.s2_pro.checkpoint import tiny_config, weight_layout, write_tiny_checkpoint
+from omni_ray.models.s2_pro.dual_ar_model import PUBLISHED_CONFIG, S2ProConfig, interleaved_to_halves, load_dual_ar
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,20 @@ def test_the_config_gives_each_stack_its_shape_and_q_k_norms() -> None:
     assert S2ProConfig.from_dict(raw).fast.qk_norm
     with pytest.raises(ValueError, match="not an S2 Pro config"):
         S2ProConfig.from_dict({**raw, "model_type": "qwen3"})
+
+
+def test_the_published_config_has_the_published_sizes_and_token_ids() -> None:
+    raw = json.loads(PUBLISHED_CONFIG.read_text())
+    config = S2ProConfig.from_dict(raw)
+    assert (config.slow.num_layers, config.slow.hidden_size, config.fast.num_layers) == (36, 2560, 4)
+    assert config.slow.qk_norm and not config.fast.qk_norm and config.tie_word_embeddings
+    assert config.semantic_end - config.semantic_begin + 1 == config.codebook_size == 4096
+    sizes = {"text_model.": 0, "audio_decoder.": 0}
+    for key, shape in weight_layout(raw).items():
+        part = "text_model." if key.startswith("text_model.") or "codebook_embeddings" in key else "audio_decoder."
+        sizes[part] += math.prod(shape)
+    assert 4.0e9 < sizes["text_model."] < 4.2e9  # about 4 B: the slow AR with the codebook embeddings at its input
+    assert 0.40e9 < sizes["audio_decoder."] < 0.44e9  # about 0.42 B: the fast AR
 
 
 def _interleaved_rotation(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

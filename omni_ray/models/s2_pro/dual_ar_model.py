@@ -16,6 +16,9 @@ from omni_ray.layers.decoder import DecoderSpec, DecoderStack
 from omni_ray.weights import load_module, random_module, read_tensors
 
 MODEL_TYPE = "fish_qwen3_omni"
+# The published checkpoint's `config.json` (configs/README.md says where each value comes from): the shape of the
+# full-size random checkpoints the GPU benchmarks build.
+PUBLISHED_CONFIG = Path(__file__).parent / "configs" / "s2_pro.json"
 # The official attention rotates interleaved pairs (2i, 2i+1) with cos/sin tables rounded to bfloat16. The shared
 # stack rotates halves (i, i + D/2): the loader reorders each query and key head's rows (and their norms) so that pair
 # i lands on (i, i + D/2), which leaves every attention score as it was.

@@ -21,7 +21,7 @@ from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt
 from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
-from omni_ray.models.qwen3_tts.voices import VoiceStoreError
+from omni_ray.serve import fish_references, fish_tts_api
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
@@ -30,9 +30,10 @@ from omni_ray.serve.request_work import ParsingPool, read_body
 from omni_ray.serve.served_model import ServedModel, prepare_chat, prepare_speech, served_model
 from omni_ray.serve.stats import READY_AFTER_S, StatsReporter, serve_replica_id, stats_board
 from omni_ray.serve.voice_uploads import (
-    is_base, parse_voice_upload, require_base, speaker_object, store_error, upload_reference, voice_created,
+    clones_voices, parse_voice_upload, require_cloning, speaker_object, store_error, upload_reference, voice_created,
     voice_deleted, voice_list, voice_model, voice_object,
 )
+from omni_ray.voice_store import VoiceStoreError
 
 FINISH_REASON_HEADER = "X-Finish-Reason"  # a whole speech body's end: stop (EOS) or length (a frame cap)
 logger = logging.getLogger(__name__)
@@ -88,6 +89,11 @@ def speech_finish_reason(final: Finished) -> str:
     return final.audio_finish_reason or final.finish_reason
 
 
+def _wants_json(request: Request) -> bool:
+    """fish-speech's /v1/references answers: JSON when asked (?format=json, or an Accept of JSON), else msgpack."""
+    return fish_references.wants_json(request.query_params.get("format"), request.headers.get("accept"))
+
+
 @serve.ingress(app)
 class OmniIngress:
     """Parses and validates requests, and runs each through its model's orchestrator over that model's stage
@@ -129,6 +135,36 @@ class OmniIngress:
     @app.delete("/v1/audio/voices/{name}")
     async def route_delete_voice(self, request: Request, name: str, model: Optional[str] = None) -> Response:
         return await self._guard("voices", lambda _: self.delete_voice(name, model), request)
+
+    # fish-speech's API (fish_tts_api.py, fish_references.py)
+    @app.post("/v1/tts", openapi_extra=REQUEST_BODIES["tts"])
+    async def route_fish_tts(self, request: Request) -> Response:
+        content_type = request.headers.get("content-type")
+        return await self._guard("tts", lambda raw: fish_tts_api.synthesize(self, raw, content_type), request)
+
+    @app.post("/v1/references/add")
+    async def route_add_reference(self, request: Request, model: Optional[str] = None) -> Response:
+        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        return await self._guard("references", lambda raw: fish_references.add_reference(
+            self, raw, content_type, model, as_json), request)
+
+    @app.get("/v1/references/list")
+    async def route_list_references(self, request: Request, model: Optional[str] = None) -> Response:
+        as_json = _wants_json(request)
+        return await self._guard("references", lambda _: fish_references.list_references(self, model, as_json),
+                                 request)
+
+    @app.delete("/v1/references/delete")
+    async def route_delete_reference(self, request: Request, model: Optional[str] = None) -> Response:
+        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        return await self._guard("references", lambda raw: fish_references.delete_reference(
+            self, raw, content_type, model, as_json), request)
+
+    @app.post("/v1/references/update")
+    async def route_update_reference(self, request: Request, model: Optional[str] = None) -> Response:
+        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        return await self._guard("references", lambda raw: fish_references.update_reference(
+            self, raw, content_type, model, as_json), request)
 
     @app.get("/v1/models")
     async def route_models(self) -> JSONResponse:
@@ -331,7 +367,7 @@ class OmniIngress:
         checked against the store (taken, or the store full) before the audio is decoded."""
         fields, name, form_model = parse_voice_upload(content_type, raw, self.limits)
         model = voice_model(self.models, form_model or query_model)
-        require_base(model, "uploading a voice")
+        require_cloning(model, "uploading a voice")
         model.orchestrator.voice_store.check_can_add(name)
         return model, name, upload_reference(fields, self.limits)
 
@@ -341,9 +377,9 @@ class OmniIngress:
         return JSONResponse(voice_created(entry, model.name))
 
     async def list_voices(self, query_model: str | None) -> Response:
-        """A Base model's stored voices; another model's built-in speakers (none for VoiceDesign)."""
+        """A cloning model's stored voices; another model's built-in speakers (none for VoiceDesign)."""
         model = voice_model(self.models, query_model)
-        if is_base(model):
+        if clones_voices(model):
             voices = [voice_object(entry, model.name) for entry in await model.orchestrator.list_voices()]
         else:
             voices = [speaker_object(name, model.name) for name in model.orchestrator.voices]
@@ -351,7 +387,7 @@ class OmniIngress:
 
     async def delete_voice(self, name: str, query_model: str | None) -> Response:
         model = voice_model(self.models, query_model)
-        require_base(model, "deleting a voice")
+        require_cloning(model, "deleting a voice")
         await model.orchestrator.delete_voice(name)
         return JSONResponse(voice_deleted(name, model.name))
 

@@ -7,12 +7,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from omni_ray.serve.fish_tts_api import FishTTSRequest
 from omni_ray.serve.openai_protocol import ChatCompletionRequest, SpeechRequest
 from omni_ray.serve.speech_protocol import TTSSpeechRequest
 
 REF = "#/components/schemas/{model}"
-# each route's bodies: a speech request is Qwen3-Omni's or Qwen3-TTS's, by the family of the model it names
-MODELS: dict[str, tuple[type, ...]] = {"chat": (ChatCompletionRequest,), "speech": (SpeechRequest, TTSSpeechRequest)}
+# each route's bodies: a speech request is Qwen3-Omni's or Qwen3-TTS's, by the family of the model it names; fish-speech's
+# /v1/tts takes the same fields as msgpack (see docs/http-api.md)
+MODELS: dict[str, tuple[type, ...]] = {"chat": (ChatCompletionRequest,), "speech": (SpeechRequest, TTSSpeechRequest),
+                                       "tts": (FishTTSRequest,)}
 
 
 def _body(models: tuple[type, ...]) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from omni_ray.models.qwen3_tts.reference_encoder import (
     REFERENCE_SAMPLE_RATE, ReferenceAudioError, prepare_reference_audio,
 )
 from omni_ray.serve import openai_protocol as oai
-from omni_ray.serve.audio_urls import read_reference_audio, resolve_audio_urls_blocking
-from omni_ray.serve.speech_protocol import TTSSpeechRequest
+from omni_ray.serve.audio_urls import decode_reference_bytes, read_reference_audio, resolve_audio_urls_blocking
+from omni_ray.serve.speech_protocol import SpeechReference, TTSSpeechRequest
 from omni_ray.stages.client import ServeClient
 
 # Stands for a reference not encoded yet: a request is checked against its model before its reference is encoded.
@@ -93,9 +93,13 @@ def _prepare_tts_speech(model: ServedModel, body: dict[str, Any], limits: oai.Se
                         ) -> tuple[TTSSpeechRequest, dict[str, Any]]:
     request = oai.parse_request(body, TTSSpeechRequest, limits)
     kwargs = request.to_speak_kwargs()
-    check_tts_request(model.orchestrator, request.input, kwargs, cloning=request.ref_audio is not None)
-    if request.ref_audio is not None:
-        kwargs["reference"] = reference_audio(request, limits)
+    references = request.cloning_references
+    if len(references) > 1:
+        raise oai.bad_request(f"'{model.name}' clones a voice from one reference; this request gives "
+                              f"{len(references)}", "references", "too_many_references")
+    check_tts_request(model.orchestrator, request.input, kwargs, cloning=bool(references))
+    if references:
+        kwargs["reference"] = reference_audio(request, references[0], limits)
     return request, kwargs
 
 
@@ -124,16 +128,22 @@ def check_tts_request(orchestrator: Any, text: str, kwargs: dict[str, Any], clon
         raise oai.bad_request(str(exc), None, "unsupported_for_model") from exc
 
 
-def reference_audio(request: TTSSpeechRequest, limits: oai.ServiceLimits) -> ReferenceAudio:
-    """`ref_audio` fetched, decoded, checked (length, silence, finite samples) and resampled to the encoder's rate,
-    with its transcript; in-context cloning (no `x_vector_only_mode`) needs `ref_text`."""
+def reference_audio(request: TTSSpeechRequest, reference: SpeechReference, limits: oai.ServiceLimits
+                    ) -> ReferenceAudio:
+    """A reference (`ref_audio`, or one of `references`) fetched, decoded, checked (length, silence, finite samples)
+    and resampled to the encoder's rate, with its transcript; in-context cloning (no `x_vector_only_mode`) needs
+    the transcript."""
+    given_as_list = bool(request.references)
+    audio_param, text_param = ("references.0.audio", "references.0.text") if given_as_list else ("ref_audio", "ref_text")
     x_vector_only = bool(request.x_vector_only_mode)
-    if not x_vector_only and not (request.ref_text or "").strip():
-        raise oai.bad_request("in-context voice cloning needs ref_text, the reference audio's transcript (or set "
-                              "x_vector_only_mode)", "ref_text", "missing_ref_text")
-    assert request.ref_audio is not None
-    samples, rate = read_reference_audio(request.ref_audio, limits)
-    return cloning_reference(samples, rate, request.ref_text, x_vector_only)
+    if not x_vector_only and not (reference.text or "").strip():
+        raise oai.bad_request(f"in-context voice cloning needs {text_param}, the reference audio's transcript (or "
+                              "set x_vector_only_mode)", text_param, "missing_ref_text")
+    if isinstance(reference.audio, bytes):
+        samples, rate = decode_reference_bytes(reference.audio, limits, audio_param)
+    else:
+        samples, rate = read_reference_audio(reference.audio, limits, audio_param)
+    return cloning_reference(samples, rate, reference.text, x_vector_only, audio_param)
 
 
 def cloning_reference(samples: np.ndarray, rate: int, text: str | None, x_vector_only: bool,

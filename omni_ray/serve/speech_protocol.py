@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_tts.talker import DEFAULT_CODE_SAMPLING, DEFAULT_SAMPLING
@@ -14,6 +14,16 @@ from omni_ray.serve.openai_protocol import ServiceLimits, SpeechRequest, _named_
 TALKER_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty")
 CODE_SAMPLING_FIELDS = {"subtalker_temperature": "temperature", "subtalker_top_k": "top_k",
                         "subtalker_top_p": "top_p"}
+
+
+class SpeechReference(BaseModel):
+    """One reference to clone a voice from (sglang-omni's and fish-speech's shape): its speech and transcript."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    audio: str | bytes = Field(min_length=1, description="the reference speech: base64 or a data: URL (http(s): and "
+                               "file: where the server allows them); raw bytes in a msgpack body")
+    text: str | None = Field(default=None, description="its transcript (in-context cloning)")
 
 
 class TTSSpeechRequest(SpeechRequest):
@@ -35,6 +45,9 @@ class TTSSpeechRequest(SpeechRequest):
         description="Base: reference speech to clone, base64 or a data: URL (http(s): and file: where the server "
         "allows them), any rate and channel count")
     ref_text: str | None = Field(default=None, description="Base, in-context cloning: the reference's transcript")
+    references: list[SpeechReference] | None = Field(
+        default=None, description="references to clone from, each {audio, text}, instead of ref_audio and ref_text; "
+        "a family that takes one reference (Qwen3-TTS) refuses more")
     x_vector_only_mode: bool | None = Field(
         default=None, description="Base: clone from the speaker embedding alone (no ref_text needed)")
     non_streaming_mode: bool | None = Field(
@@ -55,15 +68,34 @@ class TTSSpeechRequest(SpeechRequest):
     def _voice(cls, value: str | None) -> str | None:
         return None if value is None else _named_voice(value, "voice")
 
+    @model_validator(mode="after")
+    def _one_way_to_give_references(self) -> TTSSpeechRequest:
+        if self.references and (self.ref_audio is not None or self.ref_text is not None):
+            raise bad_request("give the reference as ref_audio and ref_text, or as references, not both",
+                              "references", "conflicting_references")
+        return self
+
+    @property
+    def cloning_references(self) -> list[SpeechReference]:
+        """The references this request clones from: `references`, else `ref_audio` with `ref_text`, else none."""
+        if self.references:
+            return list(self.references)
+        if self.ref_audio is not None:
+            return [SpeechReference(audio=self.ref_audio, text=self.ref_text)]
+        return []
+
     @property
     def speaker(self) -> str | None:  # type: ignore[override]
         return None if self.voice is None else self.voice.strip().lower()
 
     def check_limits(self, limits: ServiceLimits) -> None:
         super().check_limits(limits)
-        if self.ref_text is not None and len(self.ref_text) > limits.max_speech_input_chars:
-            msg = f"ref_text is {len(self.ref_text)} characters, over the limit of {limits.max_speech_input_chars}"
-            raise bad_request(msg, "ref_text", "string_above_max_length")
+        texts = [("ref_text", self.ref_text)] + [(f"references.{index}.text", reference.text)
+                                                 for index, reference in enumerate(self.references or [])]
+        for param, text in texts:
+            if text is not None and len(text) > limits.max_speech_input_chars:
+                msg = f"{param} is {len(text)} characters, over the limit of {limits.max_speech_input_chars}"
+                raise bad_request(msg, param, "string_above_max_length")
 
     def samplings(self) -> tuple[SamplingParams, SamplingParams]:
         """The Talker's and the code predictor's draws: the package's defaults with the request's fields over them,

@@ -9,13 +9,13 @@ from email.message import Message
 from typing import Any, Iterable
 
 from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
-from omni_ray.models.qwen3_tts.voices import (
-    InvalidVoiceNameError, TooManyVoicesError, VoiceExistsError, VoiceNotFoundError, VoiceStoreError,
-    check_voice_name,
-)
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import decode_reference_bytes
 from omni_ray.serve.served_model import ServedModel, cloning_reference
+from omni_ray.voice_store import (
+    InvalidVoiceNameError, TooManyVoicesError, VoiceExistsError, VoiceNotFoundError, VoiceStoreError,
+    check_voice_name,
+)
 
 MAX_FORM_PARTS = 16
 MAX_BOUNDARY_CHARS = 70  # RFC 2046
@@ -164,31 +164,54 @@ def upload_reference(fields: dict[str, FormPart], limits: oai.ServiceLimits) -> 
 
 
 def voice_model(models: dict[str, ServedModel], name: str | None) -> ServedModel:
-    """The model a voices request names (`model`, form field or query parameter), else the only Qwen3-TTS Base model,
-    else the only model served. An unknown id is a 404; an ambiguous request a 400 naming the choices."""
+    """The model a voices request names (`model`, form field or query parameter), else the only model that clones
+    voices, else the only model served. An unknown id is a 404; an ambiguous request a 400 naming the choices."""
     if name:
         if name not in models:
             raise oai.model_not_found(name)
         return models[name]
-    bases = [model for model in models.values() if is_base(model)]
-    if len(bases) == 1:
-        return bases[0]
+    cloning = [model for model in models.values() if clones_voices(model)]
+    if len(cloning) == 1:
+        return cloning[0]
     if len(models) == 1:
         return next(iter(models.values()))
     raise oai.bad_request(f"name the model (form field or query parameter 'model'): one of {', '.join(models)}",
                           "model", "model_required")
 
 
-def is_base(model: ServedModel) -> bool:
-    return model.family == "qwen3_tts" and model.orchestrator.variant == "base"
+def cloning_model(models: dict[str, ServedModel], name: str | None) -> ServedModel:
+    """The model a cloning request (fish-speech's /v1/tts and /v1/references) names, else the only served model that
+    clones voices. An unknown id is a 404; a model that does not clone, none that does, or several, a 400."""
+    if name:
+        if name not in models:
+            raise oai.model_not_found(name)
+        require_cloning(models[name], "this request")
+        return models[name]
+    cloning = [model for model in models.values() if clones_voices(model)]
+    if len(cloning) == 1:
+        return cloning[0]
+    if not cloning:
+        raise oai.bad_request(f"no served model clones voices (served: {', '.join(models)})", "model",
+                              "unsupported_for_model")
+    raise oai.bad_request(f"several served models clone voices: name one as 'model' ({', '.join(m.name for m in cloning)})",
+                          "model", "model_required")
 
 
-def require_base(model: ServedModel, what: str) -> None:
-    """Stored voices are cloned voices: only a Qwen3-TTS Base model has them."""
-    if not is_base(model):
-        tts = model.family == "qwen3_tts"
-        kind = f"a Qwen3-TTS {model.orchestrator.variant} model" if tts else "a Qwen3-Omni model"
-        raise oai.bad_request(f"{what} needs a Qwen3-TTS Base model (stored voices are cloned voices); "
+def clones_voices(model: ServedModel) -> bool:
+    """Whether a model clones voices and keeps them in the shared voice store: its orchestrator has a `voice_store`
+    (Qwen3-TTS Base; any family whose orchestrator offers one, with `add_voice`, `list_voices`, `delete_voice` and
+    `stored_voice`)."""
+    return getattr(model.orchestrator, "voice_store", None) is not None
+
+
+def require_cloning(model: ServedModel, what: str) -> None:
+    """Stored voices are cloned voices: only a model that clones voices has them."""
+    if not clones_voices(model):
+        if model.family == "qwen3_tts":
+            kind = f"a Qwen3-TTS {model.orchestrator.variant} model"
+        else:
+            kind = f"a {model.family} model"
+        raise oai.bad_request(f"{what} needs a model that clones voices (stored voices are cloned voices); "
                               f"'{model.name}' is {kind}", "model", "unsupported_for_model")
 
 

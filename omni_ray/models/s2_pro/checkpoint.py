@@ -1,15 +1,18 @@
-"""S2 Pro checkpoints in the official layout: the config, the Dual-AR weights and the tokenizer of a tiny random
-model, deterministic by seed (the codec's `codec.pth` is not written yet)."""
+"""S2 Pro checkpoints in the official layout: the config, the Dual-AR weights, the tokenizer and the codec
+(`codec.pth`) of a tiny random model, deterministic by seed."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from omni_ray.models.s2_pro.codec import (CODEC_CONFIG_FILE, CODEC_FILE, TINY_CODEC_CONFIG, CodecConfig,
+                                          official_codec_layout)
 from omni_ray.models.s2_pro.dual_ar_model import MODEL_TYPE
 from omni_ray.models.s2_pro.prompt import IM_END, semantic_token
 from omni_ray.tiny_checkpoints import param_generator, train_byte_level_bpe
@@ -106,9 +109,49 @@ def random_weights(config: dict[str, Any], seed: int = DEFAULT_SEED) -> dict[str
     return out
 
 
+def random_codec_weights(config: CodecConfig, seed: int = DEFAULT_SEED) -> dict[str, torch.Tensor]:
+    """Float32 tensors of the official `codec.pth` for `config` (keys without the `generator.` prefix), each drawn
+    from its own (seed, "codec." + key) generator. Scaled so that activations keep their size through the tiny
+    network: weight-norm magnitudes, norm scales, Snake's alpha and the layer scales 1 + N(0, 0.1) (0.5 + for the
+    scales, so the transformers and ConvNeXt blocks matter; 0.3 × for the magnitudes of the residual units' last
+    convolutions and of the decoder's last), directions N(0, 1), other matrices N(0, 1/fan-in), biases N(0, 0.1),
+    codebooks N(0, 1)."""
+    out_conv = f"decoder.model.{len(config.decoder_rates) + 2}.conv."
+    out = {}
+    for key, (_, shape) in official_codec_layout(config).items():
+        noise = torch.randn(shape, generator=param_generator(seed, f"codec.{key}"), dtype=torch.float32)
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf == "original0" and (key.startswith(out_conv) or ".block.3.conv." in key):
+            out[key] = 0.3 * (1.0 + 0.1 * noise)  # the last convolution's and each residual unit's, so the sums
+            # through the blocks stay near unit size and the output short of tanh's saturation
+        elif leaf in ("original0", "weight_g", "alpha") or (leaf == "weight" and len(shape) == 1):
+            out[key] = 1.0 + 0.1 * noise
+        elif leaf == "gamma":
+            out[key] = 0.5 + 0.1 * noise
+        elif leaf in ("original1", "weight_v") or "codebook" in key:
+            out[key] = noise
+        elif leaf == "bias":
+            out[key] = 0.1 * noise
+        else:
+            fan_in = shape[0] if "upsample" in key and len(shape) == 3 else math.prod(shape[1:])
+            out[key] = noise / fan_in ** 0.5
+    return out
+
+
+def write_tiny_codec(out_dir: Path, seed: int = DEFAULT_SEED, config: CodecConfig = TINY_CODEC_CONFIG) -> Path:
+    """`codec.pth` as the official training code saves it (every key under `generator.`, weight norms unfolded)
+    and, for our loader, `codec_config.json` (the official loader reads its geometry from its hydra config)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({f"generator.{k}": v.contiguous() for k, v in random_codec_weights(config, seed).items()},
+               out_dir / CODEC_FILE)
+    (out_dir / CODEC_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return out_dir / CODEC_FILE
+
+
 def write_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
     """A tiny random S2 Pro in the official layout into `out_dir`: the tokenizer, `config.json` (its ids the
-    tokenizer's) and `model.safetensors`."""
+    tokenizer's), `model.safetensors` and the codec (`write_tiny_codec`)."""
     out_dir = Path(out_dir)
     ids = write_tokenizer(out_dir)
     config = tiny_config(ids["semantic_begin"], ids["vocab_size"])
@@ -116,4 +159,5 @@ def write_tiny_checkpoint(out_dir: Path, seed: int = DEFAULT_SEED) -> Path:
         raise RuntimeError("the tokenizer's semantic tokens are not contiguous")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in random_weights(config, seed).items()}, str(out_dir / "model.safetensors"))
+    write_tiny_codec(out_dir, seed)
     return out_dir

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the venv that runs the OFFICIAL Fish Audio S2 Pro Dual-AR code (fishaudio/fish-speech at commit 3dd1f85,
-# torch 2.13.0 CPU), then optionally rewrite the committed goldens dual_ar_seed{0,1}.json beside this script.
+# Build the venv that runs the OFFICIAL Fish Audio S2 Pro Dual-AR and codec code (fishaudio/fish-speech at commit
+# 3dd1f85, torch 2.13.0 CPU), then optionally rewrite the committed goldens dual_ar_seed{0,1}.json and
+# codec_seed{0,1}.npz beside this script.
 # The reference code cannot run in CI (it is not ours to ship and needs its own venv), so its outputs on our tiny
 # random checkpoints are committed and tests compare our engine against those files.
 #
@@ -51,13 +52,32 @@ if [ ! -x "$VENV/bin/python" ]; then
     transformers==4.57.3
   rm -f "$CONSTRAINTS"
 fi
+# The codec's imports (fish_speech/models/dac: hydra's instantiate, descript-audio-codec's layers and quantizer, which
+# import descript-audiotools, which imports torchaudio). Those three go in without their dependencies (they would
+# replace torch); torchaudio's compiled extensions are a CUDA build, so they are moved aside and it imports as pure
+# Python (its load() is then unusable: the goldens read audio with soundfile, in the project's python).
+if ! PYTHONPATH="$SRC" "$VENV/bin/python" -c "import fish_speech.models.dac.modded_dac, hydra" 2>/dev/null; then
+  CONSTRAINTS="$(mktemp)"
+  echo "torch==2.13.0" > "$CONSTRAINTS"
+  "$VENV/bin/pip" install --quiet -c "$CONSTRAINTS" hydra-core==1.3.8 omegaconf==2.3.1 soundfile flatten-dict julius \
+    ffmpy scipy importlib-resources rich tensorboard randomname argbind
+  "$VENV/bin/pip" install --quiet --no-deps descript-audio-codec==1.0.0 descript-audiotools==0.7.2 torchaudio==2.11.1
+  rm -f "$CONSTRAINTS"
+  TORCHAUDIO_LIB="$("$VENV/bin/python" -c "import importlib.util, os
+print(os.path.join(os.path.dirname(importlib.util.find_spec('torchaudio').origin), 'lib'))")"
+  mkdir -p "$VENV/torchaudio-lib-moved-aside"
+  find "$TORCHAUDIO_LIB" -maxdepth 1 -name '*.so' -exec mv {} "$VENV/torchaudio-lib-moved-aside/" \;
+fi
 PYTHONPATH="$SRC" "$VENV/bin/python" -c "import torch, transformers
-from fish_speech.models.text2semantic.inference import decode_one_token_ar
+from fish_speech.models.text2semantic.inference import decode_one_token_ar, load_codec_model
+from fish_speech.models.dac.modded_dac import DAC
 print('fish-speech ok; torch', torch.__version__, 'transformers', transformers.__version__)" 2>/dev/null | tail -1
 
 if [ "${1:-}" = "--goldens" ]; then
   for seed in 0 1; do
     PYTHONPATH="$SRC" "$VENV/bin/python" "$HERE/make_goldens.py" --seed "$seed" \
       --out "$HERE/dual_ar_seed$seed.json" --project-python "$PROJECT_PYTHON" 2>/dev/null | tail -1
+    PYTHONPATH="$SRC" "$VENV/bin/python" "$HERE/make_codec_goldens.py" --seed "$seed" \
+      --out "$HERE/codec_seed$seed.npz" --project-python "$PROJECT_PYTHON" 2>/dev/null | tail -1
   done
 fi

@@ -20,7 +20,8 @@ import torch
 
 from omni_ray.audio import resample
 from omni_ray.models.s2_pro.checkpoint import write_tiny_codec
-from omni_ray.models.s2_pro.codec import CODEC_CONFIG_FILE, CODEC_FILE, S2ProCodec, load_codec
+from omni_ray.models.s2_pro.codec import (CODEC_CONFIG_FILE, CODEC_FILE, CodecConfig, S2ProCodec, load_codec,
+                                          official_codec_layout)
 from omni_ray.vocoder.schedule import ChunkSchedule
 from omni_ray.vocoder.streaming import Codec, StreamingDecoder, measure_trim
 
@@ -120,6 +121,15 @@ def test_the_loader_folds_either_weight_norm_form_and_drops_what_is_not_the_gene
         load_codec(tmp_path)
 
 
+def test_the_released_codecs_tensors_are_the_official_configs() -> None:
+    official = json.loads((GOLDENS / "codec_layout_full.json").read_text())
+    assert {key: list(shape) for key, (_, shape) in official_codec_layout(CodecConfig()).items()} == official
+    with torch.device("meta"):
+        codec = S2ProCodec(CodecConfig())
+    assert sum(p.numel() for p in codec.parameters()) == 391_398_385  # weight norms folded: one tensor each
+    assert codec.decode(torch.zeros(10, 3, dtype=torch.long, device="meta")).shape == (3 * 2048,)
+
+
 def _official() -> tuple[Path, Path] | None:
     """The official code's venv python and source: ``$FISH_SPEECH_VENV`` (or /work/venv-fish-speech) and
     ``$FISH_SPEECH_SRC`` (or /work/fish-speech-src), when both exist (tests/goldens/s2_pro/make_venv.sh builds them)."""
@@ -139,3 +149,7 @@ def test_the_official_codec_still_writes_the_committed_goldens(tmp_path: Path) -
                     "--project-python", sys.executable], check=True, timeout=600,
                    env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
     assert out.read_bytes() == (GOLDENS / "codec_seed0.npz").read_bytes()
+    layout = tmp_path / "codec_layout_full.json"
+    subprocess.run([str(python), str(GOLDENS / "make_codec_goldens.py"), "--full-layout", str(layout)], check=True,
+                   timeout=600, env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
+    assert layout.read_bytes() == (GOLDENS / "codec_layout_full.json").read_bytes()

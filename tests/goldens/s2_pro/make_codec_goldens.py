@@ -1,7 +1,11 @@
 """Run by the fish-speech venv (the official source on PYTHONPATH, see make_venv.sh): write the official S2 Pro codec's
 codes of the reference clip and its one-shot waveform of a fixed code matrix, on the tiny codec of one seed.
 
-Usage: make_codec_goldens.py --seed N --out FILE.npz [--project-python PY | --checkpoint DIR]
+Usage: make_codec_goldens.py --seed N --out FILE.npz --project-python PY [--checkpoint DIR]
+       make_codec_goldens.py --full-layout FILE.json
+
+`--full-layout` writes the released codec's tensors (key → shape, without the `generator.` prefix) as the official
+hydra config builds them, on the meta device (no weights: the released ones are not needed).
 
 The tiny checkpoint (its `codec.pth` in the official layout and `codec_config.json`) is written by the project's own
 `omni_ray.models.s2_pro.checkpoint.write_tiny_checkpoint`, run by the project's python, unless `--checkpoint` names
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,6 +28,8 @@ from typing import Any
 import numpy as np
 import omegaconf
 import torch
+
+from hydra.utils import instantiate
 
 from fish_speech.models.text2semantic import inference
 from fish_speech.models.text2semantic.inference import load_codec_model
@@ -122,15 +129,27 @@ def fixed_codes(seed: int, codec: Any) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def write_full_layout(out: Path) -> None:
+    with torch.device("meta"):
+        codec = instantiate(omegaconf.OmegaConf.load(str(CONFIG)))
+    shapes = {key: list(value.shape) for key, value in codec.state_dict().items()}
+    out.write_text("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in shapes.items()) + "\n}\n")
+    print(f"wrote {out}: {len(shapes)} tensors, {sum(math.prod(v) for v in shapes.values())} numbers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--project-python")
     parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--full-layout", type=Path)
     args = parser.parse_args()
-    if not args.project_python:
-        raise SystemExit("--project-python is needed (the reference clip is resampled by the project's code)")
+    if args.full_layout:
+        write_full_layout(args.full_layout)
+        return
+    if args.seed is None or args.out is None or not args.project_python:
+        raise SystemExit("--seed, --out and --project-python are needed (the project's python resamples the clip)")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         directory = args.checkpoint or write_checkpoint(args.project_python, args.seed, Path(tmp) / "s2_pro")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the venv that runs the OFFICIAL Fish Audio S2 Pro Dual-AR and codec code (fishaudio/fish-speech at commit
-# 3dd1f85, torch 2.13.0 CPU), then optionally rewrite the committed goldens dual_ar_seed{0,1}.json and
-# codec_seed{0,1}.npz beside this script.
+# 3dd1f85, torch 2.13.0 CPU), then optionally rewrite the committed goldens dual_ar_seed{0,1}.json,
+# codec_seed{0,1}.npz and codec_layout_full.json beside this script.
 # The reference code cannot run in CI (it is not ours to ship and needs its own venv), so its outputs on our tiny
 # random checkpoints are committed and tests compare our engine against those files.
 #
@@ -80,4 +80,6 @@ if [ "${1:-}" = "--goldens" ]; then
     PYTHONPATH="$SRC" "$VENV/bin/python" "$HERE/make_codec_goldens.py" --seed "$seed" \
       --out "$HERE/codec_seed$seed.npz" --project-python "$PROJECT_PYTHON" 2>/dev/null | tail -1
   done
+  PYTHONPATH="$SRC" "$VENV/bin/python" "$HERE/make_codec_goldens.py" --full-layout "$HERE/codec_layout_full.json" \
+    2>/dev/null | tail -1
 fi

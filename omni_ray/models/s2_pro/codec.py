@@ -14,6 +14,13 @@ causal throughout; loaded from the official `codec.pth`, and the shared streamin
   channel, tanh. T frames give exactly T × 2048 samples, each from its frame and earlier ones (trim 0).
 
 The attention masks are built for the length decoded (the official modules keep a 32768² one per transformer).
+
+Streaming (window decoding through the shared `StreamingDecoder`): the rotary positions count from a window's first
+frame and their table is rounded to bfloat16 position by position, so attention is not exactly shift-invariant: a
+window that starts after the stream's first frame differs from the one-shot decode by about 1e-4 to 1e-3 however long
+its left context, and equals it (to float rounding) only when it reaches back to frame 0. Beyond that, what a frame
+depends on reaches back through `post_module`'s 8 layers of 128-frame windows (up to 8 × 127 = 1016 frames) and
+about 9 frames of convolutions (the upsampler's ConvNeXt blocks and the decoder).
 """
 
 from __future__ import annotations
@@ -290,7 +297,10 @@ def read_codec_state(path: Path) -> dict[str, torch.Tensor]:
     """The official `codec.pth` as our parameters: unwrapped from `state_dict`, the `generator.` prefix stripped
     (other networks' keys, a discriminator's, dropped), stale `causal_mask`/`freqs_cis` buffers dropped, and weight
     norms folded (w = g · v / ‖v‖ over all but the first dimension) in either stored form."""
-    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy (not zip) format cannot be mapped
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
     if "state_dict" in state:
         state = state["state_dict"]
     if any(key.startswith("generator.") for key in state):

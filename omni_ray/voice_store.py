@@ -1,5 +1,4 @@
-"""Stored cloned voices on disk, shared by every speech family that clones: one safetensors file per voice (the
-family's tensors, the reference transcript, string metadata), named safely, capped, atomic, shared across replicas."""
+"""Cloned voices on disk for every speech family that clones: one safetensors file per voice, tensors and metadata."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import msgpack
@@ -22,14 +23,23 @@ MSGPACK_ANSWERS = ("msgpack", "application/msgpack")
 ADD_FIELDS = ("id", "audio", "text", "model")
 
 
-def wants_json(query_format: str | None, accept: str | None) -> bool:
-    """The official server's choice of answer: `?format=json|msgpack` first, else JSON only when the Accept header
-    asks for JSON and not for msgpack; msgpack by default."""
+@dataclass(frozen=True)
+class AnswerFormat:
+    """How a references route answers: a success as the official server would (msgpack unless JSON is asked for), a
+    failure in JSON (the OpenAI envelope) unless msgpack is asked for by name."""
+
+    success_json: bool
+    error_json: bool
+
+
+def answer_format(query_format: str | None, accept: str | None) -> AnswerFormat:
+    """`?format=json|msgpack` first, else the Accept header: JSON named without msgpack, or msgpack named."""
     asked = (query_format or "").strip().lower()
     if asked in JSON_ANSWERS + MSGPACK_ANSWERS:
-        return asked in JSON_ANSWERS
+        return AnswerFormat(asked in JSON_ANSWERS, asked in JSON_ANSWERS)
     accept = (accept or "").strip().lower()
-    return "application/json" in accept and "application/msgpack" not in accept
+    msgpack_named = "application/msgpack" in accept
+    return AnswerFormat("application/json" in accept and not msgpack_named, not msgpack_named)
 
 
 def answer(body: dict[str, Any], as_json: bool, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -49,18 +59,19 @@ def _client_error(exc: Exception) -> oai.OpenAIError | None:
     return None
 
 
-async def answered(work: Callable[[], Awaitable[dict[str, Any]]], ids: dict[str, str], as_json: bool) -> Response:
+async def answered(work: Callable[[], Awaitable[dict[str, Any]]], ids: dict[str, str], answers: AnswerFormat
+                   ) -> Response:
     """The official answer of `work` (its fields with `success: true`), or for a client error the official failure
     fields (`success: false`, `message`, the ids) together with the OpenAI error envelope, at the error's status.
     Server errors propagate (the ingress answers them with a 500)."""
     try:
-        return answer({"success": True, **await work()}, as_json)
+        return answer({"success": True, **await work()}, answers.success_json)
     except Exception as exc:
         error = _client_error(exc)
         if error is None or error.status >= 500:
             raise
         body = {"success": False, "message": error.message, **ids, **error.body()}
-        return answer(body, as_json, error.status, error.headers)
+        return answer(body, answers.error_json, error.status, error.headers)
 
 
 def _text_field(body: dict[str, Any], name: str) -> str:
@@ -77,6 +88,12 @@ def _text_field(body: dict[str, Any], name: str) -> str:
     if not value.strip():
         raise oai.bad_request(f"field {name!r} cannot be empty", name, "missing_field")
     return value
+
+
+def _model_name(body: dict[str, Any], query_model: str | None) -> str | None:
+    """The model a references request names: its body's `model` field, else the `model` query parameter."""
+    named = body.get("model")
+    return named if isinstance(named, str) and named else query_model
 
 
 def _shown(value: Any) -> str:
@@ -118,7 +135,7 @@ def prepare_add(models: dict[str, ServedModel], content_type: str | None, raw: b
     if len(text) > limits.max_speech_input_chars:
         raise oai.bad_request(f"text is {len(text)} characters, over the limit of {limits.max_speech_input_chars}",
                               "text", "string_above_max_length")
-    model = cloning_model(models, body.get("model") if isinstance(body.get("model"), str) else query_model)
+    model = cloning_model(models, _model_name(body, query_model))
     model.orchestrator.voice_store.check_can_add(reference_id)
     audio = body.get("audio")
     if isinstance(audio, str) and audio:
@@ -131,7 +148,7 @@ def prepare_add(models: dict[str, ServedModel], content_type: str | None, raw: b
 
 
 async def add_reference(ingress: Any, raw: bytes, content_type: str | None, query_model: str | None,
-                        as_json: bool) -> Response:
+                        answers: AnswerFormat) -> Response:
     """POST /v1/references/add: {id, audio, text} as a form (or msgpack, or JSON with base64 audio) → a stored
     voice, encoded once."""
     async def work() -> dict[str, Any]:
@@ -142,17 +159,17 @@ async def add_reference(ingress: Any, raw: bytes, content_type: str | None, quer
         return {"message": f"Reference voice '{reference_id}' added successfully", "reference_id": reference_id}
 
     ids = {"reference_id": ""}
-    return await answered(work, ids, as_json)
+    return await answered(work, ids, answers)
 
 
-async def list_references(ingress: Any, query_model: str | None, as_json: bool) -> Response:
+async def list_references(ingress: Any, query_model: str | None, answers: AnswerFormat) -> Response:
     """GET /v1/references/list: the stored voices' names."""
     async def work() -> dict[str, Any]:
         model = cloning_model(ingress.models, query_model)
         names = [entry["name"] for entry in await model.orchestrator.list_voices()]
         return {"reference_ids": names, "message": f"Found {len(names)} reference voices"}
 
-    return await answered(work, {"reference_ids": []}, as_json)
+    return await answered(work, {"reference_ids": []}, answers)
 
 
 async def _body_fields(ingress: Any, raw: bytes, content_type: str | None, known: tuple[str, ...]
@@ -161,7 +178,7 @@ async def _body_fields(ingress: Any, raw: bytes, content_type: str | None, known
 
 
 async def delete_reference(ingress: Any, raw: bytes, content_type: str | None, query_model: str | None,
-                           as_json: bool) -> Response:
+                           answers: AnswerFormat) -> Response:
     """DELETE /v1/references/delete: {reference_id} → the stored voice removed."""
     ids = {"reference_id": ""}
 
@@ -169,15 +186,15 @@ async def delete_reference(ingress: Any, raw: bytes, content_type: str | None, q
         body = await _body_fields(ingress, raw, content_type, ("reference_id", "model"))
         ids["reference_id"] = _shown(body.get("reference_id"))
         reference_id = _reference_id(body, "reference_id")
-        model = cloning_model(ingress.models, body.get("model") if isinstance(body.get("model"), str) else query_model)
+        model = cloning_model(ingress.models, _model_name(body, query_model))
         await model.orchestrator.delete_voice(reference_id)
         return {"message": f"Reference voice '{reference_id}' deleted successfully", "reference_id": reference_id}
 
-    return await answered(work, ids, as_json)
+    return await answered(work, ids, answers)
 
 
 async def update_reference(ingress: Any, raw: bytes, content_type: str | None, query_model: str | None,
-                           as_json: bool) -> Response:
+                           answers: AnswerFormat) -> Response:
     """POST /v1/references/update: {old_reference_id, new_reference_id} → the stored voice renamed."""
     ids = {"old_reference_id": "", "new_reference_id": ""}
 
@@ -188,9 +205,9 @@ async def update_reference(ingress: Any, raw: bytes, content_type: str | None, q
         if old == new:
             raise oai.bad_request("the new reference id must differ from the old one", "new_reference_id",
                                   "invalid_reference_id")
-        model = cloning_model(ingress.models, body.get("model") if isinstance(body.get("model"), str) else query_model)
+        model = cloning_model(ingress.models, _model_name(body, query_model))
         await asyncio.to_thread(model.orchestrator.voice_store.rename, old, new)
         return {"message": f"Reference voice renamed from '{old}' to '{new}' successfully",
                 "old_reference_id": old, "new_reference_id": new}
 
-    return await answered(work, ids, as_json)
+    return await answered(work, ids, answers)

@@ -89,9 +89,9 @@ def speech_finish_reason(final: Finished) -> str:
     return final.audio_finish_reason or final.finish_reason
 
 
-def _wants_json(request: Request) -> bool:
-    """fish-speech's /v1/references answers: JSON when asked (?format=json, or an Accept of JSON), else msgpack."""
-    return fish_references.wants_json(request.query_params.get("format"), request.headers.get("accept"))
+def _answer_format(request: Request) -> fish_references.AnswerFormat:
+    """How fish-speech's /v1/references routes answer this request (`?format=`, `Accept`)."""
+    return fish_references.answer_format(request.query_params.get("format"), request.headers.get("accept"))
 
 
 @serve.ingress(app)
@@ -144,27 +144,27 @@ class OmniIngress:
 
     @app.post("/v1/references/add")
     async def route_add_reference(self, request: Request, model: Optional[str] = None) -> Response:
-        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        content_type, answers = request.headers.get("content-type"), _answer_format(request)
         return await self._guard("references", lambda raw: fish_references.add_reference(
-            self, raw, content_type, model, as_json), request)
+            self, raw, content_type, model, answers), request)
 
     @app.get("/v1/references/list")
     async def route_list_references(self, request: Request, model: Optional[str] = None) -> Response:
-        as_json = _wants_json(request)
-        return await self._guard("references", lambda _: fish_references.list_references(self, model, as_json),
+        answers = _answer_format(request)
+        return await self._guard("references", lambda _: fish_references.list_references(self, model, answers),
                                  request)
 
     @app.delete("/v1/references/delete")
     async def route_delete_reference(self, request: Request, model: Optional[str] = None) -> Response:
-        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        content_type, answers = request.headers.get("content-type"), _answer_format(request)
         return await self._guard("references", lambda raw: fish_references.delete_reference(
-            self, raw, content_type, model, as_json), request)
+            self, raw, content_type, model, answers), request)
 
     @app.post("/v1/references/update")
     async def route_update_reference(self, request: Request, model: Optional[str] = None) -> Response:
-        content_type, as_json = request.headers.get("content-type"), _wants_json(request)
+        content_type, answers = request.headers.get("content-type"), _answer_format(request)
         return await self._guard("references", lambda raw: fish_references.update_reference(
-            self, raw, content_type, model, as_json), request)
+            self, raw, content_type, model, answers), request)
 
     @app.get("/v1/models")
     async def route_models(self) -> JSONResponse:

@@ -133,8 +133,8 @@ def reference_audio(request: TTSSpeechRequest, reference: SpeechReference, limit
     """A reference (`ref_audio`, or one of `references`) fetched, decoded, checked (length, silence, finite samples)
     and resampled to the encoder's rate, with its transcript; in-context cloning (no `x_vector_only_mode`) needs
     the transcript."""
-    given_as_list = bool(request.references)
-    audio_param, text_param = ("references.0.audio", "references.0.text") if given_as_list else ("ref_audio", "ref_text")
+    audio_param, text_param = ("references.0.audio", "references.0.text") if request.references else (
+        "ref_audio", "ref_text")
     x_vector_only = bool(request.x_vector_only_mode)
     if not x_vector_only and not (reference.text or "").strip():
         raise oai.bad_request(f"in-context voice cloning needs {text_param}, the reference audio's transcript (or "

@@ -193,8 +193,9 @@ def cloning_model(models: dict[str, ServedModel], name: str | None) -> ServedMod
     if not cloning:
         raise oai.bad_request(f"no served model clones voices (served: {', '.join(models)})", "model",
                               "unsupported_for_model")
-    raise oai.bad_request(f"several served models clone voices: name one as 'model' ({', '.join(m.name for m in cloning)})",
-                          "model", "model_required")
+    names = ", ".join(model.name for model in cloning)
+    raise oai.bad_request(f"several served models clone voices: name one as 'model' ({names})", "model",
+                          "model_required")
 
 
 def clones_voices(model: ServedModel) -> bool:

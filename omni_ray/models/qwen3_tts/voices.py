@@ -1,5 +1,4 @@
-"""Qwen3-TTS's stored voices on the shared voice store: an x-vector, and for in-context cloning the reference codes
-and transcript."""
+"""Qwen3-TTS's voices on the shared voice store: an x-vector, and in context the reference codes and transcript."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from omni_ray.config import DEFAULT_PERSISTENT_L2_KEEP_PERCENT
-from omni_ray.engine.codebook_pass import codebook_pass
+from omni_ray.engine.codec_frame import FramePass
 from omni_ray.engine.codec_sequence import (
     MTP_SAMPLING, FrameSampling, MtpSubStep, PendingFrames, TalkerSequence, TalkerStepOutput,
 )
@@ -32,9 +33,7 @@ from omni_ray.engine.host_inputs import Download, stack_on_device, upload
 from omni_ray.engine.kv_cache import SlotKVCache, SlotTable
 from omni_ray.engine.prefix_cache import PrefixCache
 from omni_ray.engine.profiling import host_range
-from omni_ray.engine.sampler import (
-    CounterNoise, NoiseSource, SamplingBatch, SamplingParams, draw_keys, fused_sample, mark_seen, sample, top_k_cap,
-)
+from omni_ray.engine.sampler import FilterOrder, NoiseSource, SamplingParams, fused_sample, sample, top_k_cap
 from omni_ray.engine.top_k_draw import KernelDraw
 from omni_ray.layers.attention import AttentionBatch
 from omni_ray.layers.persistent_pass import KernelBuildError
@@ -48,7 +47,7 @@ class CodecTalkerSpec:
     predictor's cache geometry."""
 
     num_groups: int  # code groups per frame: group 0 from the backbone, the rest from the code predictor
-    vocab: int  # the backbone's codec vocabulary; its top `control_codes` ids are never sampled, except EOS
+    vocab: int  # the backbone's vocabulary; its top `control_codes` ids are never sampled, except EOS
     eos: int
     bos: int  # the codec input of a prompt's last position
     predictor_layers: int
@@ -57,6 +56,8 @@ class CodecTalkerSpec:
     predictor_vocab: int
     control_codes: int = 1024
     code_sampling: SamplingParams = MTP_SAMPLING  # what the code predictor samples with by default (graph warm-up)
+    # the ids group 0 draws from (first, last), besides EOS, where that is not all but the top `control_codes`
+    sampled_ids: tuple[int, int] | None = None
 
 
 class TalkerParts(Protocol):
@@ -95,7 +96,7 @@ def talker_options(engine: Any) -> dict[str, Any]:
     }
 
 
-class CodecTalkerRunner:
+class CodecTalkerRunner(FramePass):
     """Batched Talker steps: prefill or decode the backbone, then one frame pass that samples group 0 and lets the
     code predictor complete groups 1..G-1. Every pass runs at bucketed fixed shapes, replayed from CUDA graphs on a
     GPU: the backbone decode per (rows, key range), the whole frame (group 0 + the completions) per row count.
@@ -103,9 +104,12 @@ class CodecTalkerRunner:
     A family subclasses it with its prompts: `_prompts` (each new sequence's prefill embeddings) and
     `_prompt_length`. `first_text_in_prompt`: the prompt ends with the reply's first text token, so a sequence
     waits for it (and may prefill all but that position before: early prefill), and one whose text ended with none
-    has nothing to speak."""
+    has nothing to speak. `streams_text`: each decode step adds the request's next text row to the frame's
+    embedding (else a step reads the frame's embedding alone: the whole text was in the prompt). The frame pass and
+    its hooks are `FramePass`'s."""
 
     first_text_in_prompt = True
+    streams_text = True
 
     def __init__(
         self,
@@ -133,27 +137,34 @@ class CodecTalkerRunner:
         self.model: TalkerParts = assets.model
         self.spec = spec
         self.cache = cache
-        self.device = self.assets.tts_pad.device
         self.num_groups = spec.num_groups
         self.eos = spec.eos
         self.vocab = spec.vocab
-        # the top ids are control codes, never sampled as audio, except EOS
+        with torch.inference_mode():  # the codec input of a prompt's last position (early prefill decodes it)
+            self.codec_bos = self._bos_embedding(spec.bos)
+        self.device, self.dtype, self.width = self.codec_bos.device, self.codec_bos.dtype, self.codec_bos.shape[-1]
         self.banned = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
-        self.banned[self.vocab - spec.control_codes :] = True
+        if spec.sampled_ids is None:  # the top ids are control codes, never sampled as audio, except EOS
+            self.banned[self.vocab - spec.control_codes :] = True
+        else:
+            self.banned[:] = True
+            self.banned[spec.sampled_ids[0] : spec.sampled_ids[1] + 1] = False
         self.banned[self.eos] = False
         self.seen = torch.zeros(cache.rows, self.vocab, dtype=torch.bool, device=self.device)  # group-0 history
-        with torch.inference_mode():  # the codec input of a prompt's last position (early prefill decodes it)
-            self.codec_bos = self.model.model.codec_embedding(torch.tensor(spec.bos, device=self.device))
-        # per slot, the summed codec embedding of its last frame: the codec input of its next decode step
-        self.feedback = torch.zeros(cache.rows, self.codec_bos.shape[-1], dtype=self.codec_bos.dtype, device=self.device)
-        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, (self.seen, self.feedback))
+        # per slot, the embedding of its last frame: the codec input of its next decode step
+        self.feedback = torch.zeros(cache.rows, self.width, dtype=self.dtype, device=self.device)
+        # per slot, its last group-0 draws, where a repeat among them is redrawn (`repetition_aware`)
+        self.recent = None if self.repetition_aware is None else self.repetition_aware.recent_tokens(cache.rows,
+                                                                                                     self.device)
+        side = (self.seen, self.feedback) + (() if self.recent is None else (self.recent,))
+        self.slots: SlotTable[TalkerSequence] = SlotTable(cache, side)
         self.mtp_vocab = spec.predictor_vocab
         self.mtp_cache = SlotKVCache(
             spec.predictor_layers, bucket_pow2(max_batch), self.num_groups + 1, spec.predictor_kv_heads,
-            spec.predictor_head_dim, self.assets.tts_pad.dtype, self.device,
+            spec.predictor_head_dim, self.dtype, self.device,
         )
         # the predictor's input projection, where its width is not the backbone's
-        self.predictor_input = getattr(self.model.code_predictor, "small_to_mtp_projection", None)
+        self.predictor_input = getattr(getattr(self.model, "code_predictor", None), "small_to_mtp_projection", None)
         if isinstance(self.predictor_input, torch.nn.Identity):
             self.predictor_input = None
         self.graphs = GraphCache(self.device, cuda_graphs)
@@ -171,21 +182,34 @@ class CodecTalkerRunner:
         self.prefills = PrefillTally()  # early ones included: each is a batch of its own
         self._sample = sample
         if moe_kernels and self.device.type == "cuda":
-            self.model.model.use_moe_kernels()
+            self.backbone.use_moe_kernels()
             if moe_layer_kernels:
-                self.model.model.use_moe_layer_kernels(moe_layer_folds)
+                self.backbone.use_moe_layer_kernels(moe_layer_folds)
+        default_order = self.filter_order is FilterOrder.TEMPERATURE_FIRST  # the kernels draw in it
         if compile_layers and self.device.type == "cuda":
-            self.model.model.compile_layers()
-            stack = self.model.code_predictor.model
+            self.backbone.compile_layers()
+            stack = self.predictor
             stack.compile_layers()  # compiled on first use: with the kernels, only steps past them (over 64 rows)
             if code_predictor_kernels:
                 stack.use_small_batch_kernels()
-                if persistent_code_predictor and self.predictor_input is None:
+                if persistent_code_predictor and self.predictor_input is None and default_order:
                     self._use_persistent_pass(stack, persistent_code_predictor_max_rows,
                                               persistent_code_predictor_l2_keep_percent,
                                               persistent_code_predictor_draws and sampling_kernel)
             # the frame's 16 draws: a Triton kernel each, or a few inductor kernels each
-            self._sample = KernelDraw(fused_sample) if sampling_kernel else fused_sample
+            self._sample = KernelDraw(fused_sample) if sampling_kernel and default_order else fused_sample
+        if self.filter_order is not FilterOrder.TEMPERATURE_FIRST:
+            self._sample = functools.partial(self._sample, order=self.filter_order)
+
+    @property
+    def backbone(self) -> Any:
+        """The backbone's decoder stack."""
+        return self.model.model
+
+    def _bos_embedding(self, bos: int) -> torch.Tensor:
+        """The codec input [h] of a prompt's last position, where its first decode step runs it (early prefill)."""
+        table = self.model.model.codec_embedding
+        return table(torch.tensor(bos, device=table.weight.device))
 
     def _use_persistent_pass(self, stack: Any, max_rows: int, l2_keep_percent: int, draws: bool) -> None:
         """The code predictor's passes of up to `max_rows` rows as one persistent kernel each (`draws`: drawing the
@@ -205,7 +229,7 @@ class CodecTalkerRunner:
             return
         decode, prefill = warmup_shapes(self.cache, max_batch, self.max_prefill_tokens,
                                         graph_tokens=self.prefill_graph_tokens)
-        dtype, width = self.assets.tts_pad.dtype, self.assets.tts_pad.shape[-1]
+        dtype, width = self.dtype, self.width
         for rows, kv_len in decode:
             positions = dummy_decode_positions(rows, self.cache, self.device)
             embeds = torch.zeros(rows, 1, width, dtype=dtype, device=self.device)
@@ -220,7 +244,7 @@ class CodecTalkerRunner:
 
     def describe_failure(self) -> str | None:
         """What the persistent code-predictor pass said, if a launch of it stalled and trapped (the step failed)."""
-        kernel = getattr(self.model.code_predictor.model, "persistent", None)
+        kernel = getattr(self.predictor, "persistent", None)
         return kernel.stall() if kernel is not None else None
 
     def admit(self, seq: TalkerSequence) -> None:
@@ -229,6 +253,8 @@ class CodecTalkerRunner:
         seed = None if seq.sampling.seed is None else seq.sampling.seed + 1
         seq.mtp_noise = NoiseSource(seq.mtp_sampling.model_copy(update={"seed": seed}))
         self.seen[seq.slot] = False
+        if self.recent is not None:
+            self.recent[seq.slot] = 0
 
     def release(self, seq: TalkerSequence) -> None:
         self.slots.release(seq)
@@ -283,9 +309,10 @@ class CodecTalkerRunner:
             if decoding:
                 host["positions"], kv_len = decode_positions([(s.slot, s.num_cached) for s in decoding], self.cache)
                 host["decode_rows"] = torch.tensor([s.slot for s in decoding], dtype=torch.long)
-                host["text_rows"], texts = self._trailing_texts(decoding)
-                if texts and all(t.device.type == "cpu" for t in texts):  # all relayed on the host path: one upload
-                    host["texts"], texts = torch.stack(texts), []
+                if self.streams_text:
+                    host["text_rows"], texts = self._trailing_texts(decoding)
+                    if texts and all(t.device.type == "cpu" for t in texts):  # all relayed on the host path: one upload
+                        host["texts"], texts = torch.stack(texts), []
             inputs = upload(host, self.device)
         hiddens = []
         if prefilling:
@@ -344,7 +371,7 @@ class CodecTalkerRunner:
         raise NotImplementedError
 
     def _prefill_forward(self, embeds: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"hidden": prefill_forward(self.model.model, self.cache, embeds, slots)[0]}
+        return {"hidden": prefill_forward(self.backbone, self.cache, embeds, slots)[0]}
 
     def _prefill(self, seqs: list[TalkerSequence], early: bool = False) -> torch.Tensor:
         """All new sequences in one padded batch → each one's last hidden state [N, h]. `early`: all but their
@@ -402,7 +429,7 @@ class CodecTalkerRunner:
         embeds = prompt[start:][None]
         batch = AttentionBatch.build([seq.slot], [start], embeds.shape[1], self.device)
         positions = torch.arange(start, prompt.shape[0], device=self.device)[None]
-        out, _ = self.model.model(embeds, positions, self.cache.layers, batch)
+        out, _ = self.backbone(embeds, positions, self.cache.layers, batch)
         return out[0, -1]
 
     def _trailing_texts(self, seqs: list[TalkerSequence]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -422,7 +449,7 @@ class CodecTalkerRunner:
         return torch.tensor([r % (len(texts) + 2) for r in rows], dtype=torch.long), texts
 
     def _decode_forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        return {"hidden": decode_forward(self.model.model, self.cache, embeds, positions, kv_len)}
+        return {"hidden": decode_forward(self.backbone, self.cache, embeds, positions, kv_len)}
 
     def _decode(
         self, seqs: list[TalkerSequence], inputs: dict[str, torch.Tensor], kv_len: int, texts: list[torch.Tensor],
@@ -430,113 +457,21 @@ class CodecTalkerRunner:
         """Decode over the first slots of the cache (row r = slot r; `inputs`: the uploaded step inputs, with the slots
         of `seqs` as `decode_rows`, `positions` and `kv_len` from `decode_positions`, and `text_rows` and the reply
         tokens' embeddings from `_trailing_texts`: as `texts`, or uploaded as `inputs["texts"]` when all came on the
-        host path); returns the hidden states of `seqs` in order."""
+        host path; neither without `streams_text`); returns the hidden states of `seqs` in order."""
         positions, rows = inputs["positions"], inputs["decode_rows"]
-        a = self.assets
-        choices = [a.tts_eos[None], a.tts_pad[None]]
-        # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
-        raw = inputs.get("texts") if not texts else stack_on_device(texts, self.device)
-        if raw is not None:
-            choices.insert(0, self.model.text_projection(raw.to(dtype=a.tts_pad.dtype)))
-        embeds = torch.zeros(positions.shape[0], 1, a.tts_pad.shape[-1], dtype=a.tts_pad.dtype, device=self.device)
-        embeds[rows, 0] = self.feedback[rows] + torch.cat(choices)[inputs["text_rows"]]
+        embeds = torch.zeros(positions.shape[0], 1, self.width, dtype=self.dtype, device=self.device)
+        if self.streams_text:
+            a = self.assets
+            choices = [a.tts_eos[None], a.tts_pad[None]]
+            # relayed on the host path or through CUDA IPC (by each message's size), so on the host or already here
+            raw = inputs.get("texts") if not texts else stack_on_device(texts, self.device)
+            if raw is not None:
+                choices.insert(0, self.model.text_projection(raw.to(dtype=a.tts_pad.dtype)))
+            embeds[rows, 0] = self.feedback[rows] + torch.cat(choices)[inputs["text_rows"]]
+        else:
+            embeds[rows, 0] = self.feedback[rows]
         out = run_decode(self.graphs, self._decode_forward, kv_len, {"embeds": embeds, "positions": positions})
         for s in seqs:
             s.num_cached += 1
             s.steps += 1
         return out["hidden"][rows]
-
-    def _frames(self, seqs: list[TalkerSequence], hidden: torch.Tensor, host: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One frame per row, on the device: codes [B, G], and each row's summed codec embedding (which its next
-        decode step reads) put into `feedback` at its slot. The codes are the graph's buffer, which the next replay
-        overwrites: read them (a copy queued on this stream) before launching another frame. `host`:
-        `_frame_host_inputs(seqs, rows)`, uploaded."""
-        count, rows = len(seqs), bucket_pow2(len(seqs))
-        inputs = self._frame_inputs(hidden, rows, host)
-        mode = FrameSampling.of([s.sampling for s in seqs], [s.mtp_sampling for s in seqs])
-        out = self.graphs.run(("frame", rows, mode), lambda **x: self._frame_forward(mode=mode, **x), inputs)
-        # outside the graph: capture must not change what it reads
-        mark_seen(self.seen, inputs["slots"], out["codes"][:, 0])
-        self.feedback[inputs["slots"][:count]] = out["feedback"][:count]
-        return out["codes"][:count]
-
-    def _frame_host_inputs(self, seqs: list[TalkerSequence], rows: int) -> dict[str, torch.Tensor]:
-        """What the frame graph reads that the host decides, for `seqs` padded to `rows` (padding rows: scratch
-        slot, greedy), as host tensors: slots, EOS allowed or not, noise keys (each row's draw count advances) and
-        sampling tables."""
-        count = len(seqs)
-        return {
-            "slots": torch.tensor([s.slot for s in seqs] + [self.cache.scratch_slot] * (rows - count), dtype=torch.long),
-            "no_eos": torch.tensor([s.ignore_eos or s.frames < s.min_frames for s in seqs] + [False] * (rows - count),
-                                   dtype=torch.bool),
-            "noise_keys": draw_keys([s.noise for s in seqs], rows),  # type: ignore[misc]
-            "mtp_noise_keys": draw_keys([s.mtp_noise for s in seqs], rows),  # type: ignore[misc]
-            "group0_sampling": SamplingBatch.table([s.sampling for s in seqs], rows),
-            "mtp_sampling": SamplingBatch.table([s.mtp_sampling for s in seqs], rows),
-        }
-
-    def _frame_inputs(self, hidden: torch.Tensor, rows: int, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The frame graph's inputs: `hidden` padded to `rows`, the banned-token rows, and the uploaded host inputs."""
-        padded = torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        padded[: hidden.shape[0]] = hidden
-        banned = self.banned.expand(rows, -1).clone()
-        banned[:, self.eos] |= host["no_eos"]
-        names = ("slots", "noise_keys", "mtp_noise_keys", "group0_sampling", "mtp_sampling")
-        return {"hidden": padded, "banned": banned, **{name: host[name] for name in names}}
-
-    def _frame_forward(
-        self, hidden: torch.Tensor, slots: torch.Tensor, banned: torch.Tensor, noise_keys: torch.Tensor,
-        mtp_noise_keys: torch.Tensor, group0_sampling: torch.Tensor, mtp_sampling: torch.Tensor, mode: FrameSampling,
-    ) -> dict[str, torch.Tensor]:
-        """Codec head → group 0 (repetition penalty over the row's group-0 history) → the MTP loop (graph-capturable).
-        `mode` says which filtering the batch's rows need (a graph per mode); the noise is made here, from keys."""
-        logits = self.model.codec_head(hidden)
-        group0 = self._sample(logits, SamplingBatch.from_table(group0_sampling), CounterNoise(noise_keys),
-                              self.seen[slots], banned, mode.filtered, mode.group0_top_k_cap)
-        codes, feedback = self._complete_frames(hidden, group0, SamplingBatch.from_table(mtp_sampling), mtp_noise_keys, mode)
-        return {"codes": codes, "feedback": feedback}
-
-    def _complete_frames(
-        self, hidden: torch.Tensor, group0: torch.Tensor, params: SamplingBatch, noise_keys: torch.Tensor,
-        mode: FrameSampling,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The code predictor's loop: groups 1..G-1 for every row, with a per-frame cache (row i in MTP slot i), one
-        codebook pass per group (its inputs mapped onto the predictor's width first, where that differs). Returns codes [B, G] and the frame's summed code embedding [B, h] (the next step's codec input,
-        `TalkerModel.frame_embedding` of the codes, summed in the same order)."""
-        cp = self.model.code_predictor
-        group0_embedding = self.model.model.codec_embedding(group0)
-        embeds, feedback = torch.stack([hidden, group0_embedding], dim=1), group0_embedding  # [B, 2, h], [B, h]
-        codes = [group0]
-        for k, sub in enumerate(self._mtp_plan(hidden.shape[0])):
-            if self.predictor_input is not None:
-                embeds = self.predictor_input(embeds)
-            code, embeds, feedback = codebook_pass(
-                cp.model, embeds, self.mtp_cache.layers, sub.batch, sub.cos, sub.sin, cp.lm_head[k].weight,
-                cp.model.codec_embedding[k].weight, feedback, params, noise_keys, k * self.mtp_vocab, mode.filtered,
-                mode.mtp_top_k_cap, draw=self._sample,
-            )
-            codes.append(code)
-        return torch.stack(codes, dim=1), feedback
-
-    def _mtp_plan(self, rows: int) -> list[MtpSubStep]:
-        """The MTP's sub-steps for `rows` rows: the first reads [talker hidden, group-0 embedding] at positions 0-1,
-        sub-step k >= 1 one code embedding at position k + 1. Every sub-step reads the per-frame cache's whole key
-        range, its mask hiding the positions not yet written, so that all of them share shapes (compiled layers need
-        no graph per key length). Built on first use (a graph's eager warm-up run) and kept, so
-        replays read them instead of recomputing masks and rotary tables in every frame."""
-        plan = self._mtp_plans.get(rows)
-        if plan is None:
-            stack = self.model.code_predictor.model
-            slots = torch.arange(rows, device=self.device)
-            dtype = self.assets.tts_pad.dtype
-            plan, start, length = [], 0, 2
-            for _ in range(self.num_groups - 1):
-                batch = AttentionBatch.from_tensors(slots, torch.full_like(slots, start), length, self.mtp_cache.max_len,
-                                                    rows_are_slots=True)
-                batch.grouped_mask(stack.spec.num_heads // stack.spec.num_kv_heads)
-                positions = (start + torch.arange(length, device=self.device))[None].expand(rows, -1)
-                cos, sin = stack.rotary(positions, dtype)
-                plan.append(MtpSubStep(batch, cos, sin))
-                start, length = start + length, 1
-            self._mtp_plans[rows] = plan
-        return plan

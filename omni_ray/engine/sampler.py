@@ -6,6 +6,9 @@ Gumbel-max trick, an exact categorical sample). The noise is counter-based (`Cou
 which comes from its request's seed and draw count, and of the token id. So it is computed on the device where it is
 read (inside the graph, and only at the candidates a top-k draw looks at), and a request's tokens depend on its seed
 alone, never on what it was batched with. Requests without a seed get a random one.
+
+A model family picks where top-k/top-p sit relative to the temperature (`FilterOrder`), and may redraw repeats
+(`RepetitionAwareSampling`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -41,6 +45,18 @@ class SamplingParams(BaseModel):
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class FilterOrder(str, Enum):
+    """Where a draw's top-k/top-p filtering sits relative to its temperature: a model family's convention."""
+
+    # transformers' warpers: divide by the temperature, keep the top k, then the smallest top-p nucleus of what is left
+    # (the token that crosses top_p stays)
+    TEMPERATURE_FIRST = "temperature_first"
+    # fish-speech's: over the raw logits sorted descending, drop ranks past top_k and every token at which the mass
+    # cumulated from the largest probability (softmax of all the raw logits) exceeds top_p (the largest stays); then
+    # divide by the temperature
+    RAW_LOGITS = "raw_logits"
 
 
 @dataclass
@@ -132,6 +148,39 @@ def top_k_cap(params: Sequence[SamplingParams]) -> int | None:
     return 1 << (max(p.top_k for p in sampled) - 1).bit_length()
 
 
+def _outside_raw_nucleus(descending: torch.Tensor, log_total: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Over rows' largest raw logits sorted descending (of a row whose logsumexp is `log_total` [B, 1]): what
+    `FilterOrder.RAW_LOGITS` drops, the ranks past the row's top_k (0 = off) and where the probability cumulated from
+    the largest up exceeds its top_p. The largest logit always stays."""
+    cumulative = (descending - log_total).exp().cumsum(-1)
+    rank = torch.arange(descending.shape[-1], device=descending.device)
+    k = torch.where(params.top_k > 0, params.top_k, descending.shape[-1])
+    remove = (cumulative > params.top_p[:, None]) | (rank[None, :] >= k[:, None])
+    remove[:, 0] = False
+    return remove
+
+
+def draw_raw_logits_order(
+    x: torch.Tensor, params: SamplingBatch, noise: torch.Tensor | CounterNoise, filtered: bool, cap: int | None,
+) -> torch.Tensor:
+    """The draw of `sample` in `FilterOrder.RAW_LOGITS`: top-p (on the softmax of the raw logits) and top-k over the
+    raw logits x [B, V], then the temperature (floor 1e-5), then argmax(logit/T - log(noise)). With `cap` (every
+    sampled row has 0 < top_k <= cap) only the `cap` largest are ranked: the same decisions, since the mass is
+    cumulated over the same largest probabilities of the whole row."""
+    temperature = params.temperature.clamp_min(1e-5)[:, None]
+    if not filtered:
+        dense = noise.dense(x.shape[-1]) if isinstance(noise, CounterNoise) else noise
+        return (x / temperature - dense.clamp_min(1e-30).log()).argmax(-1)
+    if cap is not None and cap < x.shape[-1]:
+        values, index = torch.topk(x, cap, dim=-1)
+    else:
+        values, index = torch.sort(x, dim=-1, descending=True)
+    values = values.masked_fill(_outside_raw_nucleus(values, torch.logsumexp(x, -1, keepdim=True), params),
+                                float("-inf"))
+    scores = values / temperature - _noise_at(noise, index).clamp_min(1e-30).log()
+    return index.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingBatch,
@@ -140,13 +189,14 @@ def sample(
     banned: torch.Tensor | None = None,
     filtered: bool = True,
     top_k_cap: int | None = None,
+    order: FilterOrder = FilterOrder.TEMPERATURE_FIRST,
 ) -> torch.Tensor:
     """One token per row of logits [B, V] → [B] long, on the device, with no host sync.
 
     noise: Exp(1) draws [B, V] or their `CounterNoise` (ignored by greedy rows; None when every row is greedy);
     seen [B, V] bool: tokens the repetition penalty applies to; banned [B, V] or [V] bool: never picked.
     `filtered=False` skips top-k/top-p (when no row uses them); `top_k_cap` (see `top_k_cap()`) filters only that
-    many candidates per row."""
+    many candidates per row; `order`: where the filtering sits relative to the temperature."""
     x = logits.to(torch.float32)
     if banned is not None:
         x = x.masked_fill(banned, float("-inf"))
@@ -155,6 +205,8 @@ def sample(
     greedy = x.argmax(-1)
     if noise is None:
         return greedy
+    if order is FilterOrder.RAW_LOGITS:
+        return torch.where(params.temperature > 0, draw_raw_logits_order(x, params, noise, filtered, top_k_cap), greedy)
     x = x / params.temperature.clamp_min(1e-5)[:, None]
     if filtered and top_k_cap is not None and top_k_cap < x.shape[-1]:
         return torch.where(params.temperature > 0, draw_from_top_k(x, params, noise, top_k_cap), greedy)
@@ -285,6 +337,45 @@ def needs_filter(params: Sequence[SamplingParams]) -> bool:
 # `sample` as a few inductor kernels (about 20 otherwise, for a top-k draw): the Talker's frame draws with it where
 # the one-kernel draw (`top_k_draw.KernelDraw`) does not apply or is turned off.
 fused_sample = compiled_or_eager(sample, "sampling")
+
+
+@dataclass(frozen=True)
+class RepetitionAwareSampling:
+    """Repetition-aware sampling (RAS, fish-speech's): a row's draw that is a token in [first, last] and among the
+    row's last `window` drawn tokens (a window that starts as zeros) is replaced by a second draw at `temperature`
+    and `top_p` (the row's top_k, the same order and banned tokens; a greedy row stays greedy), from noise of its own."""
+
+    first: int
+    last: int
+    window: int = 10
+    temperature: float = 1.0
+    top_p: float = 0.9
+
+    def redraw(
+        self, drawn: torch.Tensor, logits: torch.Tensor, params: SamplingBatch, noise: CounterNoise,
+        recent: torch.Tensor, draw: Callable[..., torch.Tensor], seen: torch.Tensor | None = None,
+        banned: torch.Tensor | None = None, top_k_cap: int | None = None,
+    ) -> torch.Tensor:
+        """`drawn` [B] from `logits` [B, V] with `params` and `noise`, its repeats of `recent` [B, window] redrawn by
+        `draw` (`sample`'s signature). Graph-capturable."""
+        repeats = (recent == drawn[:, None]).any(-1) & (drawn >= self.first) & (drawn <= self.last)
+        hotter = SamplingBatch(
+            torch.where(params.temperature > 0, torch.full_like(params.temperature, self.temperature), params.temperature),
+            params.top_k, torch.full_like(params.top_p, self.top_p), params.penalty,
+        )
+        second = draw(logits, hotter, CounterNoise(noise.keys, noise.offset + logits.shape[-1]), seen, banned, True,
+                      top_k_cap)
+        return torch.where(repeats, second, drawn)
+
+    def recent_tokens(self, rows: int, device: torch.device | str) -> torch.Tensor:
+        """Each slot's window of drawn tokens [rows, window] long, zeros to start."""
+        return torch.zeros(rows, self.window, dtype=torch.long, device=device)
+
+    @staticmethod
+    def remember(recent: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, records: torch.Tensor) -> None:
+        """Slide `tokens` [B] into the windows of `recent` at `rows` [B] where `records` [B] bool, on the device."""
+        window = recent[rows]
+        recent[rows] = torch.where(records[:, None], torch.cat([window[:, 1:], tokens[:, None]], dim=1), window)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from omni_ray.serve.fish_references import AnswerFormat, answer_format
 from omni_ray.serve.fish_tts_api import FishTTSRequest, decode_body, media_type, parse_tts_request, speech_body
 from omni_ray.serve.openai_protocol import OpenAIError, ServiceLimits
 from omni_ray.serve.speech_protocol import TTSSpeechRequest
+from omni_ray.serve.voice_uploads import cloning_model
 from omni_ray.voice_store import InvalidVoiceNameError, VoiceExistsError, VoiceNotFoundError, VoiceStore
 
 LIMITS = ServiceLimits(max_request_bytes=4096, max_json_items=64)
@@ -110,6 +111,23 @@ def test_references_succeed_in_msgpack_and_fail_in_json_unless_asked_otherwise()
     assert answer_format(None, "application/json, application/msgpack") == AnswerFormat(False, False)
 
 
+def _served(name: str, clones: bool) -> Any:
+    variant = "base" if clones else "custom_voice"
+    orchestrator = SimpleNamespace(voice_store=object() if clones else None, variant=variant)
+    return SimpleNamespace(name=name, family="qwen3_tts", orchestrator=orchestrator)
+
+
+def test_the_model_is_the_one_named_else_the_only_one_that_clones() -> None:
+    one: dict[str, Any] = {"custom": _served("custom", False), "base": _served("base", True)}
+    assert cloning_model(one, None).name == "base" and cloning_model(one, "base").name == "base"
+    _refused(lambda: cloning_model(one, "custom"), 400, "unsupported_for_model")
+    _refused(lambda: cloning_model(one, "nobody"), 404, "model_not_found")
+    two = {**one, "base-2": _served("base-2", True)}
+    assert "base, base-2" in _refused(lambda: cloning_model(two, None), 400, "model_required").message
+    assert cloning_model(two, "base-2").name == "base-2"
+    _refused(lambda: cloning_model({"custom": one["custom"]}, None), 400, "unsupported_for_model")
+
+
 # ---- the shared store's rename ---------------------------------------------------------------------------------------
 
 def _save(store: VoiceStore, name: str, seed: int = 0) -> dict[str, Any]:
@@ -126,7 +144,8 @@ def test_a_renamed_voice_keeps_its_tensors_and_frees_its_old_name(tmp_path: Path
     assert renamed["name"] == "Coffee" and renamed["digest"] == saved["digest"]
     assert VoiceStore(tmp_path).names() == ["Coffee"]  # on disk: a new store on the directory sees it
     after = store.load_tensors("coffee")
-    assert after.text == "a transcript" and all(torch.equal(after.tensors[k], before.tensors[k]) for k in before.tensors)
+    assert after.text == "a transcript"
+    assert all(torch.equal(after.tensors[key], before.tensors[key]) for key in before.tensors)
     with pytest.raises(VoiceNotFoundError):
         store.load_tensors("Tea")
     store.rename("Coffee", "COFFEE")  # a change of case only

@@ -127,6 +127,24 @@ def test_seeded_sampling_repeats_for_its_seed_and_differs_for_another(runners: d
     assert all(frame[1] == frame[0] - config.semantic_begin for frame in first)
 
 
+def test_the_engine_redraws_repeats_of_a_replys_recent_tokens(runners: dict[int, DualARRunner]) -> None:
+    """A reply whose draws repeat its recent tokens speaks differently without repetition-aware sampling."""
+    run = runners[0]
+
+    def tokens() -> list[int]:
+        sampling = DEFAULT_SAMPLING.model_copy(update={"seed": 12})
+        seq = dual_ar_sequence("ras", prompt_of(0, "one_reference"), 8, sampling, ignore_eos=True)
+        return [frame[0] for frame in frames_of(speak_alone(run, seq))]
+
+    redrawn = tokens()
+    ras, run.repetition_aware = run.repetition_aware, None
+    try:
+        plain = tokens()
+    finally:
+        run.repetition_aware = ras
+    assert redrawn != plain and redrawn[0] == plain[0]  # the first frame has no window yet
+
+
 def _batch(params: list[SamplingParams]) -> SamplingBatch:
     return SamplingBatch.of(params, "cpu")
 

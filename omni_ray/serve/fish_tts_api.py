@@ -14,7 +14,6 @@ from omni_ray.audio import encode_audio, writable_formats
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.served_model import ServedModel, prepare_speech
-from omni_ray.serve.speech_protocol import TTSSpeechRequest
 from omni_ray.serve.voice_uploads import cloning_model
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
@@ -26,8 +25,6 @@ STREAMED_FORMATS = ("wav", "pcm")
 # the official server's Content-Type per format (raw pcm: a plain byte stream)
 TTS_CONTENT_TYPES = {"wav": "audio/wav", "pcm": "application/octet-stream", "mp3": "audio/mpeg",
                      "opus": "audio/ogg", "flac": "audio/flac"}
-# fields of the official request that are accepted and have no effect here (see docs/http-api.md)
-IGNORED_FIELDS = ("chunk_length", "latency", "use_memory_cache", "normalize")
 SAMPLING_FIELDS = ("seed", "temperature", "top_p", "repetition_penalty")
 
 
@@ -56,6 +53,7 @@ class FishTTSRequest(BaseModel):
     top_p: float = Field(default=0.8, ge=0.1, le=1.0)
     repetition_penalty: float = Field(default=1.1, ge=0.9, le=2.0)
     temperature: float = Field(default=0.8, ge=0.1, le=1.0)
+    # accepted in the official types and ignored (docs/http-api.md says why)
     chunk_length: int = 200
     latency: Literal["normal", "balanced"] = "normal"
     use_memory_cache: Literal["on", "off"] = "off"
@@ -129,13 +127,12 @@ def speech_body(request: FishTTSRequest, model: ServedModel) -> dict[str, Any]:
 
 
 def prepare_tts(models: dict[str, ServedModel], content_type: str | None, raw: bytes, limits: oai.ServiceLimits
-                ) -> tuple[ServedModel, FishTTSRequest, TTSSpeechRequest, dict[str, Any]]:
+                ) -> tuple[ServedModel, FishTTSRequest, oai.SpeechRequest, dict[str, Any]]:
     """A /v1/tts request decoded and checked, its model, and the speech request it maps to with its speak()
     arguments (references decoded); blocking, run on the ingress's parsing pool."""
     request = parse_tts_request(decode_body(content_type, raw, limits))
     model = cloning_model(models, request.model)
     speech, kwargs = prepare_speech(model, speech_body(request, model), limits)
-    assert isinstance(speech, TTSSpeechRequest)
     return model, request, speech, kwargs
 
 

@@ -262,12 +262,12 @@ class CodecTalkerRunner(FramePass):
     def ready(self, seq: TalkerSequence) -> bool:
         """Can this sequence take a step now, or is it waiting on text? (An early sequence prefills before the first
         token; its prompt's last position then waits for it, as a decode step: `steps` is -1 until then. A prompt
-        that does not take the first text is whole from the start.)"""
+        that does not take the first text is whole from the start; one that streams no text never waits.)"""
         if seq.num_cached == 0:
             if not self.first_text_in_prompt:
                 return True
             return seq.prefix is not None and (bool(seq.text_embeds) or seq.thinker_done or seq.early)
-        return seq.steps + 1 < len(seq.text_embeds) or seq.thinker_done
+        return not self.streams_text or seq.steps + 1 < len(seq.text_embeds) or seq.thinker_done
 
     def step(self, seqs: list[TalkerSequence]) -> list[TalkerStepOutput]:
         """One step, read back at once."""

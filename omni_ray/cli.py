@@ -29,7 +29,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint
 
         path = write_tiny_checkpoint(Path(args.out), seed=args.seed)
-        print(f"wrote tiny S2 Pro Dual-AR and tokenizer (no codec yet) to {path}")
+        print(f"wrote tiny S2 Pro checkpoint (Dual-AR, tokenizer, codec) to {path}")
         return 0
     from omni_ray.models.qwen3_omni.checkpoint import make_tiny_checkpoint
 
@@ -73,13 +73,18 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
 
     if config.model.family == "qwen3_tts":  # a TTS model speaks the text itself
         events = pipeline.speak(args.text, **_speech_kwargs(args, talker))
+    elif config.model.family == "s2_pro":
+        events = pipeline.speak(args.text, **_s2_pro_kwargs(args))
     else:
         events = pipeline.generate(
             [{"role": "user", "content": content}], sampling=sampling, max_tokens=args.max_tokens,
             audio=not args.no_audio, speaker=args.voice, talker_sampling=talker, max_audio_frames=args.max_audio_frames,
         )
 
+    rate = 24000  # the audio's sample rate: each family's own, as its chunks say
+
     async def run() -> tuple[list[np.ndarray], Finished | None]:
+        nonlocal rate
         pcm: list[np.ndarray] = []
         final: Finished | None = None
         start = time.time()
@@ -91,6 +96,7 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
             elif isinstance(event, AudioChunk):
                 first_audio = first_audio if first_audio is not None else event.t - start
                 pcm.append(event.pcm)
+                rate = event.sample_rate
             else:
                 final = event
         reply_out.write("\n")
@@ -105,8 +111,8 @@ def _generate_to(args: argparse.Namespace, reply_out: TextIO) -> int:
         pipeline.shutdown()
     if not args.no_audio:
         samples = np.concatenate(pcm) if pcm else np.zeros(0, dtype=np.float32)
-        Path(args.out).write_bytes(encode_wav(samples, 24000))
-        print(f"wrote {len(samples) / 24000:.2f} s of audio to {args.out}", file=sys.stderr)
+        Path(args.out).write_bytes(encode_wav(samples, rate))
+        print(f"wrote {len(samples) / rate:.2f} s of audio to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -124,6 +130,26 @@ def _speech_kwargs(args: argparse.Namespace, talker: object) -> dict[str, object
     if args.ref_audio:
         samples, rate = sf.read(args.ref_audio, dtype="float32", always_2d=True)  # at its own rate: encoded at 24 kHz
         kwargs["reference"] = ReferenceAudio(samples.mean(axis=1), int(rate), args.ref_text, x_vector_only=not args.ref_text)
+    return kwargs
+
+
+def _s2_pro_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """An S2 Pro `speak`'s arguments from the command line: a reference file and its transcript, or a stored voice."""
+    import soundfile as sf
+
+    from omni_ray.engine.sampler import SamplingParams
+    from omni_ray.models.s2_pro.orchestrator import ReferenceAudio
+
+    kwargs: dict[str, object] = {"voice": args.voice, "max_audio_frames": args.max_audio_frames}
+    if args.greedy:
+        kwargs["sampling"] = SamplingParams(temperature=0.0)
+    elif args.seed is not None:
+        from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING
+
+        kwargs["sampling"] = DEFAULT_SAMPLING.model_copy(update={"seed": args.seed})
+    if args.ref_audio:
+        samples, rate = sf.read(args.ref_audio, dtype="float32", always_2d=True)  # resampled to 44.1 kHz to encode
+        kwargs["references"] = [ReferenceAudio(samples.mean(axis=1), int(rate), args.ref_text)]
     return kwargs
 
 
@@ -153,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a deterministic tiny random-weight checkpoint (official layout)")
     tiny.add_argument("--family", choices=("qwen3_omni", "qwen3_tts", "s2_pro"), default="qwen3_omni",
-                      help="s2_pro: the Dual-AR's weights, config and tokenizer (no codec yet)")
+                      help="s2_pro: the Dual-AR's weights, config, tokenizer and codec")
     tiny.add_argument("--variant", choices=("base", "custom_voice", "voice_design"),
                       help="Qwen3-TTS variant (default custom_voice)")
     tiny.add_argument("--size", choices=("0b6", "1b7"), default="1b7",
@@ -164,14 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one reply (text to stdout, audio to --out)")
     gen.add_argument("--config", help="pipeline YAML (default: the embedded tiny model on CPU)")
     gen.add_argument("--checkpoint", help="local checkpoint directory (overrides the config's model path)")
-    gen.add_argument("--family", choices=("qwen3_omni", "qwen3_tts"), default=None,
-                     help="the model family (overrides the config's): qwen3_tts speaks --text itself")
+    gen.add_argument("--family", choices=("qwen3_omni", "qwen3_tts", "s2_pro"), default=None,
+                     help="the model family (overrides the config's): qwen3_tts and s2_pro speak --text itself")
     gen.add_argument("--variant", choices=("base", "custom_voice", "voice_design"), default=None,
                      help="Qwen3-TTS: which tiny checkpoint (default custom_voice)")
     gen.add_argument("--language", default="auto", help="Qwen3-TTS: the language spoken, or auto")
     gen.add_argument("--instructions", default=None, help="Qwen3-TTS: how to speak (VoiceDesign: the voice itself)")
-    gen.add_argument("--ref-audio", default=None, help="Qwen3-TTS Base: reference speech to clone the voice of")
-    gen.add_argument("--ref-text", default=None, help="Qwen3-TTS Base: the reference's transcript (in-context cloning)")
+    gen.add_argument("--ref-audio", default=None,
+                     help="Qwen3-TTS Base, S2 Pro: reference speech to clone the voice of")
+    gen.add_argument("--ref-text", default=None,
+                     help="Qwen3-TTS Base: the reference's transcript (in-context cloning); S2 Pro: needed with "
+                          "--ref-audio")
     gen.add_argument("--text", required=True)
     gen.add_argument("--audio", help="input audio file (wav/flac/mp3, any rate and channel count)")
     gen.add_argument("--out", default="reply.wav")

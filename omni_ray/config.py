@@ -379,11 +379,12 @@ class StagesConfig(_Strict):
     vocoder: VocoderStageConfig = VocoderStageConfig()
 
 
-Family = Literal["qwen3_omni", "qwen3_tts"]
+Family = Literal["qwen3_omni", "qwen3_tts", "s2_pro"]
 # Each family's stages, in the order a request passes them.
 FAMILY_STAGES: dict[str, tuple[str, ...]] = {
     "qwen3_omni": ("encoder", "thinker", "talker", "vocoder"),
     "qwen3_tts": ("reference", "talker", "vocoder"),
+    "s2_pro": ("reference", "talker", "vocoder"),
 }
 TTSVariant = Literal["base", "custom_voice", "voice_design"]
 
@@ -392,7 +393,8 @@ class ModelSource(_Strict):
     """A local checkpoint directory, the embedded tiny model (generated into the cache on first use), or
     full-size random weights for speed work (shapes from `config`, tokenizer from the tiny model)."""
 
-    family: Family = Field(default="qwen3_omni", description="the model family: qwen3_omni or qwen3_tts")
+    family: Family = Field(default="qwen3_omni", description="the model family: qwen3_omni, qwen3_tts or s2_pro "
+                          "(Fish Audio S2 Pro)")
     path: Path | None = None
     tiny_seed: int = 0
     variant: TTSVariant | None = Field(
@@ -429,17 +431,18 @@ class PipelineConfig(_Strict):
     max_audio_seconds: float = Field(default=600.0, gt=0)
     voices_dir: Path | None = Field(
         default=None,
-        description="Qwen3-TTS Base: the directory of uploaded voices (one safetensors file each), shared by every "
-        "replica that serves the model; unset: `$OMNI_RAY_CACHE/voices/<model id>` (the cache defaults to "
+        description="Qwen3-TTS Base and S2 Pro: the directory of uploaded voices (one safetensors file each), shared "
+        "by every replica that serves the model; unset: `$OMNI_RAY_CACHE/voices/<model id>` (the cache defaults to "
         "`~/.cache/omni-ray`; the id is the checkpoint directory's name and a hash of its config.json), so one "
         "model's voices are never used with another",
     )
-    max_voices: int = Field(default=1000, ge=1, description="Qwen3-TTS Base: the most uploaded voices stored")
+    max_voices: int = Field(default=1000, ge=1, description="Qwen3-TTS Base and S2 Pro: the most uploaded voices "
+                            "stored")
 
     @model_validator(mode="after")
-    def _voices_are_qwen3_tts(self) -> "PipelineConfig":
-        if self.voices_dir is not None and self.model.family != "qwen3_tts":
-            raise ValueError("voices_dir holds uploaded Qwen3-TTS voices: it needs model.family qwen3_tts")
+    def _voices_are_cloned_voices(self) -> "PipelineConfig":
+        if self.voices_dir is not None and self.model.family not in ("qwen3_tts", "s2_pro"):
+            raise ValueError("voices_dir holds uploaded cloned voices: it needs model.family qwen3_tts or s2_pro")
         return self
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ from omni_ray.serve.ingress import OmniIngress
 from omni_ray.serve.openai_protocol import ServiceLimits
 
 LOAD_POLICY = "omni_ray.serve.autoscaling:stage_load_policy"
-DEFAULT_MODEL_NAMES = {"qwen3_omni": "qwen3-omni", "qwen3_tts": "qwen3-tts"}
+DEFAULT_MODEL_NAMES = {"qwen3_omni": "qwen3-omni", "qwen3_tts": "qwen3-tts", "s2_pro": "s2-pro"}
 
 
 # Serve's gRPC transport between replicas (the stage streams, `stages/client.py`) refuses messages over 4 MiB by
@@ -91,8 +91,8 @@ def model_specs(args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """Serve application builder (`import_path: omni_ray.serve.app:build_app`). `args`: `pipeline` (PipelineConfig)
-    and `model_name` (the id requests name it by; default qwen3-omni or qwen3-tts by family), or `models`, a list of
-    {model_name, pipeline, stage_options} served side by side and routed by the request's `model`; `limits`
+    and `model_name` (the id requests name it by; default qwen3-omni, qwen3-tts or s2-pro by family), or `models`, a
+    list of {model_name, pipeline, stage_options} served side by side and routed by the request's `model`; `limits`
     (ServiceLimits), and `stage_options` ({deployment: Serve deployment options}, `ingress` included) for
     programmatic overrides. A model's stage deployments are named by stage in a one-model application, else
     `<model_name>-<stage>`. In YAML, prefer Serve's own `deployments:` list, which Serve applies on top of these."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from omni_ray.config import PipelineConfig
+from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 from omni_ray.models import load_family
 from omni_ray.models.qwen3_omni.prompt import Prompt
@@ -19,6 +20,7 @@ from omni_ray.models.qwen3_tts.reference_encoder import (
 )
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import decode_reference_bytes, read_reference_audio, resolve_audio_urls_blocking
+from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.speech_protocol import SpeechReference, TTSSpeechRequest
 from omni_ray.stages.client import ServeClient
 
@@ -42,7 +44,7 @@ class ServedModel:
 
     @property
     def chats(self) -> bool:
-        """Qwen3-Omni chats; Qwen3-TTS only speaks text it is given."""
+        """Qwen3-Omni chats; Qwen3-TTS and S2 Pro only speak text they are given."""
         return hasattr(self.orchestrator, "generate")
 
 
@@ -83,6 +85,8 @@ def prepare_speech(model: ServedModel, body: dict[str, Any], limits: oai.Service
     arguments; blocking work (tokenizing, reference audio decoding), run on the parsing pool."""
     if model.family == "qwen3_tts":
         return _prepare_tts_speech(model, body, limits)
+    if model.family == "s2_pro":
+        return prepare_s2_pro_speech(model, body, limits)
     request = oai.parse_request(body, oai.SpeechRequest, limits)
     kwargs = request.to_speak_kwargs()
     kwargs["prepared"] = model.orchestrator.speech_prompt(request.input, request.instructions)
@@ -155,3 +159,57 @@ def cloning_reference(samples: np.ndarray, rate: int, text: str | None, x_vector
     except ReferenceAudioError as exc:
         raise oai.bad_request(f"{param}: {exc}", param, f"ref_audio_{exc.reason}") from exc
     return ReferenceAudio(prepared, REFERENCE_SAMPLE_RATE, text, x_vector_only)
+
+
+# ---- S2 Pro speech ---------------------------------------------------------------------------------------------------
+
+def prepare_s2_pro_speech(model: ServedModel, body: dict[str, Any], limits: oai.ServiceLimits
+                          ) -> tuple[TTSSpeechRequest, dict[str, Any]]:
+    """An S2 Pro speech request: the voice of `references` (or `ref_audio` and `ref_text`: one), else of a stored
+    voice (`voice`), else the model's own; the official API's sampling with the request's temperature, top-p, top-k
+    and seed over it (temperature 0: greedy). Fields S2 Pro has no use for are refused with a 400 naming them."""
+    request = oai.parse_request(body, TTSSpeechRequest, limits)
+    for name in ("instructions", "task_type", "x_vector_only_mode"):
+        if getattr(request, name):
+            raise oai.bad_request(f"'{model.name}' (S2 Pro) takes no {name}: it clones a voice from references with "
+                                  "their transcripts", name, "unsupported_for_model")
+    if (request.language or "auto").strip().lower() not in ("", "auto"):
+        raise oai.bad_request(f"language {request.language!r}: S2 Pro reads the language from the text (use auto)",
+                              "language", "unsupported_language")
+    given = request.cloning_references
+    kwargs: dict[str, Any] = {
+        "voice": None if given else request.voice, "sampling": s2_pro_sampling(request),
+        "max_audio_frames": request.max_new_tokens, "ignore_eos": request.ignore_eos,
+        "sample_rate": OUTPUT_SAMPLE_RATE,
+    }
+    kwargs["references"] = [s2_pro_reference(request, reference, index, limits, model.orchestrator.sample_rate)
+                            for index, reference in enumerate(given)]
+    return request, kwargs
+
+
+def s2_pro_sampling(request: TTSSpeechRequest) -> SamplingParams:
+    """The official API's draw (temperature 0.8, top-p 0.8, top-k 30) with the request's fields over it."""
+    from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING
+
+    fields = {name: getattr(request, name) for name in ("temperature", "top_p", "top_k", "seed")
+              if getattr(request, name) is not None}
+    return DEFAULT_SAMPLING.model_copy(update=fields)
+
+
+def s2_pro_reference(request: TTSSpeechRequest, reference: SpeechReference, index: int, limits: oai.ServiceLimits,
+                     sample_rate: int) -> ReferenceAudio:
+    """One reference fetched, decoded, checked and resampled to the codec's rate, with its transcript (needed)."""
+    audio_param, text_param = ((f"references.{index}.audio", f"references.{index}.text") if request.references
+                               else ("ref_audio", "ref_text"))
+    if not (reference.text or "").strip():
+        raise oai.bad_request(f"S2 Pro clones a voice from reference audio with its transcript: give {text_param}",
+                              text_param, "missing_ref_text")
+    if isinstance(reference.audio, bytes):
+        samples, rate = decode_reference_bytes(reference.audio, limits, audio_param)
+    else:
+        samples, rate = read_reference_audio(reference.audio, limits, audio_param)
+    try:
+        prepared = prepare_reference_audio(samples, rate, target_rate=sample_rate)
+    except ReferenceAudioError as exc:
+        raise oai.bad_request(f"{audio_param}: {exc}", audio_param, f"ref_audio_{exc.reason}") from exc
+    return ReferenceAudio(prepared, sample_rate, reference.text)

@@ -154,13 +154,19 @@ class CodecTalkerStage(StageBase):
                 self.emit(out.request_id, {"type": "final", "finish_reason": out.finish_reason,
                                            "frames": seq.frames if seq is not None else 0, "timing": timing})
 
+    def frame_for_vocoder(self, codes: list[int]) -> list[int]:
+        """What of a step's frame the codec decodes: all its code groups (a family whose frame leads with a token the
+        codec does not take drops it)."""
+        return codes
+
     def _vocoder_items(self, out: TalkerStepOutput) -> list[RelayItem]:
-        """The step's frame (all code groups) and, when the request ended, the end marker."""
+        """The step's frame (`frame_for_vocoder`) and, when the request ended, the end marker."""
         if not self.has_consumer(out.request_id):
             return []
         items = []
         if out.codes is not None:
-            items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(out.codes)[:, None]},
+            frame = self.frame_for_vocoder(out.codes)
+            items.append(RelayItem(out.request_id, tensors={"codes": torch.tensor(frame)[:, None]},
                                    meta={"clock": out.step}))
         if out.finish_reason is not None:
             items.append(RelayItem(out.request_id, kind="end", meta={"finish_reason": out.finish_reason}))

@@ -113,8 +113,10 @@ def decode_reference_audio(data: bytes, limits: ReferenceLimits = ReferenceLimit
     return samples, rate
 
 
-def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: ReferenceLimits = ReferenceLimits()) -> np.ndarray:
-    """Validate one reference clip and return it mono, float32, at 24 kHz.
+def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: ReferenceLimits = ReferenceLimits(),
+                            target_rate: int = REFERENCE_SAMPLE_RATE) -> np.ndarray:
+    """Validate one reference clip and return it mono, float32, at `target_rate` (24 kHz: this encoder's; another
+    family's encoder names its own).
 
     `audio` is [samples] or [samples, channels] (soundfile's layout; channels are averaged, as the official package
     does). Integer PCM is scaled to [-1, 1). Raises ReferenceAudioError."""
@@ -147,25 +149,26 @@ def prepare_reference_audio(audio: AudioArray, sample_rate: int, limits: Referen
         raise ReferenceAudioError("non_finite", "reference audio has NaN or infinite samples")
     if float(np.abs(samples).max()) <= limits.silence_peak:
         raise ReferenceAudioError("silent", "reference audio is silent")
-    return resample_to_reference_rate(samples, sample_rate)
+    return resample_to_reference_rate(samples, sample_rate, target_rate)
 
 
-def resample_to_reference_rate(samples: np.ndarray, sample_rate: int) -> np.ndarray:
-    """float32 mono → 24 kHz, ceil(N × 24000 / rate) samples long.
+def resample_to_reference_rate(samples: np.ndarray, sample_rate: int,
+                               target_rate: int = REFERENCE_SAMPLE_RATE) -> np.ndarray:
+    """float32 mono → `target_rate` (24 kHz by default), ceil(N × target_rate / rate) samples long.
 
     The official package resamples with libsoxr's high-quality preset (librosa's default) and trims or zero-pads the
     result to that length. We do the same when the `soxr` package is installed, and so match its codes exactly; without
     it, scipy's polyphase filter stands in (same length, slightly different samples, so codes may differ)."""
     samples = np.ascontiguousarray(samples, dtype=np.float32)
-    if sample_rate == REFERENCE_SAMPLE_RATE:
+    if sample_rate == target_rate:
         return samples
-    target_length = int(np.ceil(samples.size * (float(REFERENCE_SAMPLE_RATE) / sample_rate)))
+    target_length = int(np.ceil(samples.size * (float(target_rate) / sample_rate)))
     try:
         import soxr
     except ImportError:
-        converted = resample(samples, sample_rate, REFERENCE_SAMPLE_RATE)
+        converted = resample(samples, sample_rate, target_rate)
     else:
-        converted = soxr.resample(samples, sample_rate, REFERENCE_SAMPLE_RATE, quality="soxr_hq")
+        converted = soxr.resample(samples, sample_rate, target_rate, quality="soxr_hq")
     fitted = np.zeros(target_length, dtype=np.float32)
     kept = min(target_length, converted.size)
     fitted[:kept] = converted[:kept]

@@ -37,7 +37,7 @@ GREEDY = SamplingParams(temperature=1.0, top_k=1, top_p=1.0)  # the goldens' dra
 SAMPLES_PER_FRAME = 2048  # 44.1 kHz
 HTTP_SAMPLES_PER_FRAME = SAMPLES_PER_FRAME * 24000 / 44100  # the service's 24 kHz
 APP, PREFIX, MODEL = "s2-pro-app", "/s2-pro-app", "s2-pro"
-ENGINE = {"max_batch": 4, "max_seq_len": 1024}
+ENGINE = {"max_batch": 4, "max_seq_len": 1024, "prefix_cache_mb": 4}  # a voice's prompt prefix is reused
 VOCODER = {"left_context": 64}
 
 
@@ -123,9 +123,11 @@ def test_a_stored_voice_speaks_the_official_frames_of_its_reference(pipe: Any) -
     store = pipe.orchestrator.voice_store
     store.save_tensors("golden_speaker", {"codes": torch.tensor(reference["codes"])}, reference["text"],
                        len(reference["codes"][0]), 1.0)
-    _, _, final = speak(pipe, case["text"], voice="golden_speaker", sampling=GREEDY,
-                        max_audio_frames=len(case["frames"]))
-    assert final.codes is not None and final.codes.T.tolist() == golden_codes("one_reference")
+    for _ in range(2):  # prefilled whole, then from the voice's prefix in the Talker's prefix cache
+        _, _, final = speak(pipe, case["text"], voice="golden_speaker", sampling=GREEDY,
+                            max_audio_frames=len(case["frames"]))
+        assert final.codes is not None and final.codes.T.tolist() == golden_codes("one_reference")
+    assert asyncio.run(pipe.stats())["talker"]["prefix_cache_hits"] >= 1
 
 
 def test_reference_audio_is_encoded_by_the_codec_and_clones_like_the_voice_stored_from_it(pipe: Any) -> None:

@@ -175,6 +175,8 @@ class CodecTalkerStage(StageBase):
     def load_stats(self) -> dict[str, Any]:
         stats = engine_stats(self, self.engine)
         stats["early_prefills"] = sum(runner.early_prefills for runner in self.engine.runners)
+        caches = [runner.prefix_cache for runner in self.engine.runners if runner.prefix_cache is not None]
+        stats["prefix_cache_hits"] = sum(cache.hits for cache in caches)  # prompts prefilled from a cached prefix
         return stats
 
 

@@ -3,6 +3,7 @@ on the shared stage plumbing."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -37,6 +38,16 @@ class S2ProTalkerRequest:
     max_frames: int | None = None
     ignore_eos: bool = False
     text_tokens: int = 0
+
+
+def voice_prefix(prompt: torch.Tensor, im_end: int) -> tuple[str, int] | None:
+    """The prompt's system turn (its references' transcripts and codes: the voice, none of the text to speak) as
+    (content key, length) for the Talker's prefix cache: its columns up to its `<|im_end|>`, hashed."""
+    ends = (prompt[0] == im_end).nonzero()
+    if ends.numel() == 0:
+        return None
+    length = int(ends[0, 0]) + 1
+    return hashlib.sha256(prompt[:, :length].to(torch.int64).contiguous().numpy().tobytes()).hexdigest(), length
 
 
 def frame_cap(settings: TalkerSettings, max_frames: int | None, text_tokens: int) -> int:
@@ -94,8 +105,9 @@ class TalkerStage(CodecTalkerStage):
         slow = config.slow
         kv_config = {"num_hidden_layers": slow.num_layers, "num_key_value_heads": slow.num_kv_heads,
                      "head_dim": slow.head_dim}
+        self.im_end = eos[0]
         self.start_engines(engine, res, kv_config, lambda cache, rows: DualARRunner(
-            dual_ar, eos[0], cache, rows, **talker_options(engine)))
+            dual_ar, self.im_end, cache, rows, **talker_options(engine)))
         self.startup_done(stage.resources)
 
     def frame_for_vocoder(self, codes: list[int]) -> list[int]:
@@ -108,6 +120,9 @@ class TalkerStage(CodecTalkerStage):
             return
         cap = frame_cap(self.settings, request.max_frames, request.text_tokens)
         seq = dual_ar_sequence(request.request_id, request.prompt, cap, request.sampling, request.ignore_eos)
+        shared = voice_prefix(request.prompt, self.im_end)
+        if shared is not None:  # a voice prefilled before is read from the prefix cache (`prefix_cache_mb`)
+            seq.shared_prefix_key, seq.shared_prefix_len = shared
         async for batch in self.serve_sequence(seq, cap):
             yield batch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import threading
 from pathlib import Path
@@ -29,6 +30,7 @@ from omni_ray.events import AudioChunk, Finished
 from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import load_codec
 from omni_ray.models.s2_pro.orchestrator import ReferenceAudio
+from omni_ray.voice_store import VoiceStore
 
 GOLDENS = json.loads((Path(__file__).parent / "goldens" / "s2_pro" / "dual_ar_seed0.json").read_text())
 REFERENCE = Path(__file__).resolve().parent / "goldens" / "qwen3_tts" / "reference.wav"  # 24 kHz speech, 2.6 s
@@ -47,8 +49,9 @@ def _pipeline_config(voices: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def services(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
-    """The Python pipeline and one Serve app of the tiny model, started side by side."""
+def services(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path]]:
+    """The Python pipeline and one Serve app of the tiny model (and the app's voices directory), started side by
+    side."""
     from ray import serve
 
     from omni_ray.models.s2_pro.model_files import resolve_model
@@ -59,13 +62,14 @@ def services(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     starting = threading.Thread(target=lambda: made.update(pipe=Pipeline(PipelineConfig.model_validate(
         _pipeline_config(tmp_path_factory.mktemp("s2-pro-pipeline-voices"))))))
     starting.start()
-    args = {"models": [{"model_name": MODEL, "pipeline": _pipeline_config(tmp_path_factory.mktemp("s2-pro-voices"))}],
+    voices = tmp_path_factory.mktemp("s2-pro-voices")
+    args = {"models": [{"model_name": MODEL, "pipeline": _pipeline_config(voices)}],
             "limits": {"max_audio_seconds": 20}}
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
     try:
         with own_app(f"http://127.0.0.1:{SERVE_PORT}", APP, PREFIX, args) as url:
             starting.join()
-            yield made["pipe"], url
+            yield made["pipe"], url, voices
     finally:
         starting.join()
         if "pipe" in made:
@@ -73,12 +77,12 @@ def services(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(scope="module")
-def pipe(services: tuple[Any, str]) -> Any:
+def pipe(services: tuple[Any, str, Path]) -> Any:
     return services[0]
 
 
 @pytest.fixture(scope="module")
-def url(services: tuple[Any, str]) -> str:
+def url(services: tuple[Any, str, Path]) -> str:
     return services[1]
 
 
@@ -186,8 +190,22 @@ def test_the_openai_client_streams_speech_cloned_from_references(url: str) -> No
     assert _whole_frames(pcm.size, 6) and np.abs(pcm).max() > 0
 
 
-def test_a_msgpack_client_streams_tts_and_a_voice_added_through_references_speaks_the_same(url: str) -> None:
-    body = {"text": "A voice from fish.", "references": [{"audio": REFERENCE.read_bytes(), "text": REFERENCE_TEXT}],
+def _wav_at_44k() -> bytes:
+    """The reference speech as a 44.1 kHz file with a 15 kHz tone over it, which a trip through 24 kHz would lose."""
+    samples, rate = sf.read(REFERENCE, dtype="float32")
+    speech = prepare_reference_audio(samples, rate, target_rate=44100)
+    tone = 0.3 * np.sin(2 * np.pi * 15000 * np.arange(speech.size) / 44100)
+    buffer = io.BytesIO()
+    sf.write(buffer, (0.6 * speech + tone).astype(np.float32), 44100, format="WAV", subtype="FLOAT")
+    return buffer.getvalue()
+
+
+def test_a_msgpack_client_streams_tts_and_a_voice_added_through_references_speaks_the_same(
+        services: tuple[Any, str, Path]) -> None:
+    """The stored voice's codes are the codec's of the audio at its own rate, and speak as the request's did."""
+    pipe, url, voices = services
+    reference = _wav_at_44k()
+    body = {"text": "A voice from fish.", "references": [{"audio": reference, "text": REFERENCE_TEXT}],
             "format": "pcm", "streaming": True, "max_new_tokens": 5, "temperature": 0.7, "seed": 3}
     with httpx.stream("POST", f"{url}/v1/tts", content=msgpack.packb(body, use_bin_type=True), timeout=120,
                       headers={"content-type": "application/msgpack"}) as response:
@@ -196,10 +214,13 @@ def test_a_msgpack_client_streams_tts_and_a_voice_added_through_references_speak
     assert _whole_frames(len(streamed) // 2, 5)
     added = httpx.post(f"{url}/v1/references/add", params={"format": "json"}, timeout=120,
                        data={"id": "Tea", "text": REFERENCE_TEXT},
-                       files={"audio": ("tea.wav", REFERENCE.read_bytes(), "audio/wav")})
+                       files={"audio": ("tea.wav", reference, "audio/wav")})
     assert added.status_code == 200, added.text
     listed = httpx.get(f"{url}/v1/references/list", params={"format": "json"}, timeout=30).json()
     assert "Tea" in listed["reference_ids"]
+    samples, _ = sf.read(io.BytesIO(reference), dtype="float32")
+    codec = load_codec(pipe.orchestrator.files.directory)
+    assert torch.equal(VoiceStore(voices).load_tensors("Tea").tensors["codes"], codec.encode(torch.from_numpy(samples)))
     by_id = post_msgpack(url, {**body, "references": [], "reference_id": "Tea", "streaming": False})
     assert by_id.status_code == 200 and by_id.content == streamed  # seeded: the stored codes are the request's
 

@@ -13,7 +13,7 @@ from omni_ray.errors import InvalidRequestError
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import audio_bytes, decode_reference_bytes
 from omni_ray.serve.fish_tts_api import decode_body, media_type
-from omni_ray.serve.served_model import ServedModel, cloning_reference
+from omni_ray.serve.served_model import ServedModel, cloning_reference, reference_rate
 from omni_ray.serve.voice_uploads import cloning_model, parse_multipart_form, store_error
 from omni_ray.voice_store import VoiceStoreError, check_voice_name
 
@@ -144,7 +144,7 @@ def prepare_add(models: dict[str, ServedModel], content_type: str | None, raw: b
         raise oai.bad_request("field 'audio' is required: the reference speech (a file, or bytes in msgpack)",
                               "audio", "missing_audio")
     samples, rate = decode_reference_bytes(audio, limits, "audio")
-    return model, reference_id, cloning_reference(samples, rate, text, False, "audio")
+    return model, reference_id, cloning_reference(samples, rate, text, False, "audio", reference_rate(model))
 
 
 async def add_reference(ingress: Any, raw: bytes, content_type: str | None, query_model: str | None,

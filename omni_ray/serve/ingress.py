@@ -27,7 +27,7 @@ from omni_ray.serve.metrics import ServiceMetrics
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.openapi_schema import REQUEST_BODIES, VOICE_UPLOAD_BODY, with_request_schemas
 from omni_ray.serve.request_work import ParsingPool, read_body
-from omni_ray.serve.served_model import ServedModel, prepare_chat, prepare_speech, served_model
+from omni_ray.serve.served_model import ServedModel, prepare_chat, prepare_speech, reference_rate, served_model
 from omni_ray.serve.stats import READY_AFTER_S, StatsReporter, serve_replica_id, stats_board
 from omni_ray.serve.voice_uploads import (
     clones_voices, parse_voice_upload, require_cloning, speaker_object, store_error, upload_reference, voice_created,
@@ -369,7 +369,7 @@ class OmniIngress:
         model = voice_model(self.models, form_model or query_model)
         require_cloning(model, "uploading a voice")
         model.orchestrator.voice_store.check_can_add(name)
-        return model, name, upload_reference(fields, self.limits)
+        return model, name, upload_reference(fields, self.limits, reference_rate(model))
 
     async def upload_voice(self, raw: bytes, content_type: str | None, query_model: str | None) -> Response:
         model, name, reference = await self.parsing.run(self._prepare_upload, raw, content_type, query_model)

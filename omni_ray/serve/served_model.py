@@ -150,15 +150,20 @@ def reference_audio(request: TTSSpeechRequest, reference: SpeechReference, limit
     return cloning_reference(samples, rate, reference.text, x_vector_only, audio_param)
 
 
+def reference_rate(model: ServedModel) -> int:
+    """The sample rate a model's reference encoder takes: S2 Pro's codec's (44.1 kHz), else Qwen3-TTS's (24 kHz)."""
+    return int(model.orchestrator.sample_rate) if model.family == "s2_pro" else REFERENCE_SAMPLE_RATE
+
+
 def cloning_reference(samples: np.ndarray, rate: int, text: str | None, x_vector_only: bool,
-                      param: str = "ref_audio") -> ReferenceAudio:
+                      param: str = "ref_audio", target_rate: int = REFERENCE_SAMPLE_RATE) -> ReferenceAudio:
     """Decoded reference audio checked (length, silence, finite samples: a 400 `ref_audio_<reason>`) and resampled to
-    the encoder's rate, with its transcript."""
+    the encoder's rate (`target_rate`: `reference_rate` of the model), with its transcript."""
     try:
-        prepared = prepare_reference_audio(samples, rate)
+        prepared = prepare_reference_audio(samples, rate, target_rate=target_rate)
     except ReferenceAudioError as exc:
         raise oai.bad_request(f"{param}: {exc}", param, f"ref_audio_{exc.reason}") from exc
-    return ReferenceAudio(prepared, REFERENCE_SAMPLE_RATE, text, x_vector_only)
+    return ReferenceAudio(prepared, target_rate, text, x_vector_only)
 
 
 # ---- S2 Pro speech ---------------------------------------------------------------------------------------------------
@@ -182,7 +187,7 @@ def prepare_s2_pro_speech(model: ServedModel, body: dict[str, Any], limits: oai.
         "max_audio_frames": request.max_new_tokens, "ignore_eos": request.ignore_eos,
         "sample_rate": OUTPUT_SAMPLE_RATE,
     }
-    kwargs["references"] = [s2_pro_reference(request, reference, index, limits, model.orchestrator.sample_rate)
+    kwargs["references"] = [s2_pro_reference(request, reference, index, limits, reference_rate(model))
                             for index, reference in enumerate(given)]
     return request, kwargs
 
@@ -208,8 +213,4 @@ def s2_pro_reference(request: TTSSpeechRequest, reference: SpeechReference, inde
         samples, rate = decode_reference_bytes(reference.audio, limits, audio_param)
     else:
         samples, rate = read_reference_audio(reference.audio, limits, audio_param)
-    try:
-        prepared = prepare_reference_audio(samples, rate, target_rate=sample_rate)
-    except ReferenceAudioError as exc:
-        raise oai.bad_request(f"{audio_param}: {exc}", audio_param, f"ref_audio_{exc.reason}") from exc
-    return ReferenceAudio(prepared, sample_rate, reference.text)
+    return cloning_reference(samples, rate, reference.text, False, audio_param, sample_rate)

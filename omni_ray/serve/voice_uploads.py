@@ -9,6 +9,7 @@ from email.message import Message
 from typing import Any, Iterable
 
 from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+from omni_ray.models.qwen3_tts.reference_encoder import REFERENCE_SAMPLE_RATE
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import decode_reference_bytes
 from omni_ray.serve.served_model import ServedModel, cloning_reference
@@ -143,7 +144,8 @@ def parse_voice_upload(content_type: str | None, body: bytes, limits: oai.Servic
     return fields, name, _text(fields, "model")
 
 
-def upload_reference(fields: dict[str, FormPart], limits: oai.ServiceLimits) -> ReferenceAudio:
+def upload_reference(fields: dict[str, FormPart], limits: oai.ServiceLimits,
+                     target_rate: int = REFERENCE_SAMPLE_RATE) -> ReferenceAudio:
     """The uploaded audio decoded and checked as `ref_audio` is (the same 4xx codes), with its transcript: in-context
     cloning with `ref_text`, x-vector only without it or with `x_vector_only_mode`."""
     given = [name for name in AUDIO_FIELDS if name in fields]
@@ -160,7 +162,7 @@ def upload_reference(fields: dict[str, FormPart], limits: oai.ServiceLimits) -> 
                               "x_vector_only_mode unset)", "ref_text", "missing_ref_text")
     x_vector_only = bool(x_vector_only) or not has_text
     samples, rate = decode_reference_bytes(fields[given[0]].data, limits, given[0])
-    return cloning_reference(samples, rate, None if x_vector_only else ref_text, x_vector_only, given[0])
+    return cloning_reference(samples, rate, None if x_vector_only else ref_text, x_vector_only, given[0], target_rate)
 
 
 def voice_model(models: dict[str, ServedModel], name: str | None) -> ServedModel:

@@ -142,3 +142,27 @@ def tts_throughput_ceiling(config: dict[str, Any], streams: int, context: int, b
     """Audio seconds a second that `streams` concurrent streams reach at most when the Talker steps at its floor:
     each step makes one frame (`frame_seconds`, 12.5 Hz) for every stream."""
     return streams * frame_seconds * 1000.0 / tts_step_floor_ms(config, streams, context, bandwidth)
+
+
+def s2_pro_step_bytes(config: dict[str, Any], batch: int, context: int) -> float:
+    """Bytes one S2 Pro Dual-AR step (a whole frame) reads at `batch` rows of `context` positions each: the slow AR's
+    layers and its output head (the token embeddings when tied) once, the fast AR's layers and codebook head once per
+    codebook (its sequential passes, positions 0..num_codebooks-1), and each row's KV in the slow AR (bf16; the fast
+    AR's, at most 11 positions, is left out). Embedding lookups read only their rows and are left out. `config`: a
+    checkpoint's `config.json` as a dict."""
+    from omni_ray.models.s2_pro.checkpoint import weight_layout
+
+    text, audio = config["text_config"], config["audio_decoder_config"]
+    layout = {key: math.prod(shape) for key, shape in weight_layout(config).items()}
+    slow = sum(n for key, n in layout.items() if key.startswith("text_model.") and "embeddings" not in key)
+    if text.get("tie_word_embeddings", True):
+        slow += layout["text_model.model.embeddings.weight"]
+    fast = sum(n for key, n in layout.items() if key.startswith("audio_decoder.") and "embeddings" not in key)
+    kv_heads = int(text.get("n_local_heads") or text["n_head"])
+    kv_per_position = 2 * int(text["n_layer"]) * kv_heads * int(text.get("head_dim") or text["dim"] // text["n_head"])
+    return BYTES_PER_PARAM * (slow + int(audio["num_codebooks"]) * fast + batch * context * kv_per_position)
+
+
+def s2_pro_step_floor_ms(config: dict[str, Any], batch: int, context: int, bandwidth: float = H200_BANDWIDTH) -> float:
+    """The bandwidth floor of an S2 Pro Dual-AR step in milliseconds (`s2_pro_step_bytes` over `bandwidth`)."""
+    return 1000.0 * s2_pro_step_bytes(config, batch, context) / bandwidth

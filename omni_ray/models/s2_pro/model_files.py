@@ -1,4 +1,5 @@
-"""Where an S2 Pro deployment's files come from: a checkpoint in the official layout, or the tiny default."""
+"""Where an S2 Pro deployment's files come from: a checkpoint in the official layout, the tiny default, or full-size
+random weights."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 from omni_ray.config import ModelSource
 from omni_ray.models.s2_pro.checkpoint import DEFAULT_SEED, write_tiny_checkpoint, write_tiny_codec
 from omni_ray.models.s2_pro.codec import CODEC_FILE, TINY_CODEC_CONFIG
-from omni_ray.models.s2_pro.dual_ar_model import S2ProConfig
+from omni_ray.models.s2_pro.dual_ar_model import PUBLISHED_CONFIG, S2ProConfig
+from omni_ray.models.s2_pro.random_checkpoint import ensure_random_checkpoint
 from omni_ray.tiny_checkpoints import build_once, cache_root, read_marker, write_atomically
 
 TINY_FORMAT = 1  # bump when the tiny checkpoint's generator changes what it writes
@@ -50,12 +52,12 @@ def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
 
 
 def resolve_model(source: ModelSource) -> S2ProModelFiles:
-    """A checkpoint as is, or the tiny checkpoint of `source.tiny_seed` (made on first use). Random full-size weights
-    are not offered for S2 Pro: its codec has no random-weight path."""
+    """A checkpoint as is; the tiny checkpoint of `source.tiny_seed` (made on first use); or, with `random_weights`,
+    a full-size random checkpoint of `source.config` (default: the published config) in the official layout, written
+    once per machine into the cache (`random_checkpoint.ensure_random_checkpoint`)."""
     if source.random_weights:
-        raise ValueError("random_weights is not available for s2_pro: give a checkpoint path, or none for the tiny "
-                         "model")
-    if source.path is None:
+        directory = ensure_random_checkpoint(source.tiny_seed or DEFAULT_SEED, Path(source.config or PUBLISHED_CONFIG))
+    elif source.path is None:
         directory = ensure_tiny_checkpoint(source.tiny_seed or DEFAULT_SEED)
     else:
         directory = Path(source.path)

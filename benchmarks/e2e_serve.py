@@ -2,13 +2,16 @@
 `load_tests` with the speech workload (a 100-token prompt, 128 text tokens, 400 Talker frames) at several
 concurrencies: client TTFA/TTFT/RTF, per-stage timings from `/metrics`, RTF floors, and (`--baseline`) transformers'
 generate() in the same run. A layout of `family: qwen3_tts` runs Qwen3-TTS's workload T instead (CustomVoice, Base
-with a cached voice and with a fresh reference; Poisson rates and closed-loop levels; `benchmarks/tts_e2e/`). Use it for any change meant to show end to end (a layout, `--set` a stage setting, the
+with a cached voice and with a fresh reference; Poisson rates and closed-loop levels; `benchmarks/tts_e2e/`), and one of
+`family: s2_pro` Fish Audio S2 Pro's workload S (the model's own voice and a stored reference; closed-loop levels;
+`benchmarks/tts_e2e/s2_pro.py`). Use it for any change meant to show end to end (a layout, `--set` a stage setting, the
 relay, the engines); `benchmarks/compare_runs.py` sets runs side by side.
 
     python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_2gpu.yaml --baseline --out DIR  # 2 H200s
     nvidia-cuda-mps-control -d; python -m benchmarks.e2e_serve --serve-config benchmarks/serve_30b_random_1gpu.yaml \
         --out DIR  # one H200 under MPS (one H100: docs/gpu.md has the overrides)
     python -m benchmarks.e2e_serve --serve-config benchmarks/serve_tts_1.7b_random_1gpu.yaml --out DIR  # Qwen3-TTS
+    python -m benchmarks.e2e_serve --serve-config benchmarks/serve_s2_pro_random_1gpu.yaml --out DIR  # S2 Pro
 
 `OMNI_RAY_STEP_TRACE_DIR=DIR` also traces every engine step, for `benchmarks/step_timeline.py`."""
 
@@ -41,7 +44,8 @@ from load_tests.metrics import aggregate
 HERE = Path(__file__).resolve().parent
 PROMPT_FILE = HERE / "prompt_100_tokens.txt"
 DISTINCT_PROMPTS_FILE = HERE / "prompts_100_tokens_distinct.txt"
-URL = "http://127.0.0.1:8000"
+PORT_ENV = "OMNI_RAY_E2E_PORT"  # `--port`, for this module's copy that `benchmarks.tts_e2e` imports under `-m`
+URL = f"http://127.0.0.1:{os.environ.get(PORT_ENV, '8000')}"
 # time-to-X histograms (seconds) and stage gauges read from /metrics
 HISTOGRAMS = {**{key: f"omni_time_to_{name}_seconds" for key, (name, _) in TIME_TO.items()},
               "request_path": "omni_request_path_seconds"}
@@ -234,7 +238,7 @@ def start_service(serve_config: str) -> dict[str, Any]:
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     app, spec = app_from_serve_config(serve_config)
-    start_serve(spec, {"host": "127.0.0.1", "port": 8000})
+    start_serve(spec, {"host": "127.0.0.1", "port": int(URL.rsplit(":", 1)[1])})
     started = time.time()
     serve.run(app, name=spec["name"], route_prefix=spec["route_prefix"], blocking=False)
     wait_ready(900)
@@ -463,9 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_serve", description=__doc__)
     parser.add_argument("--serve-config", default=str(HERE / "serve_30b_random_2gpu.yaml"))
     parser.add_argument("--concurrency", help="closed-loop levels (default: 1,8,32; Qwen3-TTS: 1,8,32,64)")
+    parser.add_argument("--s2-workloads", default="plain,stored_reference", help="S2 Pro's to run")
+    parser.add_argument("--s2-rates", default="", help="S2 Pro: Poisson arrival rates (requests/s) before the "
+                        "closed-loop levels (default: none)")
     parser.add_argument("--tts-rates", default="1,10,20", help="Qwen3-TTS: Poisson arrival rates (requests/s)")
-    parser.add_argument("--tts-level-seconds", type=float, default=10.0, help="Qwen3-TTS: requests a Poisson level "
-                        "sends = rate x this (at least 4)")
+    parser.add_argument("--tts-level-seconds", type=float, default=10.0, help="Qwen3-TTS, S2 Pro: requests a "
+                        "Poisson level sends = rate x this (at least 4)")
     parser.add_argument("--tts-workloads", default="custom_voice,base_cached,base_fresh", help="Qwen3-TTS's to run")
     parser.add_argument("--tts-baseline", action="store_true", help="Qwen3-TTS: then the official qwen-tts generate() "
                         "(benchmarks/hf_baseline.py --family qwen3_tts, under QWEN_TTS_PYTHONPATH)")
@@ -489,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a warm-up request may take (the first batches may still compile or capture)")
     parser.add_argument("--haproxy", action="store_true",
                         help="HTTP through Serve's HAProxy front instead of its Python proxy (omni-ray serve --haproxy)")
+    parser.add_argument("--port", type=int, default=8000, help="the service's HTTP port on 127.0.0.1")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    global URL
+    os.environ[PORT_ENV] = str(args.port)
+    URL = f"http://127.0.0.1:{args.port}"
     import torch
 
     if args.haproxy:  # before Ray starts: every Ray process reads it
@@ -502,8 +513,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from benchmarks.tts_e2e.run import layout_family, run_tts
 
-    if layout_family(Path(args.serve_config)) == "qwen3_tts":
+    family = layout_family(Path(args.serve_config))
+    if family == "qwen3_tts":
         return run_tts(args, argv, out)
+    if family == "s2_pro":
+        from benchmarks.tts_e2e.s2_pro import run_s2_pro
+
+        return run_s2_pro(args, argv, out)
     levels = [int(c) for c in (args.concurrency or "1,8,32").split(",")]
     layout = with_overrides(Path(args.serve_config), args.set, out) if args.set else Path(args.serve_config)
     floors = level_rtf_floors(layout, levels, args.max_tokens)

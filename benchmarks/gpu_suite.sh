@@ -32,6 +32,10 @@
 #                workload T at Poisson 1/10/20 req/s and c=1/8/32/64 (benchmarks/e2e_serve.py,
 #                benchmarks/serve_tts_1.7b_random_1gpu.yaml; TTS_TIMEOUT, default 540)
 #   tts06        the same for 0.6B (benchmarks/serve_tts_0.6b_random_1gpu.yaml)
+#   s2pro        Fish Audio S2 Pro end to end under MPS, HTTP through Serve's HAProxy front, workload S (about 30 words,
+#                130 frames, EOS ignored) in the model's own voice and in a stored reference voice at c=1/8/32
+#                (benchmarks/e2e_serve.py, benchmarks/serve_s2_pro_random_1gpu.yaml: full-size random weights written
+#                once into the cache before the service starts; S2PRO_TIMEOUT, default 540)
 #   official     the official qwen-tts 0.1.1 generate_custom_voice / generate_voice_clone, batch 1, full-size random
 #                weights (benchmarks/hf_baseline.py --family qwen3_tts; SET_official_TAG: e.g. "--size 0b6"), from
 #                .whl_qwen_tts/ installed into /tmp/qwen_site, apart from the service's packages (needs no .whl)
@@ -77,6 +81,7 @@ run_step() {  # name, command...
   local limit=$LIMIT
   [ "$name" = tests ] && limit=${TESTS_TIMEOUT:-560}  # the GPU tests compile a lot: about 400-500 s in all
   case $name in tts*|official*) limit=${TTS_TIMEOUT:-540} ;; esac  # startup, three workloads of seven levels each
+  case $name in s2pro*) limit=${S2PRO_TIMEOUT:-540} ;; esac  # the checkpoint's write, startup, two workloads of three levels
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[$name, ${limit}s] $*"; return; fi
   local started=$SECONDS
   # a step cut off by its limit leaves its Ray cluster (and Serve's proxy on port 8000) behind: clear it first
@@ -221,6 +226,12 @@ for step in "${@:-tests engine vocoder e2e}"; do
            # shellcheck disable=SC2086
            run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve \
              --serve-config "benchmarks/serve_tts_${size}_random_1gpu.yaml" --haproxy $extra --out "$OUT/results/$tag"
+           [ "$mps" = 1 ] && mps_off ;;
+      s2pro) mps=${!mps_var:-1}  # three stage processes on one GPU: under MPS unless MPS_s2pro_TAG=0
+           [ "$mps" = 1 ] && mps_on "$tag"
+           # shellcheck disable=SC2086
+           run_step "$tag" env CUDA_VISIBLE_DEVICES=0 python -m benchmarks.e2e_serve \
+             --serve-config benchmarks/serve_s2_pro_random_1gpu.yaml --haproxy $extra --out "$OUT/results/$tag"
            [ "$mps" = 1 ] && mps_off ;;
       official) # the official package beside its own transformers 4.57.3: never on the service's PYTHONPATH
            [ "${DRY_RUN:-0}" = 1 ] || [ -d /tmp/qwen_site/qwen_tts ] || python3 -m pip install -q --no-index --no-deps \

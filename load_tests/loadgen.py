@@ -37,7 +37,7 @@ class LoadConfig:
     seed: int = 0
     timeout: float = 300.0
     model: str | None = None
-    voice: str = "ethan"
+    voice: str | None = "ethan"  # speech: None sends none (the model's own voice)
     temperature: float = 0.7
     ignore_eos: bool = False
     progress: bool = True
@@ -73,7 +73,7 @@ def build_bodies(cfg: LoadConfig, model: str, prompts: Sequence[str], audio: Aud
     for i in range(cfg.requests):
         prompt = order[i % len(order)]
         if cfg.scenario == "chat":
-            bodies.append(chat_body(model, prompt, max_tokens=cfg.max_tokens, voice=cfg.voice,
+            bodies.append(chat_body(model, prompt, max_tokens=cfg.max_tokens, voice=cfg.voice or "ethan",
                                     temperature=cfg.temperature, seed=cfg.seed + i, audio=audio,
                                     ignore_eos=cfg.ignore_eos))
         else:

@@ -80,23 +80,19 @@ def targets(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str,
     return lines
 
 
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str, dict[str, Any]],
-             baseline: list[dict[str, Any]] | None) -> str:
-    lines = [f"# Qwen3-TTS end to end through HTTP ({meta['gpu']}, {meta['date']})", "",
-             f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
-             + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
-             + (", HTTP through Serve's HAProxy front" if "--haproxy" in meta["command"].split() else
-                ", HTTP through Serve's proxy")
-             + "".join(f"; service ready {r['seconds']:.0f} s after `serve.run`" for r in rows if r["phase"] == "startup"),
-             "",
-             f"Workload T: \"{TEXT}\" ({len(TEXT.split())} words), {FRAMES} frames (6 s) of speech, EOS ignored "
-             "(`max_new_tokens` + `ignore_eos`), streamed raw PCM from `/v1/audio/speech` (`load_tests`). "
-             "custom_voice: speaker vivian; base_cached: a voice uploaded once through `/v1/audio/voices`; base_fresh: "
-             "`tests/goldens/qwen3_tts/reference.wav` (2.6 s) and its transcript as `ref_audio` + `ref_text` in every "
-             "request. Poisson: open-loop arrivals at the rate (seeded); concurrency: closed loop. First audio: request "
-             "sent → first audio byte, client side. RTF: the reply's time over its audio. Audio-s/s: audio received "
-             "over the level's wall time. Underrun: the share of streams that, played in real time from their first "
-             "chunk, ran dry before the next one came.", ""]
+def run_line(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The run's commit, command, layout, MPS, HTTP front and startup time."""
+    return (f"commit `{meta['commit']}`, command `{meta['command']}`, layout `{meta['serve_config']}`"
+            + (", under the MPS daemon" if meta.get("mps") else ", no MPS")
+            + (", HTTP through Serve's HAProxy front" if "--haproxy" in meta["command"].split() else
+               ", HTTP through Serve's proxy")
+            + "".join(f"; service ready {r['seconds']:.0f} s after `serve.run`" for r in rows if r["phase"] == "startup"))
+
+
+def level_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Any workload's notes, its levels' table (first audio, RTF, audio-s/s, underrun, frames, finish reasons), where
+    the first audio goes, and the failed requests: the parts every speech family's report shares."""
+    lines: list[str] = []
     lines += [f"Note: {r['workload']}: {r['note']}" for r in rows if r["phase"] == "warmup" and r.get("note")]
     lines += ["| workload | level | ok | first audio p50 / p95 (ms) | RTF p50 / p95 | audio-s/s | underrun | frames | "
               "finish reasons |", "|---|---|---|---|---|---|---|---|---|"]
@@ -118,6 +114,21 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str
     lines += [way_row(r) for r in rows if r["phase"] == "measure"]
     failed = [r for r in rows if r["phase"] in ("warmup", "measure") and r.get("error_samples")]
     lines += [""] + [f"Failed requests, {r['workload']} {r['phase']}: " + "; ".join(r["error_samples"]) for r in failed]
+    return lines
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], configs: dict[str, dict[str, Any]],
+             baseline: list[dict[str, Any]] | None) -> str:
+    lines = [f"# Qwen3-TTS end to end through HTTP ({meta['gpu']}, {meta['date']})", "", run_line(meta, rows), "",
+             f"Workload T: \"{TEXT}\" ({len(TEXT.split())} words), {FRAMES} frames (6 s) of speech, EOS ignored "
+             "(`max_new_tokens` + `ignore_eos`), streamed raw PCM from `/v1/audio/speech` (`load_tests`). "
+             "custom_voice: speaker vivian; base_cached: a voice uploaded once through `/v1/audio/voices`; base_fresh: "
+             "`tests/goldens/qwen3_tts/reference.wav` (2.6 s) and its transcript as `ref_audio` + `ref_text` in every "
+             "request. Poisson: open-loop arrivals at the rate (seeded); concurrency: closed loop. First audio: request "
+             "sent → first audio byte, client side. RTF: the reply's time over its audio. Audio-s/s: audio received "
+             "over the level's wall time. Underrun: the share of streams that, played in real time from their first "
+             "chunk, ran dry before the next one came.", ""]
+    lines += level_tables(rows)
     lines += ["", f"## Targets ({meta['gpu']}; floors at {card_bandwidth(meta['gpu']) / 1e12:.2f} TB/s: a Talker "
               "step reads the backbone once, the code predictor 15 times and each row's KV)", "",
               *targets(meta, rows, configs)]

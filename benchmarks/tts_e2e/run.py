@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from benchmarks.tts_e2e.report import markdown
-from benchmarks.tts_e2e.workloads import FRAMES, REPO, TEXT, run_workloads, served_variants
+from benchmarks.tts_e2e.workloads import FRAMES, REPO, TEXT, run_workloads, served_variants, workloads
 
 
 def layout_family(layout: Path) -> str:
@@ -68,7 +68,7 @@ def run_tts(args: argparse.Namespace, argv: list[str] | None, out: Path) -> int:
     variants = served_variants(layout)  # before serving: a layout it cannot read fails before the GPU time is spent
     rows: list[dict[str, Any]] = [start_service(str(layout))]
     try:
-        rows += run_workloads(URL, variants, args.tts_workloads.split(","),
+        rows += run_workloads(URL, workloads(variants, args.tts_workloads.split(",")),
                               [float(r) for r in args.tts_rates.split(",") if r],
                               [int(c) for c in (args.concurrency or "1,8,32,64").split(",")], args.rounds,
                               args.tts_level_seconds, out, args.request_timeout, args.warmup_timeout, scrape)

@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import yaml
@@ -23,6 +23,7 @@ REFERENCE_TEXT = "The morning was cold, so I made a pot of tea."
 TEXT = ("The quiet harbour woke slowly as fishing boats returned with the tide, gulls circling above the nets while "
         "old sailors traded stories about storms, lost anchors and the long winter ahead.")  # 30 words
 FRAMES = 75  # 6 s at 12.5 frames a second
+FRAME_SECONDS = 0.08  # Qwen3-TTS's 12 Hz codec
 CACHED_VOICE = "bench_voice"
 SPEAKER = "vivian"
 WORKLOADS = ("custom_voice", "base_cached", "base_fresh")
@@ -30,13 +31,16 @@ WORKLOADS = ("custom_voice", "base_cached", "base_fresh")
 
 @dataclass
 class Workload:
-    """One kind of request against one served model: its name, the model id, and the speech fields it sends."""
+    """One kind of request against one served model: its name, the model id, the speech fields it sends (`voice`
+    absent: none sent), the frames each reply runs to and the audio seconds a frame is."""
 
     name: str
     model: str
     variant: str
     fields: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    frames: int = FRAMES
+    frame_seconds: float = FRAME_SECONDS
 
 
 def served_variants(layout: Path) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -102,37 +106,39 @@ def load_config(url: str, workload: Workload, text_file: Path, requests: int, ti
                 concurrency: int = 1, rate: float | None = None, seed: int = 0) -> LoadConfig:
     fields = workload.fields
     return LoadConfig(url=url, scenario="speech", concurrency=concurrency, requests=requests, rate=rate,
-                      prompt_file=str(text_file), model=workload.model, voice=fields.get("voice", SPEAKER),
+                      prompt_file=str(text_file), model=workload.model, voice=fields.get("voice"),
                       task_type=fields.get("task_type"), language=fields.get("language"),
-                      ref_audio=fields.get("ref_audio"), ref_text=fields.get("ref_text"), max_new_tokens=FRAMES,
-                      ignore_eos=True, seed=seed, timeout=timeout, progress=False, plots=False,
+                      ref_audio=fields.get("ref_audio"), ref_text=fields.get("ref_text"),
+                      max_new_tokens=workload.frames, ignore_eos=True, seed=seed, timeout=timeout, progress=False, plots=False,
                       out_dir=str(out_dir) if out_dir else None)
 
 
-def measure(cfg: LoadConfig) -> dict[str, Any]:
-    """One level's summary (`load_tests.metrics.aggregate`) and where its requests went wrong."""
+def measure(cfg: LoadConfig, frame_seconds: float = FRAME_SECONDS) -> dict[str, Any]:
+    """One level's summary (`load_tests.metrics.aggregate`), where its requests went wrong, and the frame counts its
+    replies' audio came to (`frame_seconds` a frame)."""
     _, records, wall = asyncio.run(run_load(cfg))
     summary = aggregate(records, wall)
-    frames = sorted({round(r.audio_s / 0.08) for r in records if r.ok})
+    frames = sorted({round(r.audio_s / frame_seconds) for r in records if r.ok})
     return {"requests": summary["requests"], "ok": summary["ok"], "errors": summary["errors"],
             "error_samples": summary["error_samples"], "wall_s": wall, "stats": summary["stats"],
             "audio_s_total": summary["audio_s_total"], "audio_throughput": summary["audio_throughput"],
             "underruns": summary["underruns"], "finish_reasons": summary["finish_reasons"], "frames_seen": frames}
 
 
-def run_workloads(url: str, variants: dict[str, tuple[str, dict[str, Any]]], names: list[str], rates: list[float],
-                  levels: list[int], rounds: int, level_seconds: float, out: Path, timeout: float,
-                  warmup_timeout: float, scrape: Any) -> list[dict[str, Any]]:
-    """Each workload: warmed up (one request, then a round at the largest concurrency), then each Poisson rate
-    (`rate × level_seconds` requests, at least 4) and each concurrency (`rounds` requests a stream). A warm-up that
-    got no reply skips that workload's levels."""
+def run_workloads(url: str, chosen: list[Workload], rates: list[float], levels: list[int], rounds: int,
+                  level_seconds: float, out: Path, timeout: float, warmup_timeout: float, scrape: Any,
+                  prepare_workload: Callable[[str, Workload], Workload] = prepare) -> list[dict[str, Any]]:
+    """Each workload: prepared (`prepare_workload`: a stored voice uploaded), warmed up (one request, then a round at
+    the largest concurrency), then each Poisson rate (`rate × level_seconds` requests, at least 4) and each
+    concurrency (`rounds` requests a stream). A warm-up that got no reply skips that workload's levels."""
     text_file = out / "workload_text.txt"
     text_file.write_text(TEXT + "\n")
     rows: list[dict[str, Any]] = []
-    for workload in workloads(variants, names):
-        workload = prepare(url, workload)
+    for workload in chosen:
+        workload = prepare_workload(url, workload)
+        per_frame = workload.frame_seconds
         base = {"workload": workload.name, "model": workload.model, "note": workload.note}
-        warm = [measure(load_config(url, workload, text_file, c, warmup_timeout, None, concurrency=c))
+        warm = [measure(load_config(url, workload, text_file, c, warmup_timeout, None, concurrency=c), per_frame)
                 for c in (1, max(levels))]
         rows.append({**base, "phase": "warmup", "ok": sum(w["ok"] for w in warm),
                      "error_samples": [e for w in warm for e in w["error_samples"]]})
@@ -148,7 +154,7 @@ def run_workloads(url: str, variants: dict[str, tuple[str, dict[str, Any]]], nam
             else:
                 cfg = load_config(url, workload, text_file, int(value) * rounds, timeout,
                                   out / f"{workload.name}_c{value}", concurrency=int(value))
-            row = {**base, "phase": "measure", kind: value, **measure(cfg)}
+            row = {**base, "phase": "measure", kind: value, **measure(cfg, per_frame)}
             time.sleep(1.0)  # the ingress posts its replies' samples every 0.25 s
             row["server"] = server_view(before, scrape())
             rows.append(row)

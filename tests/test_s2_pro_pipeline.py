@@ -1,5 +1,6 @@
 """S2 Pro end to end on the tiny checkpoint (CPU): the Python pipeline's real stages speak the official greedy frames
-with no reference and in a stored voice, clone a voice from reference audio, end at the frame cap with `length`; and
+with no reference and in a stored voice, clone a voice from reference audio, stop on `<|im_end|>` with the engine's
+sampled frames and end at the frame cap with `length`; and
 one Serve app streams /v1/audio/speech with references to the openai client and /v1/tts to a msgpack client, keeps
 voices added through /v1/references, answers bad input with a 4xx envelope and keeps serving."""
 
@@ -119,6 +120,22 @@ def test_speech_without_a_reference_is_the_official_greedy_frames_and_ends_at_th
     assert final.codes is not None and final.codes.T.tolist() == golden_codes("plain")
     assert (final.finish_reason, final.usage["audio_frames"]) == ("length", frames)
     assert rate == 44100 and audio.shape == (frames * SAMPLES_PER_FRAME,) and np.abs(audio).max() > 0
+
+
+def test_a_sampled_reply_that_draws_im_end_stops_there_with_the_engines_frames(pipe: Any) -> None:
+    """Seed 24 of the official API's draw makes the tiny model end this text with `<|im_end|>` after 23 frames."""
+    from omni_ray.engine.loop import run_to_end
+    from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING, dual_ar_sequence, load
+
+    text, sampling = GOLDENS["cases"]["plain"]["text"], DEFAULT_SAMPLING.model_copy(update={"seed": 24})
+    runner = load(pipe.orchestrator.files.directory, 1, dtype=torch.float32, cuda_graphs=False)
+    alone = dual_ar_sequence("alone", runner.prompt(text), 40, sampling)
+    runner.admit(alone)
+    expected = [out.codes[1:] for out in run_to_end(runner, [alone])[alone.request_id] if out.codes is not None]
+    audio, _, final = speak(pipe, text, sampling=sampling, max_audio_frames=40)
+    assert alone.finish_reason == final.finish_reason == "stop" and len(expected) == 23
+    assert final.codes is not None and final.codes.T.tolist() == expected
+    assert final.usage["audio_frames"] == 23 and audio.size == 23 * SAMPLES_PER_FRAME
 
 
 def test_a_stored_voice_speaks_the_official_frames_of_its_reference(pipe: Any) -> None:

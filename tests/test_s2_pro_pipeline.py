@@ -1,8 +1,8 @@
 """S2 Pro end to end on the tiny checkpoint (CPU): the Python pipeline's real stages speak the official greedy frames
-with no reference and in a stored voice, clone a voice from reference audio, stop on `<|im_end|>` with the engine's
-sampled frames and end at the frame cap with `length`; and
-one Serve app streams /v1/audio/speech with references to the openai client and /v1/tts to a msgpack client, keeps
-voices added through /v1/references, answers bad input with a 4xx envelope and keeps serving."""
+with no reference and in a stored voice, clone a voice from one reference or two speakers' with the engine's frames,
+stop on `<|im_end|>` and end at the frame cap with `length`; and one Serve app streams /v1/audio/speech with
+references to the openai client and /v1/tts to a msgpack client, keeps voices added through /v1/references, answers
+bad input with a 4xx envelope and keeps serving."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from omni_ray.events import AudioChunk, Finished
 from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import load_codec
 from omni_ray.models.s2_pro.orchestrator import ReferenceAudio
+from omni_ray.models.s2_pro.prompt import Reference
 from omni_ray.voice_store import VoiceStore
 
 GOLDENS = json.loads((Path(__file__).parent / "goldens" / "s2_pro" / "dual_ar_seed0.json").read_text())
@@ -120,20 +121,43 @@ def test_speech_without_a_reference_is_the_official_greedy_frames_and_ends_at_th
     assert final.codes is not None and final.codes.T.tolist() == golden_codes("plain")
     assert (final.finish_reason, final.usage["audio_frames"]) == ("length", frames)
     assert rate == 44100 and audio.shape == (frames * SAMPLES_PER_FRAME,) and np.abs(audio).max() > 0
+    one_shot = load_codec(pipe.orchestrator.files.directory).decode(final.codes)  # windows reaching frame 0: exact
+    np.testing.assert_allclose(audio, one_shot.numpy(), atol=1e-5)
+
+
+def engine_frames(pipe: Any, text: str, references: list[Reference], frames: int,
+                  sampling: SamplingParams = GREEDY) -> tuple[list[list[int]], str | None]:
+    """The codec frames and finish reason of the Dual-AR runner alone, in this process, on the same checkpoint."""
+    from omni_ray.engine.loop import run_to_end
+    from omni_ray.models.s2_pro.dual_ar_runner import dual_ar_sequence, load
+
+    runner = load(pipe.orchestrator.files.directory, 1, dtype=torch.float32, cuda_graphs=False)
+    alone = dual_ar_sequence("alone", runner.prompt(text, references), frames, sampling)
+    runner.admit(alone)
+    outputs = run_to_end(runner, [alone])[alone.request_id]
+    return [out.codes[1:] for out in outputs if out.codes is not None], alone.finish_reason
+
+
+def test_two_speakers_references_clone_with_the_engines_frames(pipe: Any) -> None:
+    samples, rate = sf.read(REFERENCE, dtype="float32")
+    halves = [ReferenceAudio(half, rate, text) for half, text in
+              zip(np.array_split(samples, 2), ("First voice here.", "<|speaker:1|>Second voice, already tagged."))]
+    codec = load_codec(pipe.orchestrator.files.directory)
+    encoded = [Reference(codec.encode(torch.from_numpy(prepare_reference_audio(ref.samples, rate, target_rate=44100))),
+                         str(ref.text)) for ref in halves]
+    expected, _ = engine_frames(pipe, "Two voices.", encoded, 6)
+    _, _, final = speak(pipe, "Two voices.", references=halves, sampling=GREEDY, max_audio_frames=6)
+    assert final.codes is not None and final.codes.T.tolist() == expected and len(expected) >= 1
 
 
 def test_a_sampled_reply_that_draws_im_end_stops_there_with_the_engines_frames(pipe: Any) -> None:
     """Seed 24 of the official API's draw makes the tiny model end this text with `<|im_end|>` after 23 frames."""
-    from omni_ray.engine.loop import run_to_end
-    from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING, dual_ar_sequence, load
+    from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING
 
     text, sampling = GOLDENS["cases"]["plain"]["text"], DEFAULT_SAMPLING.model_copy(update={"seed": 24})
-    runner = load(pipe.orchestrator.files.directory, 1, dtype=torch.float32, cuda_graphs=False)
-    alone = dual_ar_sequence("alone", runner.prompt(text), 40, sampling)
-    runner.admit(alone)
-    expected = [out.codes[1:] for out in run_to_end(runner, [alone])[alone.request_id] if out.codes is not None]
+    expected, reason = engine_frames(pipe, text, [], 40, sampling)
     audio, _, final = speak(pipe, text, sampling=sampling, max_audio_frames=40)
-    assert alone.finish_reason == final.finish_reason == "stop" and len(expected) == 23
+    assert reason == final.finish_reason == "stop" and len(expected) == 23
     assert final.codes is not None and final.codes.T.tolist() == expected
     assert final.usage["audio_frames"] == 23 and audio.size == 23 * SAMPLES_PER_FRAME
 

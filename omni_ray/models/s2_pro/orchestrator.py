@@ -162,8 +162,8 @@ class S2ProOrchestrator:
         """Speech for `text`: in the voice of `references` (each audio with its transcript; several are several
         speakers, tagged in order), else of stored voice `voice`, else the model's own. `sampling` is the official
         API's draw by default (temperature 0.8, top-p 0.8, top-k 30, repetition-aware). The reply ends with
-        finish reason `stop` on `<|im_end|>`, `length` at `max_audio_frames` (else the stage's cap); `ignore_eos`
-        (benchmarks) runs it to the cap. Audio comes at the codec's 44.1 kHz, or resampled to `sample_rate`."""
+        finish reason `stop` on `<|im_end|>`, `length` at `max_audio_frames` (else 1024, within the stage's cap);
+        `ignore_eos` (benchmarks) runs it to the cap. Audio comes at the codec's 44.1 kHz, or resampled to `sample_rate`."""
         submitted = time.time()
         if max_audio_frames is not None and max_audio_frames < 1:
             raise InvalidRequestError("max_audio_frames must be at least 1")
@@ -176,7 +176,7 @@ class S2ProOrchestrator:
             cloned = []
         prompt = self.build_prompt(text, cloned)
         talker = S2ProTalkerRequest(request_id or uuid.uuid4().hex, prompt, sampling or DEFAULT_SAMPLING,
-                                    max_audio_frames, ignore_eos, len(self.tokenize(text)))
+                                    max_audio_frames, ignore_eos)
         resampler = PcmResampler(self.sample_rate, sample_rate) if sample_rate and sample_rate != self.sample_rate \
             else None
         async for event in self._run(talker, return_codes, submitted, resampler):

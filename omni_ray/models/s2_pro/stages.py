@@ -17,7 +17,9 @@ from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import S2ProCodec, load_codec
 from omni_ray.models.s2_pro.dual_ar_model import load_dual_ar
-from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING, DualARRunner, dual_ar_sequence
+from omni_ray.models.s2_pro.dual_ar_runner import (
+    DEFAULT_MAX_NEW_TOKENS, DEFAULT_SAMPLING, DualARRunner, dual_ar_sequence,
+)
 from omni_ray.models.s2_pro.model_files import resolve_model
 from omni_ray.models.s2_pro.prompt import IM_END, load_encoder
 from omni_ray.stages.base import StageBase
@@ -37,7 +39,6 @@ class S2ProTalkerRequest:
     sampling: SamplingParams = DEFAULT_SAMPLING
     max_frames: int | None = None
     ignore_eos: bool = False
-    text_tokens: int = 0
 
 
 def voice_prefix(prompt: torch.Tensor, im_end: int) -> tuple[str, int] | None:
@@ -50,14 +51,11 @@ def voice_prefix(prompt: torch.Tensor, im_end: int) -> tuple[str, int] | None:
     return hashlib.sha256(prompt[:, :length].to(torch.int64).contiguous().numpy().tobytes()).hexdigest(), length
 
 
-def frame_cap(settings: TalkerSettings, max_frames: int | None, text_tokens: int) -> int:
-    """A reply's frame cap: the request's (`max_frames`), else proportional to its text (`frame_budget_base` plus
-    `frames_per_text_token` a token, when that is set), within the stage's `max_frames`. A reply the cap ends
-    finishes with `length`."""
-    cap = min(max_frames or settings.max_frames, settings.max_frames)
-    if max_frames is None and settings.frames_per_text_token > 0:
-        cap = min(cap, settings.frame_budget_base + int(settings.frames_per_text_token * text_tokens))
-    return max(cap, 1)
+def frame_cap(settings: TalkerSettings, max_frames: int | None) -> int:
+    """A reply's frame cap: the request's (`max_frames`), else the official API's `max_new_tokens` (1024 frames,
+    47.6 s), within the stage's `max_frames`. A reply the cap ends finishes with `length`. The text-proportional cap
+    of Qwen3-TTS (`frames_per_text_token`) is not applied: S2 Pro's frames per token vary too much with the text."""
+    return max(min(max_frames or DEFAULT_MAX_NEW_TOKENS, settings.max_frames), 1)
 
 
 class ReferenceStage(StageBase):
@@ -118,7 +116,7 @@ class TalkerStage(CodecTalkerStage):
         if refused is not None:
             yield [refused]
             return
-        cap = frame_cap(self.settings, request.max_frames, request.text_tokens)
+        cap = frame_cap(self.settings, request.max_frames)
         seq = dual_ar_sequence(request.request_id, request.prompt, cap, request.sampling, request.ignore_eos)
         shared = voice_prefix(request.prompt, self.im_end)
         if shared is not None:  # a voice prefilled before is read from the prefix cache (`prefix_cache_mb`)

@@ -264,6 +264,11 @@ def test_a_msgpack_client_streams_tts_and_a_voice_added_through_references_speak
     assert torch.equal(VoiceStore(voices).load_tensors("Tea").tensors["codes"], codec.encode(torch.from_numpy(samples)))
     by_id = post_msgpack(url, {**body, "references": [], "reference_id": "Tea", "streaming": False})
     assert by_id.status_code == 200 and by_id.content == streamed  # seeded: the stored codes are the request's
+    voices = httpx.get(f"{url}/v1/audio/voices", timeout=30).json()["data"]  # the same store through OpenAI's route
+    frames = -(-samples.size // SAMPLES_PER_FRAME)
+    assert [(voice["name"], voice["text"], voice["frames"]) for voice in voices] == [("Tea", REFERENCE_TEXT, frames)]
+    assert httpx.delete(f"{url}/v1/audio/voices/Tea", timeout=30).json()["deleted"] is True
+    assert post_msgpack(url, {**body, "references": [], "reference_id": "Tea"}).status_code == 404
 
 
 def test_bad_input_is_a_4xx_envelope_and_the_service_keeps_serving(url: str) -> None:

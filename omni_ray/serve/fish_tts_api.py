@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_ray.audio import encode_audio, writable_formats
 from omni_ray.serve import openai_protocol as oai
-from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE
 from omni_ray.serve.served_model import ServedModel, prepare_speech
 from omni_ray.serve.voice_uploads import cloning_model
 
@@ -133,22 +132,26 @@ def prepare_tts(models: dict[str, ServedModel], content_type: str | None, raw: b
     request = parse_tts_request(decode_body(content_type, raw, limits))
     model = cloning_model(models, request.model)
     speech, kwargs = prepare_speech(model, speech_body(request, model), limits)
+    if "sample_rate" in kwargs:  # fish-speech answers at the model's own rate, not OpenAI's 24 kHz
+        kwargs["sample_rate"] = model.audio_rate
     return model, request, speech, kwargs
 
 
 async def synthesize(ingress: Any, raw: bytes, content_type: str | None) -> Response:
-    """POST /v1/tts on `ingress` (an OmniIngress: its models, parsing pool, stream helpers and metrics). Streaming:
-    the audio as raw 16-bit PCM chunks, no WAV header, as fish-speech streams it; else the whole file."""
+    """POST /v1/tts on `ingress` (an OmniIngress: its models, parsing pool, stream helpers and metrics), at the
+    model's own rate (`X-Sample-Rate`; S2 Pro: 44.1 kHz). Streaming: the audio as raw 16-bit PCM chunks, no WAV header,
+    as fish-speech streams it; else the whole file."""
     model, request, speech, kwargs = await ingress.parsing.run(prepare_tts, ingress.models, content_type, raw,
                                                                ingress.limits)
     first, events = await ingress._start(model.orchestrator.speak(
         speech.input, request_id=f"tts-{uuid.uuid4().hex}", **kwargs))
     media = TTS_CONTENT_TYPES[request.format]
-    headers = {"Content-Disposition": f"attachment; filename=audio.{request.format}"}
+    headers = {"Content-Disposition": f"attachment; filename=audio.{request.format}",
+               "X-Sample-Rate": str(model.audio_rate)}
     if request.streaming:
         body = ingress._speech_stream(first, events, wav=False)
         return StreamingResponse(ingress._counted("tts", body), media_type=media, headers=headers)
     samples, final = await ingress._collect(first, events)
     reason = final.audio_finish_reason or final.finish_reason
-    return Response(encode_audio(samples, OUTPUT_SAMPLE_RATE, speech.audio_format), media_type=media,
+    return Response(encode_audio(samples, model.audio_rate, speech.audio_format), media_type=media,
                     headers={**headers, "X-Finish-Reason": reason})

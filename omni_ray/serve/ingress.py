@@ -205,18 +205,20 @@ class OmniIngress:
     async def _collect(self, first: Event | None, events: AsyncIterator[Event]) -> tuple[np.ndarray, Finished]:
         """A whole (non-streamed) reply: all its audio and its final event; records its latency metrics."""
         pcm: list[np.ndarray] = []
+        seconds = 0.0
         final: Finished | None = None
         event = first
         while event is not None:
             if isinstance(event, AudioChunk):
                 pcm.append(event.pcm)
+                seconds += len(event.pcm) / event.sample_rate
             elif isinstance(event, Finished):
                 final = event
             event = await anext(events, None)
         if final is None:
             raise StageError("the reply ended without a final event")
         samples = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
-        self.metrics.observe_reply(final.timing, len(samples) / OUTPUT_SAMPLE_RATE, final.t)
+        self.metrics.observe_reply(final.timing, seconds, final.t)
         return samples, final
 
     async def _guard(self, endpoint: str, handler: Any, request: Request) -> Response:

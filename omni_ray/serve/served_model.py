@@ -47,6 +47,12 @@ class ServedModel:
         """Qwen3-Omni chats; Qwen3-TTS and S2 Pro only speak text they are given."""
         return hasattr(self.orchestrator, "generate")
 
+    @property
+    def audio_rate(self) -> int:
+        """The rate the model's audio is made at: its orchestrator's `sample_rate` where it has one (S2 Pro's codec:
+        44.1 kHz), else the Qwen models' 24 kHz. /v1/tts answers at it; /v1/audio/speech at OpenAI's 24 kHz."""
+        return int(getattr(self.orchestrator, "sample_rate", OUTPUT_SAMPLE_RATE))
+
 
 def served_model(spec: dict[str, Any], limits: oai.ServiceLimits) -> ServedModel:
     """A model from `build_app`'s spec: {model_name, pipeline, stages: {stage: handle}, deployments: {stage: name}}.

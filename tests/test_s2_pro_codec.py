@@ -19,9 +19,10 @@ import soundfile as sf
 import torch
 
 from omni_ray.audio import resample
-from omni_ray.models.s2_pro.checkpoint import write_tiny_codec
+from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint, write_tiny_codec
 from omni_ray.models.s2_pro.codec import (CODEC_CONFIG_FILE, CODEC_FILE, CodecConfig, S2ProCodec, load_codec,
                                           official_codec_layout)
+from omni_ray.models.s2_pro.dual_ar_model import S2ProConfig
 from omni_ray.vocoder.schedule import ChunkSchedule
 from omni_ray.vocoder.streaming import Codec, StreamingDecoder, measure_trim
 
@@ -75,11 +76,26 @@ def test_encode_gives_the_official_codes(codecs: dict[int, S2ProCodec], seed: in
 def test_decode_gives_the_official_waveform_and_leaves_the_callers_codes(codecs: dict[int, S2ProCodec],
                                                                          seed: int) -> None:
     codes = golden(seed)["fixed_codes"].clone()
-    assert (codes[0] > 4095).any() and (codes[1:] > 1023).any()  # the clamp has work to do
+    config = codecs[seed].config
+    assert (codes[0] >= config.semantic_codebook_size).any() and (codes[1:] >= config.codebook_size).any()  # the
+    # clamp has work to do
     waveform = codecs[seed].decode(codes)
     assert waveform.shape == (codes.shape[1] * 2048,)
     torch.testing.assert_close(waveform, golden(seed)["waveform"], rtol=0, atol=1e-4)
     assert torch.equal(codes, golden(seed)["fixed_codes"])
+
+
+def test_a_tiny_checkpoints_codec_encodes_references_into_its_dual_ars_codebooks(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, 0)
+    config, codec = S2ProConfig.from_checkpoint(tmp_path), load_codec(tmp_path)
+    assert (codec.config.semantic_codebook_size == config.codebook_size
+            == config.semantic_end - config.semantic_begin + 1)  # every semantic code has its token
+    assert codec.config.codebook_size <= config.codebook_size  # the fast AR's vocabulary, shared by all codebooks
+    noise = torch.randn(20 * 2048, generator=torch.Generator().manual_seed(0))
+    for audio in (torch.from_numpy(reference_audio()), noise):
+        codes = codec.encode(audio)
+        assert codes.shape[0] == config.num_codebooks and codes.min() >= 0 and codes.max() < config.codebook_size
+        assert torch.equal(codec.clamped(codes), codes)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

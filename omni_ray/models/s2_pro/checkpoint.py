@@ -18,7 +18,7 @@ from omni_ray.models.s2_pro.prompt import IM_END, semantic_token
 from omni_ray.tiny_checkpoints import param_generator, train_byte_level_bpe
 
 DEFAULT_SEED = 0
-TINY_CODEBOOK_SIZE = 64
+TINY_CODEBOOK_SIZE = TINY_CODEC_CONFIG.semantic_codebook_size  # 64: the tiny codec's codes are the Dual-AR's
 NUM_CODEBOOKS = 10  # the codec's: one semantic and nine residual codebooks
 # The official tokenizer's control tokens, in its order; the semantic tokens follow them, contiguous, as the model
 # requires (<|semantic:i|> for every code i of the first codebook).

@@ -104,10 +104,11 @@ class CodecConfig:
 
 
 # Small enough that decoding 20 frames on a CPU takes a few milliseconds; the quantizer's transformers' window is
-# shorter than the goldens' code matrix, so it is exercised.
+# shorter than the goldens' code matrix, so it is exercised. Its codebooks (semantic and residual) have 64 codes, as
+# many as the tiny Dual-AR's (`checkpoint.TINY_CODEBOOK_SIZE`), so that the codes of reference audio fit the Talker.
 TINY_CODEC_CONFIG = CodecConfig(encoder_dim=4, encoder_transformer_layers=(0, 0, 0, 1), decoder_dim=32, head_dim=16,
-                                quantizer_layers=2, quantizer_heads=2, quantizer_dim=32, quantizer_hidden=64,
-                                quantizer_head_dim=16, quantizer_window=8)
+                                codebook_size=64, semantic_codebook_size=64, quantizer_layers=2, quantizer_heads=2,
+                                quantizer_dim=32, quantizer_hidden=64, quantizer_head_dim=16, quantizer_window=8)
 
 
 class EncoderBlock(nn.Module):
@@ -244,7 +245,8 @@ class S2ProCodec(nn.Module):
 
     def clamped(self, codes: torch.Tensor) -> torch.Tensor:
         """A copy of codes [..., 10, T] on the codec's device with each row within its codebook (row 0 at most
-        4095, the others at most 1023; negatives to 0): generated residual codes often exceed 1023."""
+        semantic_codebook_size - 1, the others at most codebook_size - 1: 4095 and 1023 for the released codec;
+        negatives to 0): generated residual codes often exceed the residual codebooks."""
         limits = torch.tensor([self.config.semantic_codebook_size - 1] + [self.config.codebook_size - 1]
                               * self.config.codebooks, device=self._anchor.device)
         codes = codes.to(device=self._anchor.device, dtype=torch.long)

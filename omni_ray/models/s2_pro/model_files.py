@@ -4,12 +4,12 @@ random weights."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from omni_ray.config import ModelSource
-from omni_ray.models.s2_pro.checkpoint import DEFAULT_SEED, write_tiny_checkpoint, write_tiny_codec
-from omni_ray.models.s2_pro.codec import CODEC_FILE, TINY_CODEC_CONFIG
+from omni_ray.models.s2_pro.checkpoint import DEFAULT_SEED, write_tiny_checkpoint
+from omni_ray.models.s2_pro.codec import CODEC_FILE
 from omni_ray.models.s2_pro.dual_ar_model import PUBLISHED_CONFIG, S2ProConfig
 from omni_ray.models.s2_pro.random_checkpoint import ensure_random_checkpoint
 from omni_ray.tiny_checkpoints import build_once, cache_root, read_marker, write_atomically
@@ -38,12 +38,9 @@ def _is_complete(path: Path, seed: int) -> bool:
 
 
 def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
-    """The tiny checkpoint of `seed`, generated once (safe under concurrent callers). Its codec's codebooks are as
-    large as the Dual-AR's (as the released model's are), so that the codes of reference audio fit its embeddings."""
+    """The tiny checkpoint of `seed` (`write_tiny_checkpoint`), generated once (safe under concurrent callers)."""
     def write(out: Path) -> None:
         write_tiny_checkpoint(out, seed)
-        size = S2ProConfig.from_checkpoint(out).codebook_size
-        write_tiny_codec(out, seed, replace(TINY_CODEC_CONFIG, codebook_size=size, semantic_codebook_size=size))
         (out / MARKER_FILE).write_text(json.dumps({"format": TINY_FORMAT, "seed": seed}) + "\n")
 
     target = tiny_checkpoint_dir(seed)

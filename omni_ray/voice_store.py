@@ -13,7 +13,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -239,29 +239,28 @@ class VoiceStore:
     def _write_new(self, name: str, target: Path, body: bytes) -> None:
         """Write `body` to a temporary file, flush it to disk, then link it to `target`, which fails if `target`
         exists: a name is taken once, even by replicas on other hosts that share the directory."""
-        temporary = self.directory / f".{target.stem}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(temporary, "xb") as out:
-                out.write(body)
-                out.flush()
-                os.fsync(out.fileno())
+        def link(temporary: Path) -> None:
             try:
                 os.link(temporary, target)
             except FileExistsError:
                 raise VoiceExistsError(f"voice {name!r} already exists") from None
-        finally:
-            temporary.unlink(missing_ok=True)
-        _fsync_directory(self.directory)
+
+        self._write_then(target, body, link)
 
     def _replace(self, target: Path, body: bytes) -> None:
         """Rewrite the existing `target` with `body` atomically (a reader sees the old file or the new one)."""
+        self._write_then(target, body, lambda temporary: os.replace(temporary, target))
+
+    def _write_then(self, target: Path, body: bytes, publish: Callable[[Path], None]) -> None:
+        """`body` written to a temporary file beside `target` and flushed to disk, then `publish`ed from it; the
+        temporary file is gone afterwards, and the directory's entry flushed."""
         temporary = self.directory / f".{target.stem}.{uuid.uuid4().hex}.tmp"
         try:
             with open(temporary, "xb") as out:
                 out.write(body)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(temporary, target)
+            publish(temporary)
         finally:
             temporary.unlink(missing_ok=True)
         _fsync_directory(self.directory)

@@ -16,6 +16,7 @@ from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import S2ProCodec, load_codec
+from omni_ray.models.s2_pro.codec_state import StatefulS2ProCodec
 from omni_ray.models.s2_pro.dual_ar_model import load_dual_ar
 from omni_ray.models.s2_pro.dual_ar_runner import (
     DEFAULT_MAX_NEW_TOKENS, DEFAULT_SAMPLING, DualARRunner, dual_ar_sequence,
@@ -25,8 +26,8 @@ from omni_ray.models.s2_pro.prompt import IM_END, load_encoder
 from omni_ray.stages.base import StageBase
 from omni_ray.stages.codec_stages import DTYPES, CodecTalkerStage, StreamingVocoderStage
 
-# Every window of a reply up to this many frames (the official API's default cap, 1024: 47.6 s) reaches back to its
-# first frame, so the streamed audio equals the one-shot decode (see `VocoderStage`).
+# Window decoding (`stateful: false`): every window of a reply up to this many frames (the official API's default cap,
+# 1024: 47.6 s) reaches back to its first frame, so the streamed audio equals the one-shot decode (see `VocoderStage`).
 DEFAULT_LEFT_CONTEXT = 1024
 
 
@@ -153,28 +154,30 @@ class WindowCodec:
 
 
 class VocoderStage(StreamingVocoderStage):
-    """The codec's decoder, streaming windows on the layout's chunk schedule (the shared ramp, then steady chunks),
-    each window re-decoding up to `left_context` frames before its new ones. S2 Pro's codec keeps no stream state,
-    so windows are always decoded whole (`stateful` is off whatever the layout says).
+    """The codec's decoder, streaming on the layout's chunk schedule (the shared ramp, then steady chunks), eager.
 
-    A window is exact (equal to the one-shot decode of the whole reply, to float rounding) only when it reaches back
-    to the reply's first frame: the codec's rotary positions count from a window's start, so a window that starts
-    later differs by about 1e-4 to 1e-3 however long its context. The default left context (1024 frames, unless the
-    layout sets one) keeps every window of a reply up to 1024 frames exact, at the cost of re-decoding the reply so
-    far with each chunk; a layout that streams long replies to many listeners may trade that for a shorter one. A
-    cloned voice's reference codes are not decoded ahead of the reply: the official decode starts at the reply."""
+    Stateful (`streaming.stateful`, the default): each chunk decodes only its new frames, the stream's attention and
+    convolution state carried between chunks (`codec_state.StatefulS2ProCodec`, `max_streams` streams at once): the
+    streamed audio equals the one-shot decode of the whole reply, whatever its length. Stateless: each window
+    re-decodes up to `left_context` frames before its new ones, and is exact only when it reaches back to the reply's
+    first frame (the codec's rotary positions count from a window's start, so a window that starts later differs by
+    about 1e-4 to 1e-3 however long its context); the default left context there (1024 frames, unless the layout
+    sets one) keeps every window of a reply up to 1024 frames exact, at the cost of re-decoding the reply so far with
+    each chunk. A cloned voice's reference codes are not decoded ahead of the reply: the official decode starts at
+    the reply."""
 
     def __init__(self, model: ModelSource, stage: VocoderStageConfig, replica_id: str | None = None) -> None:
         super().__init__(replica_id, stage.resources.device, stage.relay)
         files = resolve_model(model)
         res, streaming = stage.resources, stage.streaming
-        own = {"stateful": False, "cuda_graphs": False}
-        if "left_context" not in streaming.model_fields_set:
+        own: dict[str, Any] = {"cuda_graphs": False}
+        if not streaming.stateful and "left_context" not in streaming.model_fields_set:
             own["left_context"] = DEFAULT_LEFT_CONTEXT
         stage = stage.model_copy(update={"streaming": streaming.model_copy(update=own)})
         with self.startup_phase("load"):
             codec = load_codec(files.directory, res.device, DTYPES[res.dtype])
-        self.start_codec(WindowCodec(codec), stage)
+            adapter = StatefulS2ProCodec(codec, streaming.max_streams) if streaming.stateful else WindowCodec(codec)
+        self.start_codec(adapter, stage)
         self.startup_done(stage.resources)
 
 

@@ -1,6 +1,6 @@
 """S2 Pro against the official code (goldens of fish-speech 3dd1f85 on the tiny checkpoints, seeds 0 and 1): the prompt
-position by position (no reference, one, two) and the slow AR's token logits after its prefill. The greedy frames,
-served by the engine, are `test_s2_pro_engine.py`'s."""
+position by position (no reference, one, two, a long text) and the slow AR's token logits after its prefill. The
+greedy frames, served by the engine, are `test_s2_pro_engine.py`'s."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from omni_ray.models.s2_pro.prompt import Reference, build_prompt, load_encoder
 
 GOLDENS = Path(__file__).parent / "goldens" / "s2_pro"
 SEEDS = (0, 1)
-CASES = ("plain", "one_reference", "two_references")
+CASES = ("plain", "one_reference", "two_references", "long_text")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 

@@ -1,5 +1,6 @@
 """Run by the fish-speech venv (the official source on PYTHONPATH, see make_venv.sh): write the official S2 Pro
-prompts (no reference, one, two), prefill logits and greedy frames on the tiny checkpoint of one seed.
+prompts (no reference, one, two, a long text), prefill logits, greedy frames and sampling distributions on the tiny
+checkpoint of one seed.
 
 Usage: make_goldens.py --seed N --out FILE [--project-python PY | --checkpoint DIR]
 
@@ -36,13 +37,24 @@ FISH_SPEECH_COMMIT = "3dd1f85"
 FRAMES = 10  # the prefill's frame and 9 decode steps
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}  # top_k=1: greedy, and RAS cannot change a token
 TEXT = "The quiet harbour woke slowly as the boats came in."  # no speaker tag: generate_long makes one batch
-# The cases: each reference is (codes frames, text); its codes [num_codebooks, frames] are drawn in 0..codebook_size-1
-# from torch.Generator().manual_seed(1000 + seed), the references of all cases in this order.
+# Several sentences, 375 bytes, no speaker tag: generate_long splits text only at speaker tags (turns grouped up to
+# chunk_length bytes), so this is one batch and one generate call too (checked: official_prompt fails otherwise).
+LONG_TEXT = ("The quiet harbour woke slowly as the boats came in. Gulls circled above the masts, calling to one another "
+             "over the grey water, while the fishermen hauled their nets onto the stone pier. An old woman sold tea "
+             "from a cart by the lighthouse, and children ran between the crates of silver fish. By noon the fog had "
+             "lifted, and the whole town could see the islands far out to sea.")
+# The cases: (text, references); each reference is (codes frames, text); its codes [num_codebooks, frames] are drawn
+# in 0..codebook_size-1 from torch.Generator().manual_seed(1000 + seed), the references of all cases in this order.
 CASES = {
-    "plain": [],
-    "one_reference": [(8, "Hello from the reference speaker.")],
-    "two_references": [(5, "First voice here."), (6, "<|speaker:1|>Second voice, already tagged.")],
+    "plain": (TEXT, []),
+    "one_reference": (TEXT, [(8, "Hello from the reference speaker.")]),
+    "two_references": (TEXT, [(5, "First voice here."), (6, "<|speaker:1|>Second voice, already tagged.")]),
+    "long_text": (LONG_TEXT, []),
 }
+# The official API's default sampling (the engine's DEFAULT_SAMPLING) and RAS's redraw (inference.py's RAS_HIGH_*):
+# the distributions the official `logits_to_probs` gives them on one case's first-frame logits are recorded.
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_p": 0.8, "top_k": 30}
+DISTRIBUTION_CASE = "plain"
 # generate_long refuses a prompt longer than max_seq_len - 2048; the tiny checkpoint's max_seq_len is 512, so the
 # config's max_seq_len reads this value while generate_long builds the prompt (only) and 512 again inside generate.
 GUARD_MAX_SEQ_LEN = 4096
@@ -91,10 +103,11 @@ def make_references(seed: int, config: Any) -> dict[str, list[tuple[torch.Tensor
     """Each case's references: (codes [num_codebooks, frames] in 0..codebook_size-1, text)."""
     gen = torch.Generator().manual_seed(1000 + seed)
     return {name: [(torch.randint(0, config.codebook_size, (config.num_codebooks, n), generator=gen), text)
-                   for n, text in refs] for name, refs in CASES.items()}
+                   for n, text in refs] for name, (_, refs) in CASES.items()}
 
 
-def official_prompt(model: Any, references: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[list[int]]]:
+def official_prompt(model: Any, text: str,
+                    references: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[list[int]]]:
     """Runs the official `generate_long` (greedy, FRAMES new tokens) with `inference.generate` wrapped: returns the
     one prompt it built (Conversation, encode_for_inference) and the frames the official `generate` gave on it
     (which stop after EOS)."""
@@ -115,7 +128,7 @@ def official_prompt(model: Any, references: list[tuple[torch.Tensor, str]]) -> t
     inference.generate = recording_generate
     model.config.max_seq_len = GUARD_MAX_SEQ_LEN
     try:
-        for _ in generate_long(model=model, device="cpu", decode_one_token=decode_one_token_ar, text=TEXT,
+        for _ in generate_long(model=model, device="cpu", decode_one_token=decode_one_token_ar, text=text,
                                max_new_tokens=FRAMES, prompt_text=[t for _, t in references] or None,
                                prompt_tokens=[c for c, _ in references] or None, **SAMPLING):
             pass
@@ -133,11 +146,13 @@ def clear_caches(model: Any) -> None:
 
 
 @torch.inference_mode()
-def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list[int]], list[float], float]:
+def run(model: Any, prompt: torch.Tensor,
+        bias: torch.Tensor) -> tuple[list[list[int]], list[float], float, list[float]]:
     """The official `generate`'s steps with the official `decode_one_token_ar`, not stopping at EOS: the prefill on
     the whole prompt (input_pos arange) gives frame 0, then 9 decode steps under the MATH SDPA kernel with the RAS
     window, as `decode_n_tokens` runs them. Returns the frames, the raw token logits at the prompt's last position
-    and the smallest top-1 minus top-2 logit gap of the greedy choices."""
+    and the smallest top-1 minus top-2 logit gap of the greedy choices, and the fast AR's logits of codebook 1 in
+    frame 0 (after the greedy code 0)."""
     clear_caches(model)
     dtype = next(model.parameters()).dtype
     temperature = torch.tensor(SAMPLING["temperature"], dtype=dtype)
@@ -145,6 +160,7 @@ def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list
     rows, length = prompt.shape
     seen: list[torch.Tensor] = []  # the slow model's token logits of each step
     gaps: list[float] = []  # each greedy choice's top-1 minus top-2 logit (the token biased; codebooks 1..9)
+    fast_seen: list[torch.Tensor] = []
     official_forward, official_fast = model.forward_generate, model.forward_generate_fast
 
     def gap(logits: torch.Tensor) -> float:
@@ -161,6 +177,7 @@ def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list
         logits = official_fast(x, input_pos)
         if int(input_pos[0]) > 0:  # position 0's logits are discarded
             gaps.append(gap(logits))
+            fast_seen.append(logits.detach().reshape(-1).clone())
         return logits
 
     model.forward_generate, model.forward_generate_fast = spy, spy_fast
@@ -184,8 +201,24 @@ def run(model: Any, prompt: torch.Tensor, bias: torch.Tensor) -> tuple[list[list
     finally:
         del model.forward_generate, model.forward_generate_fast
     assert len(gaps) == FRAMES * model.config.num_codebooks
-    return ([[int(v) for v in f.tolist()] for f in frames], [float(f"{v:.6g}") for v in prefill_logits.tolist()],
-            float(f"{min(gaps):.6g}"))
+    return ([[int(v) for v in f.tolist()] for f in frames], rounded(prefill_logits), float(f"{min(gaps):.6g}"),
+            rounded(fast_seen[0]))
+
+
+def rounded(values: torch.Tensor) -> list[float]:
+    return [float(f"{v:.6g}") for v in values.tolist()]
+
+
+def official_distribution(logits: list[float], bias: torch.Tensor | None, sampling: dict[str, float]) -> dict[str, Any]:
+    """The official `logits_to_probs` (as `sample` calls it) on the recorded `logits` (plus `bias`): the ids it keeps
+    and their probabilities."""
+    x = torch.tensor(logits, dtype=torch.float32)
+    if bias is not None:
+        x = x + bias.reshape(-1)
+    probs = inference.logits_to_probs(x, temperature=torch.tensor(sampling["temperature"]),
+                                      top_p=torch.tensor(sampling["top_p"]), top_k=int(sampling["top_k"]))
+    ids = torch.nonzero(probs > 0).reshape(-1)
+    return {"ids": ids.tolist(), "probs": [float(f"{v:.8g}") for v in probs[ids].tolist()]}
 
 
 def dumps(obj: Any, indent: int = 0) -> str:
@@ -226,14 +259,16 @@ def main() -> None:
     bias[0, 0, eos_id] = 0.0
 
     cases = {}
+    distribution: dict[str, Any] = {}
     for name, references in make_references(args.seed, config).items():
-        prompt, official = official_prompt(model, references)
-        frames, logits, margin = run(model, prompt, bias)
+        text = CASES[name][0]
+        prompt, official = official_prompt(model, text, references)
+        frames, logits, margin, fast_logits = run(model, prompt, bias)
         stop = next((i + 1 for i, f in enumerate(frames) if f[0] == eos_id), FRAMES)
         if official != frames[:stop]:
             raise SystemExit(f"{name}: the official generate gave {official}, the per-step run {frames[:stop]}")
         cases[name] = {
-            "text": TEXT,
+            "text": text,
             "references": [{"codes": codes.tolist(), "text": text} for codes, text in references],
             "prompt": prompt.tolist(),
             "prefill_logits": logits,
@@ -241,6 +276,23 @@ def main() -> None:
             "min_greedy_margin": margin,
             "official_generate_frames": len(official),
         }
+        if name == DISTRIBUTION_CASE:
+            ras = {"temperature": inference.RAS_HIGH_TEMP, "top_p": inference.RAS_HIGH_TOP_P,
+                   "top_k": DEFAULT_SAMPLING["top_k"]}
+            wide = {**DEFAULT_SAMPLING, "top_p": 0.95}  # top_k binds here
+            draws = {"token_default": ("token", DEFAULT_SAMPLING), "token_ras": ("token", ras),
+                     "codebook1_default": ("codebook1", DEFAULT_SAMPLING), "codebook1_ras": ("codebook1", ras),
+                     "codebook1_top_p_0.95": ("codebook1", wide)}
+            distribution = {
+                "case": name,
+                "codebook1_code0": frames[0][1],
+                "codebook1_logits": fast_logits,
+                "distributions": {
+                    key: {"logits": which, "sampling": params,
+                          **official_distribution(logits if which == "token" else fast_logits,
+                                                  bias if which == "token" else None, params)}
+                    for key, (which, params) in draws.items()},
+            }
 
     golden = {
         "seed": args.seed,
@@ -263,6 +315,7 @@ def main() -> None:
                   "after EOS), called by generate_long, produced, all equal to these. min_greedy_margin: over the "
                   "100 greedy choices (the biased token, codebooks 1..9), the smallest top-1 minus top-2 logit gap."),
         "cases": cases,
+        "sampling_distribution": distribution,
     }
     args.out.write_text(dumps(golden) + "\n")
     eos = {name: sum(f[0] == eos_id for f in case["frames"]) for name, case in cases.items()}

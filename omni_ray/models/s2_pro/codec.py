@@ -15,10 +15,12 @@ causal throughout; loaded from the official `codec.pth`, and the shared streamin
 
 The attention masks are built for the length decoded (the official modules keep a 32768² one per transformer).
 
-Streaming (window decoding through the shared `StreamingDecoder`): the rotary positions count from a window's first
-frame and their table is rounded to bfloat16 position by position, so attention is not exactly shift-invariant: a
-window that starts after the stream's first frame differs from the one-shot decode by about 1e-4 to 1e-3 however long
-its left context, and equals it (to float rounding) only when it reaches back to frame 0. Beyond that, what a frame
+Streaming: `codec_state.py` decodes each chunk's new frames only, carrying attention and convolution state, exact
+at any chunking; the vocoder stage uses it unless `streaming.stateful` is off. Window decoding (the shared
+`StreamingDecoder`): the rotary positions count from a window's first frame and their table is rounded to bfloat16
+position by position, so attention is not exactly shift-invariant: a window that starts after the stream's first
+frame differs from the one-shot decode by about 1e-4 to 1e-3 however long its left context, and equals it (to float
+rounding) only when it reaches back to frame 0. Beyond that, what a frame
 depends on reaches back through `post_module`'s 8 layers of 128-frame windows (up to 8 × 127 = 1016 frames) and
 about 9 frames of convolutions (the upsampler's ConvNeXt blocks and the decoder).
 """

@@ -1,9 +1,11 @@
 """S2 Pro's Dual-AR on the shared codec Talker engine: greedy frames equal the official code's (goldens of fish-speech
 3dd1f85 on the tiny checkpoints), requests stepped together equal each alone, the frame cap, seeded sampling, and
-fish-speech's draw order and repetition-aware sampling in the shared sampler."""
+fish-speech's draw order and repetition-aware sampling in the shared sampler; seeded draws follow the official
+sampler's distributions (the goldens' `sampling_distribution`: support and chi-square)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -11,11 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from scipy.stats import chi2
 
 from omni_ray.engine.codec_sequence import TalkerStepOutput
 from omni_ray.engine.loop import run_to_end
 from omni_ray.engine.sampler import (
     CounterNoise, FilterOrder, RepetitionAwareSampling, SamplingBatch, SamplingParams, draw_keys, NoiseSource, sample,
+    top_k_cap,
 )
 from omni_ray.models.s2_pro.checkpoint import write_tiny_checkpoint
 from omni_ray.models.s2_pro.dual_ar_runner import (
@@ -180,3 +184,92 @@ def test_the_raw_logits_order_filters_before_the_temperature_and_a_cap_draws_the
     warped = sample(logits, _batch(hot), CounterNoise(keys))
     assert set(raw.tolist()) == {0, 1} and torch.equal(raw, capped)  # raw mass 0.55, then 0.76, then 0.83 > 0.8
     assert set(warped.tolist()) - {0, 1}
+
+
+DRAWS = 4000  # seeded draws per distribution: a few seconds on the CPU
+
+
+def _official(seed: int, name: str) -> tuple[torch.Tensor, SamplingParams, torch.Tensor | None, dict[int, float]]:
+    """One of the goldens' official sampling distributions: its logits [V], sampling, banned ids ([V] bool: those the
+    official bias sets to -inf, for the token) and the official probabilities of the ids it keeps."""
+    record = golden(seed)["sampling_distribution"]
+    entry = record["distributions"][name]
+    banned = None
+    if entry["logits"] == "token":
+        logits = torch.tensor(golden(seed)["cases"][record["case"]]["prefill_logits"])
+        first, last = golden(seed)["semantic_ids"]
+        banned = torch.ones(logits.shape[0], dtype=torch.bool)
+        banned[first: last + 1] = False
+        banned[golden(seed)["eos_id"]] = False
+    else:
+        logits = torch.tensor(record["codebook1_logits"])
+    return logits, SamplingParams(**entry["sampling"]), banned, dict(zip(entry["ids"], entry["probs"]))
+
+
+def _seeded_draws(logits: torch.Tensor, params: SamplingParams, banned: torch.Tensor | None, n: int = DRAWS,
+                  order: FilterOrder = FilterOrder.RAW_LOGITS) -> torch.Tensor:
+    """n draws from one row of logits, each a request of its own seed (0..n-1), as the engine draws a frame."""
+    rows = [params.model_copy(update={"seed": seed}) for seed in range(n)]
+    noise = CounterNoise(draw_keys([NoiseSource(p) for p in rows]))
+    return sample(logits.expand(n, -1), _batch(rows), noise, banned=banned, top_k_cap=top_k_cap(rows), order=order)
+
+
+def _chi_square(draws: torch.Tensor, probs: dict[int, float]) -> float:
+    """Pearson's statistic of the draws against the official probabilities, over the official support (a draw
+    outside it is infinitely unlikely)."""
+    counts = torch.bincount(draws, minlength=max(probs) + 1).double()
+    if counts.sum() > sum(counts[i] for i in probs):
+        return float("inf")
+    return sum(float((counts[i] - len(draws) * p) ** 2 / (len(draws) * p)) for i, p in probs.items())
+
+
+def _chi_square_bound(probs: dict[int, float]) -> float:
+    """The statistic a correct sampler exceeds with probability 1e-3 (len(probs) - 1 degrees of freedom); the draws
+    are seeded, so the test's outcome is fixed."""
+    return float(chi2.ppf(0.999, max(len(probs) - 1, 1)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", ["token_default", "token_ras", "codebook1_default", "codebook1_ras",
+                                  "codebook1_top_p_0.95"])
+def test_seeded_draws_follow_the_official_samplers_distribution(seed: int, name: str) -> None:
+    """The official sampler draws with torch's RNG, ours with counter-based noise, so no draw can be matched; over
+    DRAWS seeded draws ours keeps exactly the ids the official `logits_to_probs` keeps (every one of them is expected
+    at least 20 times) and their counts pass Pearson's chi-square test against its probabilities at level 1e-3."""
+    logits, params, banned, probs = _official(seed, name)
+    assert min(probs.values()) * DRAWS >= 20 or len(probs) == 1
+    draws = _seeded_draws(logits, params, banned)
+    assert set(draws.tolist()) == set(probs)
+    assert _chi_square(draws, probs) < _chi_square_bound(probs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_distribution_check_rejects_another_filter_order_and_temperature(seed: int) -> None:
+    """The check has the power to tell: transformers' order (temperature before the filters) and the default draw
+    taken for RAS's redraw both fail against the official codebook 1 distributions."""
+    logits, params, banned, probs = _official(seed, "codebook1_default")
+    warped = _seeded_draws(logits, params, banned, order=FilterOrder.TEMPERATURE_FIRST)
+    assert set(warped.tolist()) != set(probs) or _chi_square(warped, probs) >= _chi_square_bound(probs)
+    _, _, _, ras_probs = _official(seed, "codebook1_ras")
+    default = _seeded_draws(logits, params, banned)
+    assert _chi_square(default, ras_probs) >= _chi_square_bound(ras_probs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_repetition_aware_redraw_follows_the_official_redraws_distribution(seed: int) -> None:
+    """RAS's redraw has the official RAS_HIGH_TEMP and RAS_HIGH_TOP_P and the row's top_k; every draw that repeats the
+    window is redrawn, and the redraws follow the official distribution at those parameters."""
+    logits, params, banned, probs = _official(seed, "codebook1_ras")
+    default = golden(seed)["sampling_distribution"]["distributions"]["codebook1_default"]["sampling"]
+    ras = RepetitionAwareSampling(first=0, last=logits.shape[0] - 1)
+    assert {"temperature": ras.temperature, "top_p": ras.top_p, "top_k": default["top_k"]} == params.model_dump(
+        include={"temperature", "top_p", "top_k"})
+    rows = [SamplingParams(**default, seed=seed) for seed in range(DRAWS)]
+    noise = CounterNoise(draw_keys([NoiseSource(p) for p in rows]))
+    x = logits.expand(DRAWS, -1)
+    drawn = sample(x, _batch(rows), noise, top_k_cap=top_k_cap(rows), order=FilterOrder.RAW_LOGITS)
+    recent = drawn[:, None].repeat(1, ras.window)  # every draw repeats its window
+    redrawn = ras.redraw(drawn, x, _batch(rows), noise, recent,
+                         functools.partial(sample, order=FilterOrder.RAW_LOGITS), top_k_cap=top_k_cap(rows))
+    assert set(redrawn.tolist()) == set(probs)
+    assert _chi_square(redrawn, probs) < _chi_square_bound(probs)

@@ -1,6 +1,7 @@
 """S2 Pro end to end on the tiny checkpoint (CPU): the Python pipeline's real stages speak the official greedy frames
 with no reference and in a stored voice, clone a voice from one reference or two speakers' with the engine's frames,
-stop on `<|im_end|>` and end at the frame cap with `length`; and one Serve app streams /v1/audio/speech with
+stop on `<|im_end|>` and end at the frame cap with `length`, and speak a voice added before a restart the same after
+it; and one Serve app streams /v1/audio/speech with
 references to the openai client and /v1/tts to a msgpack client, keeps voices added through /v1/references, answers
 bad input with a 4xx envelope and keeps serving."""
 
@@ -28,10 +29,9 @@ from omni_ray.config import PipelineConfig
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 from omni_ray.events import AudioChunk, Finished
-from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import load_codec
-from omni_ray.models.s2_pro.orchestrator import ReferenceAudio
 from omni_ray.models.s2_pro.prompt import Reference
+from omni_ray.reference_audio import ReferenceAudio, prepare_reference_audio
 from omni_ray.voice_store import VoiceStore
 
 GOLDENS = json.loads((Path(__file__).parent / "goldens" / "s2_pro" / "dual_ar_seed0.json").read_text())
@@ -202,6 +202,30 @@ def test_unusable_requests_are_refused_before_any_stage_runs(pipe: Any) -> None:
                             ({"text": "Hi.", "max_audio_frames": 0}, "at least 1")]:
         with pytest.raises(InvalidRequestError, match=message):
             asyncio.run(first(**kwargs))
+
+
+def test_a_voice_added_before_a_restart_speaks_the_same_frames_after_it(pipe: Any) -> None:
+    """The module's last use of the Python pipeline: it is shut down, and a new one on the same voices directory lists
+    the voice and speaks in it with the frames it gave before (greedy), the engine's frames of its stored codes."""
+    from omni_ray.pipeline import Pipeline
+
+    entry = asyncio.run(pipe.orchestrator.add_voice("harbour_voice", reference_audio()))
+    text = GOLDENS["cases"]["long_text"]["text"]
+    _, _, before = speak(pipe, text, voice="harbour_voice", sampling=GREEDY, max_audio_frames=6)
+    listed = asyncio.run(pipe.orchestrator.list_voices())
+    stored = pipe.orchestrator.voice_store.load_tensors("harbour_voice").tensors["codes"]
+    pipe.shutdown()
+    restarted = Pipeline(pipe.config)
+    try:
+        assert restarted.orchestrator.voice_store.directory == pipe.orchestrator.voice_store.directory
+        assert asyncio.run(restarted.orchestrator.list_voices()) == listed
+        assert any(voice["name"] == "harbour_voice" for voice in listed) and entry["frames"] == stored.shape[1]
+        _, _, after = speak(restarted, text, voice="harbour_voice", sampling=GREEDY, max_audio_frames=6)
+        expected, _ = engine_frames(restarted, text, [Reference(stored, REFERENCE_TEXT)], 6)
+    finally:
+        restarted.shutdown()
+    assert before.codes is not None and after.codes is not None
+    assert torch.equal(after.codes, before.codes) and after.codes.T.tolist() == expected
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------------------------

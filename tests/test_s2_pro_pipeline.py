@@ -1,9 +1,8 @@
 """S2 Pro end to end on the tiny checkpoint (CPU): the Python pipeline's real stages speak the official greedy frames
 with no reference and in a stored voice, clone a voice from one reference or two speakers' with the engine's frames,
-stop on `<|im_end|>` and end at the frame cap with `length`, and speak a voice added before a restart the same after
-it; and one Serve app streams /v1/audio/speech with
-references to the openai client and /v1/tts to a msgpack client, keeps voices added through /v1/references, answers
-bad input with a 4xx envelope and keeps serving."""
+stop on `<|im_end|>`, end at the frame cap with `length`, and speak a voice added before a restart the same after it;
+and one Serve app streams /v1/audio/speech with references to the openai client and /v1/tts to a msgpack client,
+keeps voices added through /v1/references, answers bad input with a 4xx envelope and keeps serving."""
 
 from __future__ import annotations
 

@@ -39,10 +39,10 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}  # top_k=1: greedy, an
 TEXT = "The quiet harbour woke slowly as the boats came in."  # no speaker tag: generate_long makes one batch
 # Several sentences, 375 bytes, no speaker tag: generate_long splits text only at speaker tags (turns grouped up to
 # chunk_length bytes), so this is one batch and one generate call too (checked: official_prompt fails otherwise).
-LONG_TEXT = ("The quiet harbour woke slowly as the boats came in. Gulls circled above the masts, calling to one another "
-             "over the grey water, while the fishermen hauled their nets onto the stone pier. An old woman sold tea "
-             "from a cart by the lighthouse, and children ran between the crates of silver fish. By noon the fog had "
-             "lifted, and the whole town could see the islands far out to sea.")
+LONG_TEXT = ("The quiet harbour woke slowly as the boats came in. Gulls circled above the masts, calling to one "
+             "another over the grey water, while the fishermen hauled their nets onto the stone pier. An old woman "
+             "sold tea from a cart by the lighthouse, and children ran between the crates of silver fish. By noon the "
+             "fog had lifted, and the whole town could see the islands far out to sea.")
 # The cases: (text, references); each reference is (codes frames, text); its codes [num_codebooks, frames] are drawn
 # in 0..codebook_size-1 from torch.Generator().manual_seed(1000 + seed), the references of all cases in this order.
 CASES = {

@@ -121,7 +121,7 @@ def _speech_kwargs(args: argparse.Namespace, talker: object) -> dict[str, object
     import soundfile as sf
 
     from omni_ray.engine.sampler import SamplingParams
-    from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+    from omni_ray.reference_audio import ReferenceAudio
 
     kwargs: dict[str, object] = {"voice": args.voice, "language": args.language, "instructions": args.instructions,
                                  "max_audio_frames": args.max_audio_frames}
@@ -138,7 +138,7 @@ def _s2_pro_kwargs(args: argparse.Namespace) -> dict[str, object]:
     import soundfile as sf
 
     from omni_ray.engine.sampler import SamplingParams
-    from omni_ray.models.s2_pro.orchestrator import ReferenceAudio
+    from omni_ray.reference_audio import ReferenceAudio
 
     kwargs: dict[str, object] = {"voice": args.voice, "max_audio_frames": args.max_audio_frames}
     if args.greedy:

@@ -19,7 +19,7 @@ from omni_ray.config import PipelineConfig
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 from omni_ray.events import AudioChunk, Finished
-from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+from omni_ray.reference_audio import ReferenceAudio
 
 GOLDENS = Path(__file__).parent / "goldens" / "qwen3_tts"
 GREEDY = {"sampling": SamplingParams(temperature=0.0, repetition_penalty=1.05),

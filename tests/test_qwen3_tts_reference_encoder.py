@@ -14,13 +14,9 @@ import pytest
 import torch
 
 from omni_ray.models.qwen3_tts import checkpoint as ck
-from omni_ray.models.qwen3_tts.reference_encoder import (
-    REFERENCE_SAMPLE_RATE,
-    ReferenceAudioError,
-    ReferenceEncoder,
-    ReferenceLimits,
-    decode_reference_audio,
-    prepare_reference_audio,
+from omni_ray.models.qwen3_tts.reference_encoder import ReferenceEncoder
+from omni_ray.reference_audio import (
+    REFERENCE_SAMPLE_RATE, ReferenceAudioError, ReferenceLimits, decode_reference_audio, prepare_reference_audio,
     resample_to_reference_rate,
 )
 from omni_ray.models.qwen3_tts.speaker_encoder import MEL_HOP, log_mel_spectrogram, slaney_mel_filters

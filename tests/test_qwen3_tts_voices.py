@@ -329,7 +329,7 @@ def base_pipeline(ray_started: None, base_config: PipelineConfig) -> Iterator[An
 def reference_audio(x_vector_only: bool = False) -> Any:
     import soundfile as sf
 
-    from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+    from omni_ray.reference_audio import ReferenceAudio
 
     samples, rate = sf.read(GOLDENS / "reference.wav", dtype="float32")
     return ReferenceAudio(samples, rate, None if x_vector_only else TRANSCRIPT, x_vector_only)

@@ -20,7 +20,7 @@ from omni_ray.audio import encode_audio, wav_stream_header
 from omni_ray.errors import CapacityError, InvalidRequestError, StageError
 from omni_ray.events import AudioChunk, Event, Finished, TextDelta
 from omni_ray.models.qwen3_omni.prompt import Prompt
-from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
+from omni_ray.reference_audio import ReferenceAudio
 from omni_ray.serve import fish_references, fish_tts_api
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.metrics import ServiceMetrics

@@ -13,11 +13,8 @@ from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 from omni_ray.models import load_family
 from omni_ray.models.qwen3_omni.prompt import Prompt
-from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
 from omni_ray.models.qwen3_tts.prompt import VoiceReference
-from omni_ray.models.qwen3_tts.reference_encoder import (
-    REFERENCE_SAMPLE_RATE, ReferenceAudioError, prepare_reference_audio,
-)
+from omni_ray.reference_audio import REFERENCE_SAMPLE_RATE, ReferenceAudio, ReferenceAudioError, prepare_reference_audio
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import decode_reference_bytes, read_reference_audio, resolve_audio_urls_blocking
 from omni_ray.serve.openai_responses import OUTPUT_SAMPLE_RATE

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from email.message import Message
 from typing import Any, Iterable
 
-from omni_ray.models.qwen3_tts.orchestrator import ReferenceAudio
-from omni_ray.models.qwen3_tts.reference_encoder import REFERENCE_SAMPLE_RATE
+from omni_ray.reference_audio import ReferenceAudio
+from omni_ray.reference_audio import REFERENCE_SAMPLE_RATE
 from omni_ray.serve import openai_protocol as oai
 from omni_ray.serve.audio_urls import decode_reference_bytes
 from omni_ray.serve.served_model import ServedModel, cloning_reference

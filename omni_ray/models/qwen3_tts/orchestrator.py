@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -18,10 +17,10 @@ from omni_ray.models.qwen3_tts.model_files import TTSModelFiles, load_tokenizer,
 from omni_ray.models.qwen3_tts.prompt import (
     SpeechRequest, SpeechRequestError, TalkerPrompt, VoiceReference, build_prompt,
 )
-from omni_ray.models.qwen3_tts.reference_encoder import ReferenceAudioError, prepare_reference_audio
 from omni_ray.models.qwen3_tts.stages import SpeechTalkerRequest
 from omni_ray.models.qwen3_tts.talker import DEFAULT_CODE_SAMPLING, DEFAULT_SAMPLING
 from omni_ray.models.qwen3_tts.voices import VoiceStore, default_voices_dir
+from omni_ray.reference_audio import ReferenceAudio, ReferenceAudioError, prepare_reference_audio
 from omni_ray.relay import RelayLinks
 from omni_ray.stages.client import StageClient
 from omni_ray.stages.streams import RequestStreams
@@ -30,17 +29,6 @@ DEFAULT_SPEAKER = "vivian"  # CustomVoice's voice when a request and the config 
 TASK_TYPES = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
 # The package's prompt form by variant: CustomVoice and VoiceDesign put the whole text in the prompt, Base streams it.
 STREAMING_TEXT_BY_DEFAULT = {"base": True, "custom_voice": False, "voice_design": False}
-
-
-@dataclass
-class ReferenceAudio:
-    """Reference speech to clone a voice from: samples at `sample_rate`, and its transcript for in-context cloning
-    (without one, or with `x_vector_only`, only the speaker embedding is used)."""
-
-    samples: np.ndarray
-    sample_rate: int
-    text: str | None = None
-    x_vector_only: bool = False
 
 
 def make_orchestrator(stages: dict[str, StageClient], config: PipelineConfig,

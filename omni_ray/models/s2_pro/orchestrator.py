@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
@@ -17,27 +16,16 @@ from omni_ray.config import PipelineConfig
 from omni_ray.engine.sampler import SamplingParams
 from omni_ray.errors import InvalidRequestError
 from omni_ray.events import AudioChunk, Event, Finished
-from omni_ray.models.qwen3_tts.reference_encoder import ReferenceAudioError, prepare_reference_audio
 from omni_ray.models.s2_pro.codec import codec_config_for
 from omni_ray.models.s2_pro.dual_ar_runner import DEFAULT_SAMPLING
 from omni_ray.models.s2_pro.model_files import S2ProModelFiles, resolve_model
 from omni_ray.models.s2_pro.prompt import Reference, build_prompt
 from omni_ray.models.s2_pro.stages import S2ProTalkerRequest
+from omni_ray.reference_audio import ReferenceAudio, ReferenceAudioError, prepare_reference_audio
 from omni_ray.relay import RelayLinks
 from omni_ray.stages.client import StageClient
 from omni_ray.stages.streams import RequestStreams
 from omni_ray.voice_store import VoiceStore, default_voices_dir
-
-
-@dataclass
-class ReferenceAudio:
-    """A reference speaker to clone: samples at `sample_rate` and their transcript (`x_vector_only` is Qwen3-TTS's
-    and refused here: S2 Pro clones from the audio's codes with their transcript)."""
-
-    samples: np.ndarray
-    sample_rate: int
-    text: str | None = None
-    x_vector_only: bool = False
 
 
 def make_orchestrator(stages: dict[str, StageClient], config: PipelineConfig,

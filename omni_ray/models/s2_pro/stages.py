@@ -14,7 +14,6 @@ from omni_ray.config import ModelSource, StageConfig, TalkerSettings, TalkerStag
 from omni_ray.engine.codec_talker import talker_options
 from omni_ray.engine.cuda_graphs import GraphCache
 from omni_ray.engine.sampler import SamplingParams
-from omni_ray.models.qwen3_tts.reference_encoder import prepare_reference_audio
 from omni_ray.models.s2_pro.codec import S2ProCodec, load_codec
 from omni_ray.models.s2_pro.codec_state import StatefulS2ProCodec
 from omni_ray.models.s2_pro.dual_ar_model import load_dual_ar
@@ -23,6 +22,7 @@ from omni_ray.models.s2_pro.dual_ar_runner import (
 )
 from omni_ray.models.s2_pro.model_files import resolve_model
 from omni_ray.models.s2_pro.prompt import IM_END, load_encoder
+from omni_ray.reference_audio import prepare_reference_audio
 from omni_ray.stages.base import StageBase
 from omni_ray.stages.codec_stages import DTYPES, CodecTalkerStage, StreamingVocoderStage
 
